@@ -1,0 +1,222 @@
+"""The `nmt` command: options become a typed config at this boundary, then one call does the work.
+
+stdout carries data only (translations, scores); everything said to the user goes to stderr.
+Nothing heavy is imported at module level, so `nmt --help` stays fast (no torch).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+
+from nmt_cli import __version__
+from nmt_cli.errors import NmtError
+
+app = typer.Typer(
+    name="nmt",
+    help="Transformer neural machine translation: prep -> bpe -> train -> average -> "
+         "translate -> score, all in one run directory.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_debug = bool(os.environ.get("NMT_DEBUG"))
+
+RunDirOption = Annotated[Path, typer.Option(
+    "--run-dir", envvar="NMT_RUN_DIR",
+    help="The run directory: every step reads and writes here.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"nmt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    global _debug
+    _debug = _debug or debug
+
+
+class RecipeName(str, Enum):
+    wmt14_en_de = "wmt14-en-de"
+    multi30k_en_de = "multi30k-en-de"
+    custom = "custom"
+
+
+@app.command()
+def prep(
+    recipe: Annotated[RecipeName, typer.Argument(help="The corpus: wmt14-en-de, multi30k-en-de "
+                                                      "or custom (your own files).")],
+    run_dir: RunDirOption = Path("run"),
+    src: Annotated[str, typer.Option(help="Source language.")] = "en",
+    tgt: Annotated[str, typer.Option(help="Target language.")] = "de",
+    mirror: Annotated[Optional[Path], typer.Option(
+        envvar="NMT_MIRROR", help="Take the recipe's files from this local folder instead of "
+                                  "the network (same names, same checksums).")] = None,
+    max_words: Annotated[int, typer.Option(help="Drop training pairs with a side longer "
+                                                "than this many words.")] = 250,
+    max_ratio: Annotated[float, typer.Option(help="Drop training pairs whose word-count "
+                                                  "ratio exceeds this.")] = 1.5,
+    train_src: Annotated[Optional[Path], typer.Option(help="custom: training source (plain or .gz).")] = None,
+    train_tgt: Annotated[Optional[Path], typer.Option(help="custom: training target.")] = None,
+    valid_src: Annotated[Optional[Path], typer.Option(
+        help="custom: validation source (default: every 100th training pair, up to 2000).")] = None,
+    valid_tgt: Annotated[Optional[Path], typer.Option(help="custom: validation target.")] = None,
+    test_src: Annotated[Optional[Path], typer.Option(help="custom: test source.")] = None,
+    test_tgt: Annotated[Optional[Path], typer.Option(help="custom: test target.")] = None,
+    workers: Annotated[Optional[int], typer.Option(
+        help="Processes for cleaning (default: 1 for small corpora, else up to 4).")] = None,
+) -> None:
+    """Fetch, verify, extract and clean a corpus into the run directory."""
+    from nmt_cli import prep as prep_mod
+    from nmt_cli.config import PrepConfig
+    from nmt_cli.rundir import RunDir
+
+    def opt(p: Optional[Path]) -> Optional[str]:
+        return str(p) if p is not None else None
+
+    config = PrepConfig(recipe=recipe.value, src=src, tgt=tgt, mirror=opt(mirror),
+                        max_words=max_words, max_ratio=max_ratio,
+                        train_src=opt(train_src), train_tgt=opt(train_tgt),
+                        valid_src=opt(valid_src), valid_tgt=opt(valid_tgt),
+                        test_src=opt(test_src), test_tgt=opt(test_tgt))
+    if workers is not None and workers < 1:
+        raise NmtError("--workers must be at least 1")
+    run = RunDir(run_dir)
+    with run.lock("prep"):
+        run.save_config("prep", config)
+        summary = prep_mod.prepare(config, run, workers=workers)
+    _table("nmt prep", ["split", "read", "kept", "dropped", "not UTF-8"],
+           [[s, f"{v['read']:,}", f"{v['kept']:,}",
+             ", ".join(f"{n:,} {r}" for r, n in v["dropped"].items()) or "-", f"{v['not_utf8']:,}"]
+            for s, v in summary.items()])
+    _say(f"cleaned text in {run.root / 'text'}; next: nmt bpe --run-dir {run.root}")
+
+
+@app.command()
+def bpe(
+    run_dir: RunDirOption = Path("run"),
+    vocab_size: Annotated[int, typer.Option(
+        help="Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, "
+             "else 32000).")] = 0,
+    sample_lines: Annotated[int, typer.Option(
+        help="Sentences (both sides) sampled to learn BPE from.")] = 500_000,
+    seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 1,
+    threads: Annotated[int, typer.Option(help="Threads for learning and encoding.")] = os.cpu_count() or 1,
+) -> None:
+    """Learn a joint sentencepiece BPE model and binarize every split."""
+    from nmt_cli import bpe as bpe_mod
+    from nmt_cli.config import BpeConfig
+    from nmt_cli.rundir import RunDir
+
+    config = BpeConfig(vocab_size=vocab_size, sample_lines=sample_lines, seed=seed, threads=threads)
+    run = RunDir(run_dir)
+    if not run.root.is_dir():
+        raise NmtError(f"run directory {run.root} not found: run `nmt prep` first "
+                       "(or pass --run-dir)")
+    with run.lock("bpe"):
+        run.save_config("bpe", config)
+        result = bpe_mod.run_bpe(config, run)
+    _table(f"nmt bpe: {result['vocab_size']} pieces",
+           ["file", "sentences", "tokens", "mean length", "max", "unknown", "byte fallback"],
+           [[name, f"{s['sentences']:,}", f"{s['tokens']:,}", f"{s['mean_length']:.1f}",
+             str(s["max_length"]), f"{s['unk_rate']:.3%}", f"{s['byte_fallback_rate']:.3%}"]
+            for name, s in result["stats"].items()])
+    _say(f"binarized data in {run.root / 'data'}; next: nmt train --run-dir {run.root}")
+
+
+def _not_yet(command: str, issue: int) -> None:
+    raise NmtError(f"`nmt {command}` is not implemented yet in nmt {__version__} (tracked in "
+                   f"issue #{issue})")
+
+
+@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def train() -> None:
+    """Train a Transformer (not implemented yet)."""
+    _not_yet("train", 3)
+
+
+@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def average() -> None:
+    """Average the last N checkpoints (not implemented yet)."""
+    _not_yet("average", 3)
+
+
+@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def translate() -> None:
+    """Translate stdin to stdout with beam search (not implemented yet)."""
+    _not_yet("translate", 4)
+
+
+@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def score() -> None:
+    """Score translations with sacreBLEU BLEU, chrF and TER (not implemented yet)."""
+    _not_yet("score", 4)
+
+
+# -- output helpers -----------------------------------------------------------------------------
+
+def _say(message: str) -> None:
+    from nmt_cli import ui
+    ui.say(message)
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    from rich.table import Table
+
+    from nmt_cli import ui
+    table = Table(title=title, title_justify="left")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    ui.console.print(table)
+
+
+def _error(message: str) -> None:
+    # One line, whatever the message contains.
+    print(f"nmt: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: runs the app and turns every failure into one line on stderr and an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=args, prog_name="nmt", standalone_mode=False)
+        code = result if isinstance(result, int) else 0
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.exceptions.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "nmt"
+        _error(f"{e.format_message()} (see `{where} --help`)")
+        code = 2
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        _error("interrupted")
+        code = 130
+    except NmtError as e:
+        if _debug or "--debug" in args:
+            raise
+        _error(str(e))
+        code = 1
+    except Exception as e:  # a bug of ours: still one line unless asked for the traceback
+        if _debug or "--debug" in args:
+            raise
+        _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback, "
+               "and please report it)")
+        code = 1
+    sys.exit(code)

@@ -1,0 +1,86 @@
+"""One frozen dataclass per command, built once at the CLI boundary and saved in the run directory.
+
+`to_json`/`from_json` round-trip a config; unknown keys are rejected so a typo in a saved or
+hand-edited config is an error, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from nmt_cli.errors import NmtError
+
+RECIPES = ("wmt14-en-de", "multi30k-en-de", "custom")
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    recipe: str
+    src: str = "en"
+    tgt: str = "de"
+    mirror: str | None = None          # a local folder holding the recipe's files by name
+    max_words: int = 250               # training pairs with a longer side are dropped
+    max_ratio: float = 1.5             # ... and pairs whose word-count ratio is larger
+    train_src: str | None = None       # custom recipe: the user's files (plain or .gz)
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    test_src: str | None = None
+    test_tgt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise NmtError(f"unknown recipe {self.recipe!r}: choose one of {', '.join(RECIPES)}")
+        if self.src == self.tgt:
+            raise NmtError(f"--src and --tgt are both {self.src!r}: give two languages")
+        if self.recipe != "custom" and {self.src, self.tgt} != {"en", "de"}:
+            raise NmtError(f"recipe {self.recipe} is English-German: use --src en --tgt de "
+                           "or --src de --tgt en")
+        if self.max_words < 1 or self.max_ratio < 1:
+            raise NmtError("--max-words must be at least 1 and --max-ratio at least 1.0")
+        if self.recipe == "custom" and not (self.train_src and self.train_tgt):
+            raise NmtError("`nmt prep custom` needs --train-src and --train-tgt")
+        for side in ("valid", "test"):
+            a, b = getattr(self, f"{side}_src"), getattr(self, f"{side}_tgt")
+            if bool(a) != bool(b):
+                raise NmtError(f"give both --{side}-src and --{side}-tgt, or neither")
+
+
+@dataclass(frozen=True)
+class BpeConfig:
+    vocab_size: int = 0                # 0: chosen from the training set's size (see bpe.py)
+    sample_lines: int = 500_000        # sentences (of both sides) the BPE model is learned from
+    seed: int = 1
+    threads: int = max(1, os.cpu_count() or 1)
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 0 or (0 < self.vocab_size < 300):
+            raise NmtError(f"--vocab-size {self.vocab_size} is too small: the byte fallback "
+                           "alone takes 256 pieces; use at least 300 (8000-40000 is usual)")
+        if self.sample_lines < 1000:
+            raise NmtError("--sample-lines must be at least 1000")
+        if self.threads < 1:
+            raise NmtError("--threads must be at least 1")
+
+
+C = TypeVar("C")
+
+
+def to_json(config: Any) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2) + "\n"
+
+
+def from_json(cls: type[C], text: str, source: str = "config") -> C:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise NmtError(f"{source} is not valid JSON: {e}") from None
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise NmtError(f"{source} has unknown keys {unknown} for {cls.__name__}")
+    return cls(**data)

@@ -1,0 +1,5 @@
+"""The one exception type for mistakes a user can fix; the CLI prints it as one line."""
+
+
+class NmtError(Exception):
+    """A user-facing error: its message names what is wrong, where, and the fix."""

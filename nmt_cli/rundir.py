@@ -1,0 +1,223 @@
+"""The run directory: the only place that knows its file names; atomic writes, lock and manifest.
+
+Layout (each step writes only its own part, and records it in manifest.json):
+
+    prep.json bpe.json ...      the config of each step, saved before the step works
+    manifest.json               what each step produced: files, sizes, sha256, line/token counts
+    downloads/                  archives fetched by `nmt prep` (with .part files while resuming)
+    extracted/                  the members of those archives that a recipe reads
+    text/{split}.{lang}         cleaned text, one sentence per line (the model's input)
+    text/{split}.raw.{lang}     evaluation splits as released: the references for scoring
+    bpe/spm.model, bpe/spm.vocab  the joint sentencepiece model
+    data/{split}.{lang}.bin/.idx  binarized token data (see shards.py)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from nmt_cli.errors import NmtError
+
+DEFAULT_RUN_DIR = "run"
+
+# mkstemp creates files 0600; our outputs should get the permissions of any new file.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@contextlib.contextmanager
+def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """Write to a temporary file beside `path`, fsync it, then rename it over `path`.
+
+    If the block raises, `path` keeps its old content and the temporary file is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    binary = "b" in mode
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, mode, encoding=None if binary else encoding,
+                       newline=None if binary else "\n") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a crash right after os.replace keeps the new name)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def file_stats(path: Path) -> dict:
+    """Size, sha256 and (for text) line count of a file, in one streaming pass."""
+    digest = hashlib.sha256()
+    lines = 0
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            lines += chunk.count(b"\n")
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest(), "lines": lines}
+
+
+class RunDir:
+    """Paths inside one run directory, plus its manifest and lock."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    # -- step configs and the manifest
+    def config_path(self, step: str) -> Path:
+        return self.root / f"{step}.json"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / ".lock"
+
+    # -- prep
+    @property
+    def downloads(self) -> Path:
+        return self.root / "downloads"
+
+    @property
+    def extracted(self) -> Path:
+        return self.root / "extracted"
+
+    def text(self, split: str, lang: str, raw: bool = False) -> Path:
+        return self.root / "text" / (f"{split}.raw.{lang}" if raw else f"{split}.{lang}")
+
+    # -- bpe
+    @property
+    def spm_model(self) -> Path:
+        return self.root / "bpe" / "spm.model"
+
+    @property
+    def spm_vocab(self) -> Path:
+        return self.root / "bpe" / "spm.vocab"
+
+    def tokens(self, split: str, lang: str) -> Path:
+        """Prefix of the binarized data of one split and language (shards.py adds .bin/.idx)."""
+        return self.root / "data" / f"{split}.{lang}"
+
+    # -- helpers
+    def relative(self, path: Path) -> str:
+        return str(Path(path).relative_to(self.root))
+
+    def require(self, path: Path, step: str) -> Path:
+        """Fail with the fix when a step's input is missing."""
+        if not path.exists():
+            raise NmtError(f"{path} not found: run `nmt {step}` first "
+                           f"(with --run-dir {self.root})")
+        return path
+
+    def save_config(self, step: str, config: Any) -> None:
+        from nmt_cli.config import to_json
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.config_path(step), to_json(config))
+
+    def load_manifest(self) -> dict:
+        if not self.manifest_path.exists():
+            return {}
+        try:
+            return json.loads(self.manifest_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise NmtError(f"{self.manifest_path} is not valid JSON ({e}); "
+                           "delete it and rerun the steps") from None
+
+    def record(self, step: str, files: list[Path], **facts: Any) -> dict:
+        """Record in the manifest what `step` produced: each file's size, sha256 and lines."""
+        entry = {"finished": now(), **facts,
+                 "files": {self.relative(p): file_stats(p) for p in files}}
+        manifest = self.load_manifest()
+        manifest[step] = entry
+        atomic_write_json(self.manifest_path, manifest)
+        return entry
+
+    @contextlib.contextmanager
+    def lock(self, command: str) -> Iterator[None]:
+        """Hold the run directory for one writer; a lock left by a dead process is taken over.
+
+        The kernel drops an flock when its holder dies, so a lock file that still names a
+        holder but can be locked belonged to a process that was killed.
+        """
+        from nmt_cli import ui
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                holder = _read_holder(fd)
+                raise NmtError(
+                    f"run directory {self.root} is in use by `nmt {holder.get('command', '?')}` "
+                    f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+                    f"{holder.get('started', '?')}): wait for it to finish or use another "
+                    "--run-dir") from None
+            stale = _read_holder(fd)
+            if stale:
+                ui.warn(f"taking over the lock of `nmt {stale.get('command', '?')}` "
+                        f"(pid {stale.get('pid', '?')}), which ended without releasing it")
+            me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+                  "started": now()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+            try:
+                yield
+            finally:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+def _read_holder(fd: int) -> dict:
+    data = os.pread(fd, 4096, 0)
+    if not data.strip():
+        return {}
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        return {"command": "?"}

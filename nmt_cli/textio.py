@@ -1,0 +1,62 @@
+"""Reading text the way users hand it to us: plain or gzip, any line ending, not always UTF-8."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from nmt_cli.errors import NmtError
+
+
+@dataclass
+class Damage:
+    """What reading had to repair: lines with bytes that are not UTF-8 (replaced by U+FFFD)."""
+    not_utf8: int = 0
+    first_bad_line: int = 0
+
+
+def decode_line(raw: bytes, lineno: int, damage: Damage) -> str:
+    """One line of bytes to text; the newline, a CR before it and NULs are dropped."""
+    raw = raw.rstrip(b"\n").rstrip(b"\r").replace(b"\0", b"")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        damage.not_utf8 += 1
+        damage.first_bad_line = damage.first_bad_line or lineno
+        return raw.decode("utf-8", errors="replace")
+
+
+def open_binary(path: Path) -> BinaryIO:
+    f = open(path, "rb")
+    if f.peek(2)[:2] == b"\x1f\x8b":  # gzip, whatever the file is called
+        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
+    return f  # type: ignore[return-value]
+
+
+def read_lines(path: Path, damage: Damage | None = None) -> Iterator[str]:
+    """Stream the lines of a plain or gzip text file."""
+    path = Path(path)
+    damage = damage if damage is not None else Damage()
+    if not path.is_file():
+        raise NmtError(f"{path} not found" if not path.exists() else f"{path} is not a file")
+    lineno = 0
+    try:
+        with open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                yield decode_line(raw, lineno, damage)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise NmtError(f"{path} is truncated or corrupt after line {lineno} ({e}); "
+                       "fetch it again") from None
+
+
+def count_lines(path: Path) -> int:
+    """Lines in a plain or gzip file (a last line without a newline counts)."""
+    n, last = 0, b"\n"
+    with open_binary(Path(path)) as f:
+        while chunk := f.read(1 << 20):
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n")
