@@ -12,8 +12,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
+
+try:  # typer >= 0.22 carries its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions
 
 from nmt_cli import __version__
 from nmt_cli.errors import NmtError
@@ -194,27 +198,34 @@ def _error(message: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: runs the app and turns every failure into one line on stderr and an exit code."""
+    global _debug
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:  # accepted anywhere, not only before the command
+        _debug = True
+        args = [a for a in args if a != "--debug"]
     command = typer.main.get_command(app)
     try:
         result = command.main(args=args, prog_name="nmt", standalone_mode=False)
         code = result if isinstance(result, int) else 0
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         code = e.exit_code
-    except click.exceptions.UsageError as e:
+    except click_exceptions.UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `nmt`: show the help
+            e.show()
+            sys.exit(2)
         where = e.ctx.command_path if e.ctx is not None else "nmt"
         _error(f"{e.format_message()} (see `{where} --help`)")
         code = 2
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         _error("interrupted")
         code = 130
     except NmtError as e:
-        if _debug or "--debug" in args:
+        if _debug:
             raise
         _error(str(e))
         code = 1
     except Exception as e:  # a bug of ours: still one line unless asked for the traceback
-        if _debug or "--debug" in args:
+        if _debug:
             raise
         _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback, "
                "and please report it)")

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import hashlib
+import itertools
 import os
 import re
 import unicodedata
@@ -189,13 +190,14 @@ def _pairs(corpus: Corpus, paths: dict[str, Path], src: str, tgt: str,
     a = _read_part(corpus[src], paths[src], damage[src])
     b = _read_part(corpus[tgt], paths[tgt], damage[tgt])
     n = 0
-    for n, pair in enumerate(zip(a, b, strict=False), 1):
-        yield pair
-    left_a, left_b = sum(1 for _ in a), sum(1 for _ in b)
-    if left_a or left_b:
-        raise NmtError(f"{corpus[src].describe()} has {n + left_a} lines but "
-                       f"{corpus[tgt].describe()} has {n + left_b}: a parallel corpus needs "
-                       "the same number of lines on both sides")
+    for n, (x, y) in enumerate(itertools.zip_longest(a, b), 1):
+        if x is None or y is None:
+            na = n - 1 + (x is not None) + sum(1 for _ in a)
+            nb = n - 1 + (y is not None) + sum(1 for _ in b)
+            raise NmtError(f"{corpus[src].describe()} has {na} lines but "
+                           f"{corpus[tgt].describe()} has {nb}: a parallel corpus needs "
+                           "the same number of lines on both sides")
+        yield x, y
 
 
 def _chunks(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:

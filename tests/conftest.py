@@ -1,0 +1,57 @@
+"""Shared test helpers: the real data beside the checkout, and running the real CLI in-process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data"))
+MULTI30K = SHARED_DATA / "multi30k"
+WMT14 = SHARED_DATA / "wmt14"
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def nmt(capfd):
+    """Run `nmt ARGS...` through the real entry point; returns exit code, stdout and stderr."""
+    from nmt_cli.cli import main
+
+    def run(*args: str) -> Result:
+        capfd.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out, err = capfd.readouterr()
+        return Result(code, out, err)
+
+    return run
+
+
+def one_error_line(result: Result) -> str:
+    """The single line an error must print; fails on tracebacks or multi-line output."""
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    assert result.code != 0, result
+    assert "Traceback" not in result.err, result.err
+    errors = [line for line in lines if line.startswith("nmt: error:")]
+    assert len(errors) == 1, result.err
+    return errors[0]
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir() -> Path:
+    if not (MULTI30K / "train.en.gz").exists():
+        pytest.fail(f"the shared Multi30k copy is missing at {MULTI30K} (see README: tests read "
+                    "../shared/data, or set NMT_SHARED_DATA)")
+    return MULTI30K

@@ -1,0 +1,34 @@
+import subprocess
+import sys
+
+from conftest import one_error_line
+
+from nmt_cli import __version__
+
+COMMANDS = ["prep", "bpe", "train", "average", "translate", "score"]
+
+
+def test_help_lists_every_command_without_importing_torch():
+    code = ("import sys\nfrom nmt_cli.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "NO-TORCH" in done.stderr
+    for command in COMMANDS:
+        assert command in done.stdout
+
+
+def test_python_m_and_version():
+    done = subprocess.run([sys.executable, "-m", "nmt_cli", "--version"], capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.strip() == f"nmt {__version__}"
+
+
+def test_usage_error_is_one_line(nmt):
+    line = one_error_line(nmt("bpe", "--vocab-size", "many"))
+    assert "--vocab-size" in line and "nmt bpe --help" in line
+
+
+def test_unknown_recipe_is_one_line(nmt):
+    line = one_error_line(nmt("prep", "wmt99"))
+    assert "wmt99" in line

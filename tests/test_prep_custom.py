@@ -1,0 +1,109 @@
+"""`nmt prep custom` on the user's own files, and every bad input a user can hand it."""
+
+import gzip
+
+import pytest
+from conftest import one_error_line
+
+from nmt_cli.prep import SeenPairs, normalize
+from nmt_cli.rundir import RunDir
+
+
+def write(path, lines, newline=True):
+    path.write_text("\n".join(lines) + ("\n" if newline else ""), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    src = [f"This is sentence number {i} ." for i in range(500)]
+    tgt = [f"Das ist Satz Nummer {i} ." for i in range(500)]
+    return write(tmp_path / "c.en", src), write(tmp_path / "c.de", tgt)
+
+
+def test_custom_with_holdout_validation(corpus, tmp_path, nmt):
+    run = RunDir(tmp_path / "run")
+    result = nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1],
+                 "--run-dir", run.root)
+    assert result.code == 0, result.err
+    splits = run.load_manifest()["prep"]["splits"]
+    assert splits["train"]["kept"] == 495 and splits["valid"]["kept"] == 5  # every 100th
+    valid = run.text("valid", "en").read_text().splitlines()
+    train = set(run.text("train", "en").read_text().splitlines())
+    assert not train & set(valid)
+
+
+def test_gzip_input_and_invalid_utf8_are_handled(tmp_path, nmt):
+    src = tmp_path / "a.en.gz"
+    with gzip.open(src, "wb") as f:
+        f.write(b"caf\xe9 au lait\r\nplain line\n")  # Latin-1 byte, CRLF
+    tgt = write(tmp_path / "a.de", ["Kaffee mit Milch", "einfache Zeile"], newline=False)
+    run = RunDir(tmp_path / "run")
+    result = nmt("prep", "custom", "--train-src", src, "--train-tgt", tgt, "--valid-src", src,
+                 "--valid-tgt", tgt, "--run-dir", run.root)
+    assert result.code == 0, result.err
+    assert "not UTF-8" in result.err and "replaced" in result.err
+    assert run.text("train", "en").read_text(encoding="utf-8").splitlines() == \
+        ["caf\ufffd au lait", "plain line"]
+    assert run.load_manifest()["prep"]["splits"]["train"]["not_utf8"] == 1
+
+
+def test_different_line_counts_name_both_files(corpus, tmp_path, nmt):
+    short = write(tmp_path / "short.de", ["eins", "zwei"])
+    line = one_error_line(nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short,
+                              "--run-dir", tmp_path / "run"))
+    assert str(corpus[0]) in line and "500 lines" in line
+    assert str(short) in line and "has 2" in line
+
+
+def test_failed_prep_loses_nothing(corpus, tmp_path, nmt):
+    run = RunDir(tmp_path / "run")
+    assert nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1],
+               "--run-dir", run.root).code == 0
+    before = run.text("train", "en").read_bytes(), run.manifest_path.read_bytes()
+    short = write(tmp_path / "short.de", ["eins"])
+    assert nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short,
+               "--run-dir", run.root).code == 1
+    assert (run.text("train", "en").read_bytes(), run.manifest_path.read_bytes()) == before
+    assert not [p for p in (run.root / "text").iterdir() if p.name.startswith(".")]
+
+
+def test_missing_file(tmp_path, corpus, nmt):
+    line = one_error_line(nmt("prep", "custom", "--train-src", tmp_path / "nope.en",
+                              "--train-tgt", corpus[1], "--run-dir", tmp_path / "run"))
+    assert "nope.en" in line and "not found" in line
+
+
+def test_empty_after_cleaning(tmp_path, nmt):
+    src = write(tmp_path / "e.en", ["", "  ", "x"])
+    tgt = write(tmp_path / "e.de", ["a", "b", ""])
+    line = one_error_line(nmt("prep", "custom", "--train-src", src, "--train-tgt", tgt,
+                              "--run-dir", tmp_path / "run"))
+    assert "no pairs left in train" in line and "3 empty" in line
+
+
+def test_custom_needs_train_files(tmp_path, nmt):
+    assert "--train-src" in one_error_line(nmt("prep", "custom", "--run-dir", tmp_path / "r"))
+
+
+def test_bpe_before_prep(tmp_path, nmt):
+    (tmp_path / "run").mkdir()
+    line = one_error_line(nmt("bpe", "--run-dir", tmp_path / "run"))
+    assert "run `nmt prep` first" in line
+    line = one_error_line(nmt("bpe", "--run-dir", tmp_path / "elsewhere"))
+    assert "run `nmt prep` first" in line
+
+
+def test_normalize():
+    assert normalize("  a\u200bb \t c\x07 ", "en") == "a b c"  # format/control chars -> spaces
+    assert normalize("\u201eZitat\u201c", "de") == '"Zitat"'  # Moses punctuation normalisation
+    assert normalize("\ufeff", "en") == ""
+
+
+def test_seen_pairs_across_flushes():
+    seen = SeenPairs(flush_every=7)
+    pairs = [(str(i), str(i * 2)) for i in range(50)]
+    assert all(seen.add(a, b) for a, b in pairs)
+    assert not any(seen.add(a, b) for a, b in pairs)
+    assert seen.add("new", "pair")
+    assert len(seen.old) + len(seen.recent) == 51

@@ -1,0 +1,66 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import RunDir, atomic_open, atomic_write_text, file_stats
+
+
+def test_atomic_write_keeps_old_content_on_failure(tmp_path):
+    path = tmp_path / "a.txt"
+    atomic_write_text(path, "old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_open(path) as f:
+            f.write("half of the new")
+            raise RuntimeError("disk trouble")
+    assert path.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]  # no temp file left behind
+
+
+def test_manifest_records_sha256_and_lines(tmp_path):
+    run = RunDir(tmp_path)
+    out = tmp_path / "text" / "x"
+    atomic_write_text(out, "a\nb\n")
+    run.record("prep", [out], note=1)
+    entry = json.loads(run.manifest_path.read_text())["prep"]
+    import hashlib
+    assert entry["files"]["text/x"] == {"bytes": 4, "sha256": hashlib.sha256(b"a\nb\n").hexdigest(),
+                                        "lines": 2}
+    assert entry["note"] == 1
+    assert file_stats(out)["lines"] == 2
+
+
+def test_second_writer_is_refused(tmp_path):
+    run = RunDir(tmp_path)
+    with run.lock("train"):
+        with pytest.raises(NmtError, match="in use by `nmt train`"):
+            with RunDir(tmp_path).lock("bpe"):
+                pass
+    with run.lock("bpe"):  # released: free again
+        pass
+
+
+def test_stale_lock_of_a_killed_process_is_taken_over(tmp_path, capfd):
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom nmt_cli.rundir import RunDir\n"
+         f"with RunDir({str(tmp_path)!r}).lock('train'):\n    print('held', flush=True)\n"
+         "    time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(NmtError, match=f"pid {holder.pid}"):
+        with RunDir(tmp_path).lock("bpe"):
+            pass
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    capfd.readouterr()
+    with RunDir(tmp_path).lock("bpe"):
+        err = capfd.readouterr().err
+        assert "taking over" in err and str(holder.pid) in err
+    with RunDir(tmp_path).lock("bpe"):  # released cleanly: no warning this time
+        assert "taking over" not in capfd.readouterr().err
+    time.sleep(0)
