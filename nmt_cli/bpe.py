@@ -19,10 +19,9 @@ from nmt_cli import prep, ui
 from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
-from nmt_cli.shards import ShardWriter, dtype_for
+from nmt_cli.shards import BOS, EOS, PAD, UNK, ShardWriter, dtype_for
 from nmt_cli.textio import read_lines
 
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
 ENCODE_CHUNK = 20_000
 
 

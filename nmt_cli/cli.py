@@ -148,16 +148,104 @@ def _not_yet(command: str, issue: int) -> None:
                    f"issue #{issue})")
 
 
-@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def train() -> None:
-    """Train a Transformer (not implemented yet)."""
-    _not_yet("train", 3)
+@app.command()
+def train(
+    ctx: typer.Context,
+    run_dir: RunDirOption = Path("run"),
+    size: Annotated[str, typer.Option(help="Model preset: tiny, small (CPU), base, big.")] = "base",
+    num_encoder_layers: Annotated[Optional[int], typer.Option(help="Override the preset.")] = None,
+    num_decoder_layers: Annotated[Optional[int], typer.Option(help="Override the preset.")] = None,
+    d_model: Annotated[Optional[int], typer.Option(help="Override the preset.")] = None,
+    ffn: Annotated[Optional[int], typer.Option(help="Override the preset.")] = None,
+    heads: Annotated[Optional[int], typer.Option(help="Override the preset.")] = None,
+    dropout: Annotated[Optional[float], typer.Option(help="Residual/embedding dropout.")] = None,
+    attention_dropout: Annotated[Optional[float], typer.Option(help="On attention weights.")] = None,
+    relu_dropout: Annotated[Optional[float], typer.Option(help="After the FFN ReLU.")] = None,
+    post_norm: Annotated[bool, typer.Option(help="The paper's post-norm sub-layers.")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per batch (either side, per rank).")] = 4096,
+    update_freq: Annotated[int, typer.Option(help="Batches accumulated into one update.")] = 1,
+    lr_scale: Annotated[float, typer.Option(help="Multiplies the paper's schedule.")] = 1.0,
+    warmup: Annotated[int, typer.Option(help="Warm-up steps of the schedule.")] = 4000,
+    beta2: Annotated[float, typer.Option(help="Adam beta2 (t2t later used 0.997).")] = 0.98,
+    label_smoothing: Annotated[float, typer.Option(help="Label smoothing.")] = 0.1,
+    clip_norm: Annotated[float, typer.Option(help="Gradient norm clipping (0: off).")] = 0.0,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many updates (0: no limit).")] = 100_000,
+    max_epochs: Annotated[int, typer.Option(help="Stop after this many epochs (0: no limit).")] = 0,
+    max_time: Annotated[float, typer.Option(help="Stop after this many minutes (0: no limit).")] = 0.0,
+    precision: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")] = "auto",
+    eval_every: Annotated[int, typer.Option(help="Validate every N updates.")] = 1000,
+    patience: Annotated[int, typer.Option(help="Stop after N validations without improvement (0: off).")] = 0,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N updates.")] = 1000,
+    keep_last: Annotated[int, typer.Option(help="Checkpoints kept.")] = 20,
+    seed: Annotated[int, typer.Option(help="Seed of initialisation, dropout and batch order.")] = 1,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    compile: Annotated[bool, typer.Option(help="torch.compile the model.")] = False,
+    threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,
+) -> None:
+    """Train a Transformer on the binarized data; resumes from the last checkpoint."""
+    import dataclasses
+
+    from nmt_cli import ui
+    from nmt_cli.config import TrainConfig, from_json
+    from nmt_cli.engine import checkpoint, trainer
+    from nmt_cli.rundir import RunDir
+
+    run = RunDir(run_dir)
+    if not run.root.is_dir():
+        raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
+    given = dict(size=size, num_encoder_layers=num_encoder_layers,
+                 num_decoder_layers=num_decoder_layers, d_model=d_model, ffn=ffn, heads=heads,
+                 dropout=dropout, attention_dropout=attention_dropout, relu_dropout=relu_dropout,
+                 post_norm=post_norm, max_tokens=max_tokens, update_freq=update_freq,
+                 lr_scale=lr_scale, warmup=warmup, beta2=beta2, label_smoothing=label_smoothing,
+                 clip_norm=clip_norm, max_steps=max_steps, max_epochs=max_epochs,
+                 max_time=max_time, precision=precision, eval_every=eval_every,
+                 patience=patience, save_every=save_every, keep_last=keep_last, seed=seed,
+                 device=device, compile=compile, threads=threads)
+    with run.lock("train"):
+        if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
+            # A resume keeps the saved settings; options given now override them.
+            saved = from_json(TrainConfig, run.config_path("train").read_text(),
+                              str(run.config_path("train")))
+            explicit = {k: v for k, v in given.items() if _given(ctx, k)}
+            config = dataclasses.replace(saved, **explicit)
+        else:
+            config = TrainConfig(**given)
+        run.save_config("train", config)
+        with ui.TrainDisplay() as display:
+            try:
+                result = trainer.train(config, run, display)
+            except trainer.Interrupted as e:
+                ui.say(str(e))
+                raise typer.Exit(128 + e.signum) from None
+    ui.say(f"step {result['step']}: checkpoints in {run.checkpoints}; next: nmt average "
+           f"--run-dir {run.root}")
 
 
-@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def average() -> None:
-    """Average the last N checkpoints (not implemented yet)."""
-    _not_yet("average", 3)
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether an option was set on the command line or through the environment."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+@app.command()
+def average(
+    run_dir: RunDirOption = Path("run"),
+    last: Annotated[int, typer.Option(help="Average the last N checkpoints (the paper: 5 for "
+                                           "base, 20 for big).")] = 5,
+) -> None:
+    """Average the last N checkpoints into the run's model."""
+    from nmt_cli import ui
+    from nmt_cli.engine import trainer
+    from nmt_cli.rundir import RunDir
+
+    if last < 1:
+        raise NmtError("--last must be at least 1")
+    run = RunDir(run_dir)
+    with run.lock("average"):
+        record = trainer.average(run, last, ui.say)
+    ui.say(f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) into "
+           f"{run.averaged}")
 
 
 @app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -67,6 +67,80 @@ class BpeConfig:
             raise NmtError("--threads must be at least 1")
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    size: str = "base"                          # a preset of engine/model.py
+    num_encoder_layers: int | None = None       # None: the preset's value
+    num_decoder_layers: int | None = None
+    d_model: int | None = None
+    ffn: int | None = None
+    heads: int | None = None
+    dropout: float | None = None
+    attention_dropout: float | None = None
+    relu_dropout: float | None = None
+    post_norm: bool = False
+    max_tokens: int = 4096                      # per batch (and per rank), source or target side
+    update_freq: int = 1                        # batches whose gradients make one update
+    lr_scale: float = 1.0
+    warmup: int = 4000
+    beta1: float = 0.9
+    beta2: float = 0.98
+    adam_eps: float = 1e-9
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0                      # 0: no clipping
+    max_steps: int = 100_000                    # 0: no limit
+    max_epochs: int = 0                         # 0: no limit
+    max_time: float = 0.0                       # minutes; 0: no limit
+    precision: str = "auto"                     # auto: bf16 on GPU, fp32 on CPU
+    eval_every: int = 1000
+    patience: int = 0                           # evaluations without improvement; 0: off
+    save_every: int = 1000
+    keep_last: int = 20                         # enough to average the last 20 (big)
+    seed: int = 1
+    device: str = "auto"
+    compile: bool = False
+    threads: int = 0                            # 0: torch's default
+    max_bad_steps: int = 20                     # non-finite steps in a row before stopping
+
+    def __post_init__(self) -> None:
+        from nmt_cli.engine.model import PRESETS
+        if self.size not in PRESETS:
+            raise NmtError(f"unknown --size {self.size!r}: choose one of {', '.join(PRESETS)}")
+        if self.precision not in PRECISIONS:
+            raise NmtError(f"unknown --precision {self.precision!r}: choose one of "
+                           f"{', '.join(PRECISIONS)}")
+        for name in ("max_tokens", "update_freq", "warmup", "eval_every", "save_every",
+                     "keep_last", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("max_steps", "max_epochs", "max_time", "patience", "clip_norm", "threads"):
+            if getattr(self, name) < 0:
+                raise NmtError(f"--{name.replace('_', '-')} must not be negative")
+        for name in ("dropout", "attention_dropout", "relu_dropout", "label_smoothing"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise NmtError(f"--{name.replace('_', '-')} must be in [0, 1)")
+        if self.lr_scale <= 0:
+            raise NmtError("--lr-scale must be positive")
+        if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):
+            raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
+
+    def model_config(self, vocab_size: int, max_positions: int = 1024):
+        from nmt_cli.engine.model import PRESETS, ModelConfig
+        shape = dict(PRESETS[self.size])
+        for name in shape:
+            if getattr(self, name, None) is not None:
+                shape[name] = getattr(self, name)
+        try:
+            return ModelConfig(vocab_size=vocab_size, post_norm=self.post_norm,
+                               max_positions=max_positions, **shape)
+        except ValueError as e:
+            raise NmtError(f"bad model shape: {e}") from None
+
+
 C = TypeVar("C")
 
 

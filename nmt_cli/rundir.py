@@ -10,6 +10,9 @@ Layout (each step writes only its own part, and records it in manifest.json):
     text/{split}.raw.{lang}     evaluation splits as released: the references for scoring
     bpe/spm.model, bpe/spm.vocab  the joint sentencepiece model
     data/{split}.{lang}.bin/.idx  binarized token data (see shards.py)
+    checkpoints/checkpoint_{step:08d}.pt/.json   training checkpoints (engine/checkpoint.py)
+    metrics.jsonl               every logged training/validation figure, one JSON object a line
+    averaged.pt/.json           the average of the last checkpoints (`nmt average`)
 """
 
 from __future__ import annotations
@@ -138,6 +141,20 @@ class RunDir:
     def tokens(self, split: str, lang: str) -> Path:
         """Prefix of the binarized data of one split and language (shards.py adds .bin/.idx)."""
         return self.root / "data" / f"{split}.{lang}"
+
+    # -- train, average
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def averaged(self) -> Path:
+        """The averaged model (`nmt average`); its record is averaged.json."""
+        return self.root / "averaged.pt"
 
     # -- helpers
     def relative(self, path: Path) -> str:

@@ -43,3 +43,44 @@ def progress(kind: str = "items") -> Iterator[Progress]:
     with Progress(*columns, console=console, transient=False,
                   disable=not sys.stderr.isatty()) as bar:
         yield bar
+
+
+class TrainDisplay:
+    """The trainer's reporter: a live line of step, loss, ppl, lr, tokens/s and ETA on a
+    terminal; without one, a plain line every 30 seconds and at each validation."""
+
+    def __init__(self, every: float = 30.0):
+        import time
+        self._time = time.monotonic
+        self._last = -every
+        self.every = every
+        self.live = sys.stderr.isatty()
+        self._bar = Progress(TextColumn("step {task.completed:,.0f}"), BarColumn(),
+                             TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                             console=console, disable=not self.live)
+        self._task = None
+
+    def __enter__(self) -> "TrainDisplay":
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+    def progress(self, state, total_steps, metrics: dict) -> None:
+        if "valid_nll" in metrics:
+            say(f"step {state.step}: valid nll {metrics['valid_nll']:.3f}, "
+                f"ppl {metrics['valid_ppl']:.2f}")
+            return
+        info = (f"loss {metrics['loss']:.3f} ppl {metrics['ppl']:.1f} lr {metrics['lr']:.2e} "
+                f"{metrics['tokens_per_s']:,.0f} tok/s")
+        if self._task is None:
+            self._task = self._bar.add_task("train", total=total_steps, info=info)
+        self._bar.update(self._task, completed=state.step, info=info)
+        if not self.live and self._time() - self._last >= self.every:
+            self._last = self._time()
+            say(f"step {state.step}{f'/{total_steps}' if total_steps else ''} "
+                f"epoch {state.epoch + 1}: {info}")
+
+    def say(self, message: str) -> None:
+        say(message)

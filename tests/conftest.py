@@ -55,3 +55,30 @@ def multi30k_dir() -> Path:
         pytest.fail(f"the shared Multi30k copy is missing at {MULTI30K} (see README: tests read "
                     "../shared/data, or set NMT_SHARED_DATA)")
     return MULTI30K
+
+
+@pytest.fixture(scope="session")
+def multi30k_bpe(tmp_path_factory, multi30k_dir) -> Path:
+    """A run directory with Multi30k prepared and binarized (vocabulary 1000); copy before use."""
+    from nmt_cli.cli import main
+    run_dir = tmp_path_factory.mktemp("m30k-bpe")
+    for args in (["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", multi30k_dir],
+                 ["bpe", "--run-dir", run_dir, "--vocab-size", "1000"]):
+        with pytest.raises(SystemExit) as done:
+            main([str(a) for a in args])
+        assert done.value.code == 0
+    return run_dir
+
+
+@pytest.fixture
+def run_copy(multi30k_bpe, tmp_path) -> Path:
+    """A fresh copy of the prepared Multi30k run directory."""
+    import shutil
+    dest = tmp_path / "run"
+    shutil.copytree(multi30k_bpe, dest)
+    return dest
+
+
+# A model small enough that a training step takes milliseconds.
+TINY = ["--size", "tiny", "--d-model", "16", "--ffn", "32", "--heads", "2",
+        "--num-encoder-layers", "1", "--num-decoder-layers", "1", "--max-tokens", "256"]

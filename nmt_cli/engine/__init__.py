@@ -1,0 +1,1 @@
+"""The engine: model, trainer, decoder. It never imports typer or rich."""

@@ -1,0 +1,130 @@
+"""Checkpoints without pickle: tensors through torch.save, loaded with weights_only=True, and a
+JSON record beside each that carries the metadata and the file's sha256.
+
+A checkpoint exists once its JSON record exists: the tensor file is written and renamed first,
+the record last, both atomically, so a kill at any moment leaves either the complete new
+checkpoint or none. Loading verifies the sha256; a checkpoint that fails is skipped with a
+warning in favour of the one before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import atomic_open, atomic_write_json
+
+NAME = re.compile(r"checkpoint_(\d{8})\.json$")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_tensors(path: Path, tensors: dict[str, Any], meta: dict) -> None:
+    """Write `path` (.pt) and its record `path.with_suffix('.json')`, each atomically."""
+    with atomic_open(path, "wb") as f:
+        torch.save(tensors, f)
+    atomic_write_json(path.with_suffix(".json"),
+                      {**meta, "file": path.name, "sha256": _sha256(path),
+                       "bytes": path.stat().st_size})
+
+
+def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]:
+    """The tensors and record of a file written by save_tensors; refuses code and corruption."""
+    record_path = path.with_suffix(".json")
+    if not record_path.exists() or not path.exists():
+        raise NmtError(f"{path if not path.exists() else record_path} not found")
+    try:
+        meta = json.loads(record_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise NmtError(f"{record_path} is not valid JSON ({e})") from None
+    if verify and _sha256(path) != meta.get("sha256"):
+        raise NmtError(f"{path} does not match the sha256 in {record_path.name}: it is corrupt "
+                       "or half-written")
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise NmtError(f"refusing to load {path}: it holds Python objects other than tensors "
+                       f"(a pickle payload could run code). {first}") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise NmtError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+    return tensors, meta
+
+
+def path_for(folder: Path, step: int) -> Path:
+    return Path(folder) / f"checkpoint_{step:08d}.pt"
+
+
+def listed(folder: Path) -> list[Path]:
+    """Committed checkpoints (those with a record), oldest first."""
+    if not Path(folder).is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in Path(folder).iterdir()
+                   if (m := NAME.match(p.name)))
+    return [p.with_suffix(".pt") for _, p in found]
+
+
+def prune(folder: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (record first, so none is left half-there)."""
+    for path in listed(folder)[:-keep] if keep > 0 else []:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.with_suffix(".json"))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    # Temporary files of writes that were killed half-way.
+    for tmp in Path(folder).glob(".checkpoint_*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def load_latest(folder: Path, warn: Callable[[str], None]) -> tuple[dict, dict] | None:
+    """The newest checkpoint that verifies; unverifiable ones are skipped with a warning."""
+    for path in reversed(listed(folder)):
+        try:
+            return load_tensors(path)
+        except NmtError as e:
+            warn(f"skipping checkpoint {path.name}: {e}")
+    return None
+
+
+def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The fp32 mean of the models in `paths`, holding at most two models in memory."""
+    if not paths:
+        raise NmtError("no checkpoints to average: train first (`nmt train`)")
+    total: dict[str, torch.Tensor] | None = None
+    first_meta: dict = {}
+    for path in paths:
+        tensors, meta = load_tensors(path)
+        model = tensors["model"]
+        del tensors  # the optimizer state is not needed: keep one model besides the sum
+        if total is None:
+            total = {k: v.detach().to(torch.float32).clone() for k, v in model.items()}
+            first_meta = meta
+            continue
+        if meta.get("model") != first_meta.get("model") or set(model) != set(total):
+            raise NmtError(f"cannot average {path.name} with {paths[0].name}: the models have "
+                           "different shapes")
+        for k, v in model.items():
+            if v.shape != total[k].shape:
+                raise NmtError(f"cannot average {path.name}: {k} has shape {tuple(v.shape)}, "
+                               f"not {tuple(total[k].shape)}")
+            total[k] += v.to(torch.float32)
+    assert total is not None
+    for v in total.values():
+        v /= len(paths)
+    return total, first_meta

@@ -1,0 +1,259 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al. 2017), as tensor2tensor runs it.
+
+Changes after the paper, from tensor2tensor: sub-layers are pre-norm, x + Sublayer(LayerNorm(x)),
+with a final LayerNorm on the encoder and decoder outputs (`post_norm=True` gives the paper's
+LayerNorm(x + Sublayer(x))); dropout also on attention probabilities and after the FFN ReLU;
+Xavier-uniform weights, N(0, d_model^-0.5) embeddings; LayerNorm eps 1e-6.
+
+Shape letters: B batch (sentences, or sentences x beams), S source length, T target length,
+D d_model, H heads, K head size (D / H), F FFN size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmt_cli.shards import PAD
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_model: int = 512
+    ffn: int = 2048
+    heads: int = 8
+    dropout: float = 0.1             # on residual branches and embeddings
+    attention_dropout: float = 0.1   # on attention probabilities
+    relu_dropout: float = 0.1        # after the FFN ReLU
+    post_norm: bool = False
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+
+
+PRESETS: dict[str, dict] = {
+    # CPU-sized: `tiny` trains in minutes, `small` is the Multi30k model (docs/guide.md).
+    "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
+                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
+    "small": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=256, ffn=1024, heads=4,
+                  dropout=0.2, attention_dropout=0.1, relu_dropout=0.1),
+    "base": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512, ffn=2048, heads=8,
+                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
+    "big": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=1024, ffn=4096, heads=16,
+                dropout=0.3, attention_dropout=0.1, relu_dropout=0.1),
+}
+
+
+def sinusoids(length: int, d: int) -> Tensor:
+    """Positional encodings, section 3.5: sin on the first half of the channels, cos on the second."""
+    half = d // 2
+    scale = math.log(10000.0) / max(half - 1, 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -scale)
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * freqs[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    return F.pad(table, (0, d - 2 * half))  # (length, D)
+
+
+class Attention(nn.Module):
+    """Multi-head scaled dot-product attention, section 3.2 (self- or encoder-decoder)."""
+
+    def __init__(self, d: int, heads: int, dropout: float, cross: bool):
+        super().__init__()
+        self.heads, self.dropout, self.cross = heads, dropout, cross
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * d)  # keys and values in one matmul
+        self.out = nn.Linear(d, d)
+
+    def split(self, x: Tensor) -> Tensor:
+        b, n, d = x.shape
+        return x.view(b, n, self.heads, d // self.heads).transpose(1, 2)  # (B, H, n, K)
+
+    def keys_values(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = self.kv(x).chunk(2, dim=-1)
+        return self.split(k), self.split(v)
+
+    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None,
+                causal: bool = False) -> Tensor:
+        q = self.split(self.q(x))                                    # (B, H, n, K)
+        k, v = kv                                                    # (B, H, m, K)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        b, h, n, k_ = y.shape
+        return self.out(y.transpose(1, 2).reshape(b, n, h * k_))   # (B, n, D)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN, section 3.3, with dropout after the ReLU."""
+
+    def __init__(self, d: int, ffn: int, relu_dropout: float):
+        super().__init__()
+        self.inner, self.outer = nn.Linear(d, ffn), nn.Linear(ffn, d)
+        self.relu_dropout = relu_dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.dropout(F.relu(self.inner(x)), self.relu_dropout, self.training)
+        return self.outer(h)
+
+
+class Residual(nn.Module):
+    """x + Dropout(Sublayer(LayerNorm(x))) in pre-norm; LayerNorm(x + Dropout(Sublayer(x))) in post-norm."""
+
+    def __init__(self, d: int, dropout: float, post_norm: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, eps=1e-6)
+        self.dropout, self.post_norm = dropout, post_norm
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.post_norm:
+            return self.norm(x + F.dropout(sublayer(x), self.dropout, self.training))
+        return x + F.dropout(sublayer(self.norm(x)), self.dropout, self.training)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout, cross=False)
+        self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout)
+        self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
+        self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.res1(x, lambda h: self.self_attn(h, self.self_attn.keys_values(h), src_mask))
+        return self.res2(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout, cross=False)
+        self.cross_attn = Attention(c.d_model, c.heads, c.attention_dropout, cross=True)
+        self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout)
+        self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
+        self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
+        self.res3 = Residual(c.d_model, c.dropout, c.post_norm)
+
+    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
+                cache: "DecoderCache | None" = None, layer: int = 0) -> Tensor:
+        def self_attention(h: Tensor) -> Tensor:
+            if cache is None:  # training: every position at once, each sees only its past
+                return self.self_attn(h, self.self_attn.keys_values(h), causal=True)
+            k, v = cache.append(layer, *self.self_attn.keys_values(h))
+            return self.self_attn(h, (k, v))  # the new position sees every cached one
+
+        x = self.res1(x, self_attention)
+        x = self.res2(x, lambda h: self.cross_attn(h, memory_kv, src_mask))
+        return self.res3(x, self.ffn)
+
+
+class DecoderCache:
+    """What incremental decoding keeps between steps: per layer, the encoder-decoder K/V
+    (computed once per sentence) and the self-attention K/V of earlier positions, in buffers
+    preallocated for `max_len` steps so that a step writes one position, never concatenates."""
+
+    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], max_len: int):
+        k0 = memory_kv[0][0]
+        b, h, _, k = k0.shape
+        self.memory_kv = memory_kv
+        self.self_k = [k0.new_empty(b, h, max_len, k) for _ in memory_kv]
+        self.self_v = [k0.new_empty(b, h, max_len, k) for _ in memory_kv]
+        self.length = 0      # positions cached so far
+        self.max_len = max_len
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store one new position's K/V of `layer`; returns all cached K/V of that layer."""
+        n = self.length
+        self.self_k[layer][:, :, n:n + 1] = k
+        self.self_v[layer][:, :, n:n + 1] = v
+        return self.self_k[layer][:, :, :n + 1], self.self_v[layer][:, :, :n + 1]
+
+    def advance(self) -> None:
+        self.length += 1
+
+    def reorder(self, indices: Tensor) -> None:
+        """Keep rows `indices` (beam search's survivors, or the sentences still running)."""
+        for i in range(len(self.self_k)):
+            self.self_k[i] = self.self_k[i].index_select(0, indices)
+            self.self_v[i] = self.self_v[i].index_select(0, indices)
+            k, v = self.memory_kv[i]
+            self.memory_kv[i] = (k.index_select(0, indices), v.index_select(0, indices))
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder with source, target and output embeddings tied (section 3.4)."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.d_model, padding_idx=PAD)
+        self.register_buffer("positions", sinusoids(c.max_positions, c.d_model), persistent=False)
+        self.encoder = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_decoder_layers))
+        # Pre-norm leaves the last residual sum unnormalised: tensor2tensor adds a final LayerNorm.
+        self.encoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        nn.init.normal_(self.embed.weight, 0.0, self.config.d_model ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[PAD].zero_()
+
+    def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """Token embeddings scaled by sqrt(D), plus positions, with dropout: (B, n) -> (B, n, D)."""
+        n = tokens.shape[1]
+        if offset + n > self.config.max_positions:
+            raise ValueError(f"sequence of {offset + n} tokens exceeds max_positions "
+                             f"{self.config.max_positions}")
+        x = self.embed(tokens) * math.sqrt(self.config.d_model)
+        x = x + self.positions[offset:offset + n].to(x.dtype)
+        return F.dropout(x, self.config.dropout, self.training)
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, S) source ids -> (B, S, D) memory and the (B, 1, 1, S) mask of real tokens."""
+        src_mask = (src != PAD)[:, None, None, :]
+        x = self.embed_tokens(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x), src_mask
+
+    def memory_keys_values(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each decoder layer's encoder-decoder K/V, (B, H, S, K) each."""
+        return [layer.cross_attn.keys_values(memory) for layer in self.decoder]
+
+    def decode(self, tgt_in: Tensor, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor,
+               cache: DecoderCache | None = None) -> Tensor:
+        """(B, T) shifted target ids -> (B, T, D) decoder states; with `cache`, T is the one
+        new position and the cache grows by it."""
+        offset = cache.length if cache is not None else 0
+        x = self.embed_tokens(tgt_in, offset)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory_kv[i], src_mask, cache, i)
+        if cache is not None:
+            cache.advance()
+        return self.decoder_norm(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """(..., D) decoder states -> (..., V) scores through the tied embedding."""
+        return F.linear(h, self.embed.weight)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
+        memory, src_mask = self.encode(src)
+        return self.decode(tgt_in, self.memory_keys_values(memory), src_mask)
+
+
+def build(config: ModelConfig) -> Transformer:
+    return Transformer(config)

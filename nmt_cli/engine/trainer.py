@@ -1,0 +1,384 @@
+"""One written-out training loop: token batches, label-smoothed loss, Adam with the inverse
+square-root schedule, validation, checkpoints, and an exact resume.
+
+The learning-rate schedule and the loss are pure functions. Everything a resume needs (weights,
+optimizer, scaler, RNG states, the data position) is in the checkpoint, so a run killed at any
+moment and restarted ends with the same weights as one that never stopped (CPU, fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nmt_cli.config import TrainConfig
+from nmt_cli.engine import checkpoint
+from nmt_cli.engine.model import ModelConfig, Transformer
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import RunDir, atomic_write_text, now
+from nmt_cli.shards import PAD, Shard, collate, make_batches, padding_share
+
+
+def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
+    """Section 5.3: d^-0.5 * min(step^-0.5, step * warmup^-1.5), times `scale`."""
+    step = max(step, 1)
+    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
+                        epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed smoothed loss and summed NLL of (N, V) scores against (N,) targets.
+
+    The smoothing mass epsilon is spread uniformly over the vocabulary (section 5.4).
+    """
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)
+    uniform = -lprobs.mean(dim=-1)
+    return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
+
+
+class Reporter(Protocol):
+    def progress(self, state: "State", total_steps: int | None, metrics: dict) -> None: ...
+    def say(self, message: str) -> None: ...
+
+
+class Interrupted(Exception):
+    """Training stopped by a signal after saving a checkpoint."""
+
+    def __init__(self, signum: int, step: int):
+        self.signum, self.step = signum, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; a checkpoint "
+                         "was saved: run `nmt train` again to resume")
+
+
+@dataclass
+class State:
+    """Progress that a resume needs besides the tensors."""
+    step: int = 0                 # updates made
+    epoch: int = 0
+    batch: int = 0                # next batch of this epoch
+    seconds: float = 0.0          # training time of earlier processes
+    best_valid: float = math.inf
+    bad_evals: int = 0            # evaluations since the best one
+    skipped: int = 0              # updates skipped for non-finite loss or gradients
+    bad_in_a_row: int = 0
+
+
+@dataclass
+class Split:
+    src: Shard
+    tgt: Shard
+    src_lengths: np.ndarray       # with the EOS
+    tgt_lengths: np.ndarray       # with the BOS/EOS
+    keep: np.ndarray              # sentences short enough for the model and the batch size
+
+    @classmethod
+    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> "Split":
+        s, t = Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
+        sl, tl = s.lengths + 1, t.lengths + 1
+        keep = np.flatnonzero((sl <= limit) & (tl <= limit))
+        return cls(s, t, sl, tl, keep)
+
+    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+        groups = make_batches(self.src_lengths[self.keep], self.tgt_lengths[self.keep],
+                              max_tokens, seed, epoch)
+        return [self.keep[g] for g in groups]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
+    return precision
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, run: RunDir, reporter: Reporter):
+        self.config, self.run, self.reporter = config, run, reporter
+        prep = run.load_manifest().get("prep")
+        bpe = run.load_manifest().get("bpe")
+        if not prep or not bpe:
+            raise NmtError(f"{run.root} has no binarized data: run `nmt "
+                           f"{'prep' if not prep else 'bpe'}` first (with --run-dir {run.root})")
+        self.src_lang, self.tgt_lang = prep["src"], prep["tgt"]
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        self.precision = resolve_precision(config.precision, self.device)
+        self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
+        limit = min(self.model_config.max_positions, config.max_tokens)
+        self.train_data = Split.load(run, "train", self.src_lang, self.tgt_lang, limit)
+        self.valid_data = (Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
+                           if "valid" in prep["splits"] else None)
+        if len(self.train_data.keep) == 0:
+            raise NmtError("no training pair fits --max-tokens "
+                           f"{config.max_tokens}: raise it")
+        dropped = len(self.train_data.src) - len(self.train_data.keep)
+        if dropped:
+            reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
+        torch.manual_seed(config.seed)
+        self.model = Transformer(self.model_config).to(self.device)
+        self.forward = torch.compile(self.model) if config.compile else self.model
+        cuda = self.device.type == "cuda"
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=0.0, betas=(config.beta1, config.beta2),
+            eps=config.adam_eps, fused=cuda or None, foreach=None if cuda else True)
+        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 7,
+                                           enabled=self.precision == "fp16")
+        self.state = State()
+        self._signal: int | None = None
+
+    # -- checkpoints
+    def save(self) -> None:
+        tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                   "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                   "rng_cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            tensors["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        meta = {"format": 1, "saved": now(), "step": self.state.step,
+                "state": dataclasses.asdict(self.state),
+                "model": dataclasses.asdict(self.model_config),
+                "train": dataclasses.asdict(self.config),
+                "src": self.src_lang, "tgt": self.tgt_lang}
+        checkpoint.save_tensors(checkpoint.path_for(self.run.checkpoints, self.state.step),
+                                tensors, meta)
+        checkpoint.prune(self.run.checkpoints, self.config.keep_last)
+
+    def resume(self) -> bool:
+        found = checkpoint.load_latest(self.run.checkpoints, self.reporter.say)
+        if found is None:
+            return False
+        tensors, meta = found
+        if meta["model"] != dataclasses.asdict(self.model_config):
+            raise NmtError(f"the checkpoints in {self.run.checkpoints} are of another model shape "
+                           f"({meta['model']}); use another --run-dir or the same shape options")
+        self.model.load_state_dict(tensors["model"])
+        self.optimizer.load_state_dict(tensors["optimizer"])
+        if self.scaler.is_enabled() and tensors.get("scaler"):
+            self.scaler.load_state_dict(tensors["scaler"])
+        torch.set_rng_state(tensors["rng_cpu"])
+        if self.device.type == "cuda" and "rng_cuda" in tensors:
+            torch.cuda.set_rng_state(tensors["rng_cuda"], self.device)
+        self.state = State(**meta["state"])
+        self._truncate_metrics(self.state.step)
+        self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
+        return True
+
+    # -- metrics
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop figures logged after the checkpoint we resume from: those steps are redone."""
+        if not self.run.metrics.exists():
+            return
+        kept = []
+        for line in self.run.metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+        atomic_write_text(self.run.metrics, "".join(f"{line}\n" for line in kept))
+
+    def log(self, kind: str, metrics: dict) -> None:
+        record = {"kind": kind, "step": self.state.step, "epoch": self.state.epoch + 1,
+                  "minutes": round(self.elapsed() / 60, 4), **metrics}
+        with open(self.run.metrics, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def elapsed(self) -> float:
+        return self.state.seconds + time.monotonic() - self._started
+
+    # -- the loop
+    def autocast(self):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def to_device(self, arrays) -> list[torch.Tensor]:
+        return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
+
+    def step(self, group: list[np.ndarray]) -> dict | None:
+        """One update from a group of batches; None if it was skipped as non-finite."""
+        self.model.train()
+        loss_sum = nll_sum = 0.0
+        tokens = 0
+        for indices in group:
+            src, tgt_in, tgt_out = self.to_device(collate(self.train_data.src,
+                                                          self.train_data.tgt, indices))
+            with self.autocast():
+                hidden = self.forward(src, tgt_in)
+                mask = tgt_out != PAD
+                logits = self.model.logits(hidden[mask])  # padding never reaches the output layer
+            loss, nll = label_smoothed_loss(logits, tgt_out[mask], self.config.label_smoothing)
+            self.scaler.scale(loss).backward()
+            loss_sum += loss.item()
+            nll_sum += nll.item()
+            tokens += int(mask.sum())
+        self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / tokens)  # the loss is a sum: make it a per-token mean
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              self.config.clip_norm or math.inf)
+        if not (math.isfinite(loss_sum) and math.isfinite(float(norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.update()  # with fp16, backs the loss scale off
+            return None
+        lr = learning_rate(self.state.step + 1, self.model_config.d_model, self.config.warmup,
+                           self.config.lr_scale)
+        for group_ in self.optimizer.param_groups:
+            group_["lr"] = lr
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "lr": lr,
+                "grad_norm": float(norm), "tokens": tokens}
+
+    @torch.no_grad()
+    def validate(self) -> dict | None:
+        if self.valid_data is None:
+            return None
+        self.model.eval()
+        nll_sum, tokens = 0.0, 0
+        for indices in self.valid_data.batches(self.config.max_tokens, 0, 0):
+            src, tgt_in, tgt_out = self.to_device(collate(self.valid_data.src,
+                                                          self.valid_data.tgt, indices))
+            with self.autocast():
+                hidden = self.forward(src, tgt_in)
+                mask = tgt_out != PAD
+                logits = self.model.logits(hidden[mask])
+            _, nll = label_smoothed_loss(logits, tgt_out[mask], 0.0)
+            nll_sum += nll.item()
+            tokens += int(mask.sum())
+        nll = nll_sum / max(tokens, 1)
+        return {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
+
+    def should_stop(self) -> str | None:
+        c, s = self.config, self.state
+        if c.max_steps and s.step >= c.max_steps:
+            return f"reached --max-steps {c.max_steps}"
+        if c.max_epochs and s.epoch >= c.max_epochs:
+            return f"reached --max-epochs {c.max_epochs}"
+        if c.max_time and self.elapsed() >= c.max_time * 60:
+            return f"reached --max-time {c.max_time:g} minutes"
+        if c.patience and s.bad_evals >= c.patience:
+            return f"validation loss did not improve in {c.patience} evaluations (--patience)"
+        return None
+
+    def evaluate_and_maybe_stop(self) -> None:
+        metrics = self.validate()
+        if metrics is None:
+            return
+        if metrics["valid_nll"] < self.state.best_valid:
+            self.state.best_valid, self.state.bad_evals = metrics["valid_nll"], 0
+        else:
+            self.state.bad_evals += 1
+        self.log("valid", metrics)
+        self.reporter.progress(self.state, self.config.max_steps or None, metrics)
+
+    def train(self) -> dict:
+        """Train until a limit is reached; returns the last figures."""
+        self._started = time.monotonic()
+        self.resume()
+        self._started = time.monotonic()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        c = self.config
+        last: dict = {}
+        saved_at = self.state.step if self.state.step else -1
+        try:
+            reason = self.should_stop()
+            window_tokens, window_start = 0, time.monotonic()
+            while reason is None:
+                batches = self.train_data.batches(c.max_tokens, c.seed, self.state.epoch)
+                if self.state.batch == 0:
+                    share = padding_share(batches, self.train_data.src_lengths,
+                                          self.train_data.tgt_lengths)
+                    self.log("epoch", {"batches": len(batches), "padding": share})
+                while self.state.batch < len(batches) and reason is None:
+                    group = batches[self.state.batch:self.state.batch + c.update_freq]
+                    result = self.step(group)
+                    self.state.batch += len(group)
+                    if result is None:
+                        self.state.skipped += 1
+                        self.state.bad_in_a_row += 1
+                        self.log("skipped", {"skipped": self.state.skipped})
+                        self.reporter.say(f"skipped an update with non-finite loss or gradients "
+                                          f"({self.state.skipped} so far)")
+                        if self.state.bad_in_a_row >= c.max_bad_steps:
+                            raise NmtError(
+                                f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
+                                f"or gradients (at step {self.state.step}): lower --lr-scale, "
+                                "set --clip-norm, or use --precision fp32")
+                        continue
+                    self.state.bad_in_a_row = 0
+                    self.state.step += 1
+                    window_tokens += result["tokens"]
+                    seconds = time.monotonic() - window_start
+                    last = {**result, "ppl": math.exp(min(result["nll"], 50.0)),
+                            "tokens_per_s": window_tokens / seconds if seconds > 0 else 0.0}
+                    if self.state.step % 10 == 0 or self.state.step == 1:
+                        self.log("train", last)
+                        window_tokens, window_start = 0, time.monotonic()
+                    self.reporter.progress(self.state, c.max_steps or None, last)
+                    if self.state.step % c.eval_every == 0:
+                        self.evaluate_and_maybe_stop()
+                    if self.state.step % c.save_every == 0:
+                        self.save()
+                        saved_at = self.state.step
+                    if self._signal is not None:
+                        if saved_at != self.state.step:
+                            self.save()
+                        raise Interrupted(self._signal, self.state.step)
+                    reason = self.should_stop()
+                if self.state.batch >= len(batches):
+                    self.state.epoch += 1
+                    self.state.batch = 0
+                    reason = reason or self.should_stop()
+            if self.state.step % c.eval_every != 0:
+                self.evaluate_and_maybe_stop()
+            if saved_at != self.state.step:
+                self.save()
+            self.reporter.say(f"training stopped: {reason}")
+            return {"reason": reason, "step": self.state.step, **last}
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def train(config: TrainConfig, run: RunDir, reporter: Reporter) -> dict:
+    return Trainer(config, run, reporter).train()
+
+
+def average(run: RunDir, last: int, say: Callable[[str], None]) -> dict:
+    """Average the last `last` checkpoints into the run's averaged model."""
+    paths = checkpoint.listed(run.checkpoints)
+    if not paths:
+        raise NmtError(f"no checkpoints in {run.checkpoints}: run `nmt train` first")
+    if len(paths) < last:
+        say(f"only {len(paths)} checkpoints exist; averaging all of them")
+    chosen = paths[-last:]
+    weights, meta = checkpoint.average(chosen)
+    newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
+    record = {**{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
+              "step": newest["step"], "averaged": [p.name for p in chosen], "saved": now()}
+    checkpoint.save_tensors(run.averaged, {"model": weights}, record)
+    return record

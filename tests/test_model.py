@@ -1,0 +1,102 @@
+import math
+
+import pytest
+import torch
+
+from nmt_cli.engine.model import PRESETS, DecoderCache, ModelConfig, Transformer, sinusoids
+from nmt_cli.shards import BOS, PAD
+
+
+def tiny(**kw) -> Transformer:
+    torch.manual_seed(0)
+    c = ModelConfig(vocab_size=50, num_encoder_layers=2, num_decoder_layers=2, d_model=16,
+                    ffn=32, heads=2, **kw)
+    return Transformer(c).eval()
+
+
+def test_presets_match_the_paper():
+    assert PRESETS["base"] == dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512,
+                                   ffn=2048, heads=8, dropout=0.1, attention_dropout=0.1,
+                                   relu_dropout=0.1)
+    big = PRESETS["big"]
+    assert (big["d_model"], big["ffn"], big["heads"], big["dropout"]) == (1024, 4096, 16, 0.3)
+    assert (PRESETS["tiny"]["num_encoder_layers"], PRESETS["tiny"]["d_model"]) == (3, 256)
+
+
+def test_initialisation_and_tying():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=8000, d_model=512, num_encoder_layers=1,
+                                num_decoder_layers=1))
+    w = m.embed.weight
+    assert torch.all(w[PAD] == 0)
+    assert abs(w[1:].std().item() - 512 ** -0.5) < 0.002
+    lin = m.encoder[0].ffn.inner.weight  # Xavier uniform: bound sqrt(6 / (fan_in + fan_out))
+    assert lin.abs().max().item() <= math.sqrt(6 / (512 + 2048)) + 1e-6
+    assert all(n.norm.eps == 1e-6 for layer in m.encoder for n in (layer.res1, layer.res2))
+    h = torch.randn(3, 512)
+    assert torch.equal(m.logits(h), h @ w.T)  # output layer is the embedding
+    names = [n for n, _ in m.named_parameters()]
+    assert not any("out_proj" in n or "generator" in n for n in names)
+
+
+def test_sinusoids():
+    table = sinusoids(10, 8)
+    assert torch.allclose(table[0], torch.tensor([0.0] * 4 + [1.0] * 4))
+    assert torch.allclose(table[3, 0], torch.tensor(math.sin(3.0)))
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_outputs_do_not_depend_on_the_batch(post_norm):
+    m = tiny(post_norm=post_norm)
+    src = torch.tensor([[5, 6, 7, 3]])
+    tgt = torch.tensor([[BOS, 8, 9]])
+    alone = m(src, tgt)
+    long_src = torch.tensor([[5, 6, 7, 3, PAD, PAD, PAD], [9, 9, 9, 9, 9, 9, 3]])
+    long_tgt = torch.tensor([[BOS, 8, 9, PAD, PAD], [BOS, 4, 4, 4, 4]])
+    batched = m(long_src, long_tgt)
+    assert torch.allclose(alone[0], batched[0, :3], atol=1e-5)
+
+
+def test_decoder_is_causal():
+    m = tiny()
+    src = torch.tensor([[5, 6, 7, 3]])
+    a = m(src, torch.tensor([[BOS, 8, 9, 10]]))
+    b = m(src, torch.tensor([[BOS, 8, 9, 11]]))
+    assert torch.allclose(a[:, :3], b[:, :3], atol=1e-6)
+    assert not torch.allclose(a[:, 3], b[:, 3])
+
+
+def test_cached_decoding_equals_full_decoding():
+    m = tiny()
+    src = torch.tensor([[5, 6, 7, 3], [9, 8, 3, PAD]])
+    tgt = torch.tensor([[BOS, 8, 9, 10, 11], [BOS, 4, 5, 6, 7]])
+    with torch.no_grad():
+        memory, mask = m.encode(src)
+        kv = m.memory_keys_values(memory)
+        full = m.decode(tgt, kv, mask)
+        cache = DecoderCache(m.memory_keys_values(memory), max_len=8)
+        steps = [m.decode(tgt[:, t:t + 1], cache.memory_kv, mask, cache) for t in range(5)]
+    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+    assert cache.length == 5
+
+
+def test_cache_reorder_follows_rows():
+    m = tiny()
+    src = torch.tensor([[5, 6, 3], [9, 8, 3]])
+    tgt = torch.tensor([[BOS, 8, 9], [BOS, 4, 5]])
+    with torch.no_grad():
+        memory, mask = m.encode(src)
+        cache = DecoderCache(m.memory_keys_values(memory), max_len=4)
+        m.decode(tgt[:, :1], cache.memory_kv, mask, cache)
+        m.decode(tgt[:, 1:2], cache.memory_kv, mask, cache)
+        cache.reorder(torch.tensor([1, 1]))
+        step = m.decode(tgt[[1, 1], 2:3], cache.memory_kv, mask[[1, 1]], cache)
+        full = m.decode(tgt[[1]], m.memory_keys_values(memory[[1]]), mask[[1]])
+    assert torch.allclose(step[0, 0], full[0, 2], atol=1e-5)
+    assert torch.allclose(step[1, 0], full[0, 2], atol=1e-5)
+
+
+def test_too_long_input_is_a_clear_error():
+    m = tiny(max_positions=4)
+    with pytest.raises(ValueError, match="max_positions"):
+        m(torch.tensor([[5, 6, 7, 8, 3]]), torch.tensor([[BOS]]))

@@ -1,0 +1,220 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, one_error_line
+
+from nmt_cli.engine import checkpoint, trainer
+from nmt_cli.engine.trainer import label_smoothed_loss, learning_rate
+from nmt_cli.rundir import RunDir
+from nmt_cli.shards import Shard, make_batches, padding_share
+
+
+def test_learning_rate_schedule():
+    d, w = 512, 4000
+    assert learning_rate(w, d, w) == pytest.approx(d ** -0.5 * w ** -0.5)  # the peak
+    assert learning_rate(w // 2, d, w) == pytest.approx(learning_rate(w, d, w) / 2)  # linear
+    assert learning_rate(4 * w, d, w) == pytest.approx(learning_rate(w, d, w) / 2)  # 1/sqrt
+    assert learning_rate(w, d, w, scale=2.0) == pytest.approx(2 * learning_rate(w, d, w))
+
+
+def test_label_smoothed_loss_by_hand():
+    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(3.0), 0.0]])  # p = (1/4, 3/4)
+    target = torch.tensor([1, 1])
+    loss, nll = label_smoothed_loss(logits, target, 0.0)
+    assert nll.item() == pytest.approx(-math.log(0.75) - math.log(0.25))
+    assert loss.item() == pytest.approx(nll.item())
+    loss, nll = label_smoothed_loss(logits, target, 0.1)
+    uniform = 2 * -(math.log(0.25) + math.log(0.75)) / 2
+    assert loss.item() == pytest.approx(0.9 * nll.item() + 0.1 * uniform)
+
+
+def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
+    run = RunDir(multi30k_bpe)
+    s, t = Shard(run.tokens("train", "en")).lengths + 1, Shard(run.tokens("train", "de")).lengths + 1
+    a = make_batches(s, t, 4096, seed=1, epoch=0)
+    b = make_batches(s, t, 4096, seed=1, epoch=1)
+    assert np.array_equal(np.sort(np.concatenate(a)), np.arange(len(s)))
+    assert all(len(x) * max(s[x].max(), t[x].max()) <= 4096 for x in a)
+    assert not all(np.array_equal(x, y) for x, y in zip(a, b))  # reshuffled each epoch
+    assert all(np.array_equal(x, y) for x, y in zip(a, make_batches(s, t, 4096, 1, 0)))
+    assert padding_share(a, s, t) <= 0.05
+
+
+def test_training_learns_and_logs(run_copy, nmt):
+    result = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "60", "--eval-every",
+                 "30", "--save-every", "30", "--warmup", "20", "--lr-scale", "4")
+    assert result.code == 0, result.err
+    records = [json.loads(x) for x in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert [r["step"] for r in valid] == [30, 60]
+    assert valid[1]["valid_nll"] < valid[0]["valid_nll"]
+    epoch = [r for r in records if r["kind"] == "epoch"][0]
+    assert epoch["padding"] < 0.1
+    assert [p.name for p in checkpoint.listed(run_copy / "checkpoints")] == \
+        ["checkpoint_00000030.pt", "checkpoint_00000060.pt"]
+    saved = json.loads((run_copy / "train.json").read_text())
+    assert saved["max_steps"] == 60 and saved["d_model"] == 16
+
+
+def _train_cmd(run_dir, steps):
+    return [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_dir), *TINY,
+            "--max-steps", str(steps), "--save-every", "1", "--eval-every", "5", "--seed", "3"]
+
+
+def _final_weights(run_dir):
+    tensors, meta = checkpoint.load_tensors(checkpoint.listed(run_dir / "checkpoints")[-1])
+    return tensors, meta
+
+
+def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
+    import shutil
+    other = tmp_path / "uninterrupted"
+    shutil.copytree(run_copy, other)
+    subprocess.run(_train_cmd(other, 16), check=True, capture_output=True)
+
+    proc = subprocess.Popen(_train_cmd(run_copy, 16), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    target = run_copy / "checkpoints" / "checkpoint_00000007.json"
+    deadline = time.monotonic() + 120
+    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(checkpoint.listed(run_copy / "checkpoints")) < 16  # it really was cut short
+    subprocess.run(_train_cmd(run_copy, 16), check=True, capture_output=True)
+
+    a, meta_a = _final_weights(other)
+    b, meta_b = _final_weights(run_copy)
+    assert meta_a["step"] == meta_b["step"] == 16
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    assert meta_a["state"] == {**meta_b["state"], "seconds": meta_a["state"]["seconds"]}
+
+
+def test_sigterm_saves_and_resumes(run_copy):
+    proc = subprocess.Popen(_train_cmd(run_copy, 100000)[:-6] + ["--save-every", "1000"],
+                            stderr=subprocess.PIPE, text=True)
+    metrics = run_copy / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and '"step": 10' in metrics.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in err and "resume" in err
+    saved = checkpoint.listed(run_copy / "checkpoints")
+    assert len(saved) == 1
+    step = json.loads(saved[0].with_suffix(".json").read_text())["step"]
+    assert step >= 10
+
+
+def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
+    calls = {"n": 0}
+    real = trainer.label_smoothed_loss
+
+    def flaky(logits, target, eps):
+        calls["n"] += 1
+        loss, nll = real(logits, target, eps)
+        if eps > 0 and calls["n"] in (3, 4):
+            return loss * float("nan"), nll
+        return loss, nll
+
+    monkeypatch.setattr(trainer, "label_smoothed_loss", flaky)
+    result = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "8", "--eval-every", "100")
+    assert result.code == 0, result.err
+    assert "non-finite" in result.err
+    meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json").read_text())
+    assert meta["state"]["skipped"] == 2 and meta["step"] == 8
+
+    monkeypatch.setattr(trainer, "label_smoothed_loss",
+                        lambda logits, target, eps: (real(logits, target, eps)[0] * float("nan"),) * 2)
+    line = one_error_line(nmt("train", "--run-dir", run_copy, "--max-steps", "40"))
+    assert "in a row had non-finite loss" in line
+
+
+def test_average_identity_order_and_shapes(run_copy, nmt):
+    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "6", "--save-every", "2",
+               "--eval-every", "100").code == 0
+    folder = run_copy / "checkpoints"
+    paths = checkpoint.listed(folder)
+    one = checkpoint.load_tensors(paths[-1])[0]["model"]
+    same, _ = checkpoint.average([paths[-1]] * 3)
+    for k, v in one.items():
+        assert torch.allclose(same[k], v.float(), atol=1e-6)
+    forward, _ = checkpoint.average(paths)
+    backward, _ = checkpoint.average(paths[::-1])
+    for k in forward:
+        assert torch.allclose(forward[k], backward[k], atol=1e-6)
+    result = nmt("average", "--run-dir", run_copy, "--last", "2")
+    assert result.code == 0, result.err
+    tensors, meta = checkpoint.load_tensors(RunDir(run_copy).averaged)
+    assert meta["averaged"] == [p.name for p in paths[-2:]] and meta["step"] == 6
+    expected, _ = checkpoint.average(paths[-2:])
+    assert all(torch.equal(tensors["model"][k], expected[k]) for k in expected)
+
+
+def test_average_refuses_other_shapes(run_copy, tmp_path, nmt):
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "2", "--save-every", "2").code == 0
+    assert nmt("train", "--run-dir", other, *TINY[:-2], "--d-model", "32", "--max-tokens", "256",
+               "--max-steps", "2", "--save-every", "2").code == 0
+    ckpt = checkpoint.listed(other / "checkpoints")[-1]
+    for suffix in (".pt", ".json"):
+        shutil.copy(ckpt.with_suffix(suffix), run_copy / "checkpoints" /
+                    ("checkpoint_00000004" + suffix))
+    line = one_error_line(nmt("average", "--run-dir", run_copy, "--last", "2"))
+    assert "different shapes" in line
+
+
+def test_pickle_payload_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "checkpoint_00000001.pt"
+    torch.save({"model": Evil()}, path)
+    meta = {"step": 1, "sha256": checkpoint._sha256(path)}
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    from nmt_cli.errors import NmtError
+    with pytest.raises(NmtError, match="refusing to load"):
+        checkpoint.load_tensors(path)
+    assert not marker.exists()
+
+
+def test_corrupt_latest_checkpoint_is_skipped(run_copy, nmt):
+    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "4", "--save-every", "2",
+               "--eval-every", "100").code == 0
+    latest = checkpoint.listed(run_copy / "checkpoints")[-1]
+    data = bytearray(latest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    latest.write_bytes(bytes(data))
+    result = nmt("train", "--run-dir", run_copy, "--max-steps", "6")
+    assert result.code == 0, result.err
+    assert "skipping checkpoint checkpoint_00000004.pt" in result.err
+    assert "resuming from step 2" in result.err
+
+
+def test_train_errors(tmp_path, run_copy, nmt):
+    assert "run `nmt prep`" in one_error_line(nmt("train", "--run-dir", tmp_path / "none"))
+    assert "--size" in one_error_line(nmt("train", "--run-dir", run_copy, "--size", "huge"))
+    assert "fp16 needs a GPU" in one_error_line(
+        nmt("train", "--run-dir", run_copy, *TINY, "--precision", "fp16", "--device", "cpu"))
+    assert "no CUDA GPU" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY,
+                                               "--device", "cuda"))
+    assert "heads" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--heads", "3"))
+    with RunDir(run_copy).lock("train"):
+        assert "in use by `nmt train`" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY))
