@@ -155,7 +155,7 @@ class SeenPairs:
         h = int.from_bytes(hashlib.blake2b(f"{a}\t{b}".encode(), digest_size=8).digest(), "little")
         if h in self.recent:
             return False
-        i = int(np.searchsorted(self.old, h))
+        i = int(np.searchsorted(self.old, np.uint64(h)))  # a Python int would cast the array
         if i < len(self.old) and int(self.old[i]) == h:
             return False
         self.recent.add(h)
