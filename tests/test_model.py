@@ -74,26 +74,38 @@ def test_cached_decoding_equals_full_decoding():
         memory, mask = m.encode(src)
         kv = m.memory_keys_values(memory)
         full = m.decode(tgt, kv, mask)
-        cache = DecoderCache(m.memory_keys_values(memory), max_len=8)
-        steps = [m.decode(tgt[:, t:t + 1], cache.memory_kv, mask, cache) for t in range(5)]
+        cache = DecoderCache(m.memory_keys_values(memory), mask, beam=1, max_len=8)
+        steps = [m.decode(tgt[:, t:t + 1], cache.memory_kv, cache.src_mask, cache)
+                 for t in range(5)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
     assert cache.length == 5
 
 
-def test_cache_reorder_follows_rows():
+def test_cache_with_beams_reorders_rows_and_drops_sentences():
     m = tiny()
     src = torch.tensor([[5, 6, 3], [9, 8, 3]])
     tgt = torch.tensor([[BOS, 8, 9], [BOS, 4, 5]])
     with torch.no_grad():
         memory, mask = m.encode(src)
-        cache = DecoderCache(m.memory_keys_values(memory), max_len=4)
-        m.decode(tgt[:, :1], cache.memory_kv, mask, cache)
-        m.decode(tgt[:, 1:2], cache.memory_kv, mask, cache)
-        cache.reorder(torch.tensor([1, 1]))
-        step = m.decode(tgt[[1, 1], 2:3], cache.memory_kv, mask[[1, 1]], cache)
+        cache = DecoderCache(m.memory_keys_values(memory), mask, beam=2, max_len=4)
+        rows = tgt.repeat_interleave(2, 0)  # (2 sentences x 2 beams, T)
+        rows[1, 1] = 7  # beam 1 of sentence 0 takes another second token
+        for t in range(2):
+            m.decode(rows[:, t:t + 1], cache.memory_kv, cache.src_mask, cache)
+        # Sentence 0 finishes; sentence 1 keeps its beam 0 twice.
+        cache.reorder(torch.tensor([2, 2]))
+        step = m.decode(rows[[2, 2], 2:3], cache.memory_kv, cache.src_mask, cache)
         full = m.decode(tgt[[1]], m.memory_keys_values(memory[[1]]), mask[[1]])
-    assert torch.allclose(step[0, 0], full[0, 2], atol=1e-5)
-    assert torch.allclose(step[1, 0], full[0, 2], atol=1e-5)
+        assert torch.allclose(step[0, 0], full[0, 2], atol=1e-5)
+        assert torch.allclose(step[1, 0], full[0, 2], atol=1e-5)
+        # And a beam that took another path keeps its own history.
+        cache2 = DecoderCache(m.memory_keys_values(memory), mask, beam=2, max_len=4)
+        for t in range(2):
+            m.decode(rows[:, t:t + 1], cache2.memory_kv, cache2.src_mask, cache2)
+        cache2.reorder(torch.tensor([1, 1, 2, 3]))
+        step = m.decode(rows[[1, 1, 2, 3], 2:3], cache2.memory_kv, cache2.src_mask, cache2)
+        alt = m.decode(rows[[1]], m.memory_keys_values(memory[[0]]), mask[[0]])
+        assert torch.allclose(step[0, 0], alt[0, 2], atol=1e-5)
 
 
 def test_too_long_input_is_a_clear_error():

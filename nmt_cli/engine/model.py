@@ -149,42 +149,60 @@ class DecoderLayer(nn.Module):
             k, v = cache.append(layer, *self.self_attn.keys_values(h))
             return self.self_attn(h, (k, v))  # the new position sees every cached one
 
+        def cross_attention(h: Tensor) -> Tensor:
+            if cache is None or cache.beam == 1:
+                return self.cross_attn(h, memory_kv, src_mask)
+            # The beams of a sentence share its memory: attend with their queries side by side
+            # instead of copying the memory K/V for every beam. (B*beam, 1, D) -> (B, beam, D)
+            b = h.shape[0] // cache.beam
+            y = self.cross_attn(h.view(b, cache.beam, -1), memory_kv, src_mask)
+            return y.view(b * cache.beam, 1, -1)
+
         x = self.res1(x, self_attention)
-        x = self.res2(x, lambda h: self.cross_attn(h, memory_kv, src_mask))
+        x = self.res2(x, cross_attention)
         return self.res3(x, self.ffn)
 
 
 class DecoderCache:
-    """What incremental decoding keeps between steps: per layer, the encoder-decoder K/V
-    (computed once per sentence) and the self-attention K/V of earlier positions, in buffers
-    preallocated for `max_len` steps so that a step writes one position, never concatenates."""
+    """What incremental decoding keeps between steps, per decoder layer: the encoder-decoder K/V,
+    computed once per sentence (B rows, shared by its beams), and the self-attention K/V of
+    earlier positions (B*beam rows) in buffers preallocated for `max_len` steps, so a step
+    writes one position and never concatenates."""
 
-    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], max_len: int):
+    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor, beam: int,
+                 max_len: int):
         k0 = memory_kv[0][0]
         b, h, _, k = k0.shape
-        self.memory_kv = memory_kv
-        self.self_k = [k0.new_empty(b, h, max_len, k) for _ in memory_kv]
-        self.self_v = [k0.new_empty(b, h, max_len, k) for _ in memory_kv]
+        self.memory_kv, self.src_mask, self.beam = memory_kv, src_mask, beam
+        self.self_k = [k0.new_empty(b * beam, h, max_len, k) for _ in memory_kv]
+        self.self_v = [k0.new_empty(b * beam, h, max_len, k) for _ in memory_kv]
         self.length = 0      # positions cached so far
+        self.rows = b * beam  # rows in use; finished sentences free theirs
         self.max_len = max_len
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store one new position's K/V of `layer`; returns all cached K/V of that layer."""
-        n = self.length
-        self.self_k[layer][:, :, n:n + 1] = k
-        self.self_v[layer][:, :, n:n + 1] = v
-        return self.self_k[layer][:, :, :n + 1], self.self_v[layer][:, :, :n + 1]
+        n, rows = self.length, self.rows
+        self.self_k[layer][:rows, :, n:n + 1] = k
+        self.self_v[layer][:rows, :, n:n + 1] = v
+        return self.self_k[layer][:rows, :, :n + 1], self.self_v[layer][:rows, :, :n + 1]
 
     def advance(self) -> None:
         self.length += 1
 
     def reorder(self, indices: Tensor) -> None:
-        """Keep rows `indices` (beam search's survivors, or the sentences still running)."""
-        for i in range(len(self.self_k)):
-            self.self_k[i] = self.self_k[i].index_select(0, indices)
-            self.self_v[i] = self.self_v[i].index_select(0, indices)
-            k, v = self.memory_kv[i]
-            self.memory_kv[i] = (k.index_select(0, indices), v.index_select(0, indices))
+        """Keep rows `indices` (B'*beam of them, each sentence's beams together, sentences in
+        their old order): beam search's survivors, and only the sentences still running."""
+        n = self.length
+        for buffers in (self.self_k, self.self_v):
+            for buf in buffers:  # in place: only the filled positions move
+                buf[:len(indices), :, :n] = buf[:self.rows, :, :n].index_select(0, indices)
+        self.rows = len(indices)
+        sentences = indices[::self.beam] // self.beam
+        if len(sentences) != self.src_mask.shape[0]:  # some sentences finished
+            self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
+                              for k, v in self.memory_kv]
+            self.src_mask = self.src_mask.index_select(0, sentences)
 
 
 class Transformer(nn.Module):

@@ -1,0 +1,165 @@
+"""Beam search on hand-written probability tables (exact hypotheses and scores), and the
+invariants on a real (random) model: cached = uncached, beam 1 = greedy, batched = alone."""
+
+import math
+
+import pytest
+import torch
+
+from nmt_cli.engine.beam import beam_step, choose, greedy, length_penalty, search, translate
+from nmt_cli.engine.model import ModelConfig, Transformer
+from nmt_cli.shards import EOS, PAD
+
+A, B = 4, 5
+V = 6
+
+
+class Table:
+    """A 'model' whose next-token distribution depends on the row's prefix, for one sentence
+    per entry of `tables`; it keeps each row's prefix through reorder() as a decoder would."""
+
+    def __init__(self, tables: list[dict[tuple, dict[int, float]]], beam: int):
+        self.tables = tables
+        self.rows = [(s, ()) for s in range(len(tables)) for _ in range(beam)]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = torch.full((len(self.rows), V), -math.inf)
+        for r, (s, prefix) in enumerate(self.rows):
+            for token, p in self.tables[s].get(prefix, {EOS: 1.0}).items():
+                out[r, token] = math.log(p)
+        self.last = tokens
+        return out
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        # The tokens chosen this step are only known to the search; the test's rows learn them
+        # at the next step() through `tokens`, so record the reorder and extend lazily.
+        self.rows = [self.rows[i] for i in indices.tolist()]
+        self._pending = True
+
+    def run(self, beam, alpha, max_lens, nbest=1):
+        table = self
+
+        def step(tokens):
+            if getattr(table, "_pending", False):
+                table.rows = [(s, prefix + (int(tok),))
+                              for (s, prefix), tok in zip(table.rows, tokens[:, 0].tolist())]
+                table._pending = False
+            return table.step(tokens)
+
+        return search(step, self.reorder, max_lens, beam, alpha, nbest)
+
+
+TABLE = {(): {A: 0.6, B: 0.4},
+         (A,): {EOS: 0.4, A: 0.3, B: 0.3},
+         (B,): {EOS: 0.9, A: 0.05, B: 0.05}}
+
+
+def test_length_penalty():
+    assert length_penalty(1, 0.6) == 1.0
+    assert length_penalty(7, 0.6) == pytest.approx(2 ** 0.6)
+    assert length_penalty(10, 0.0) == 1.0
+
+
+def test_beam_step_and_choose_by_hand():
+    scores = torch.tensor([[math.log(0.6), math.log(0.4)]])
+    lprobs = torch.full((1, 2, V), -math.inf)
+    for beam, prefix in enumerate([(A,), (B,)]):
+        for token, p in TABLE[prefix].items():
+            lprobs[0, beam, token] = math.log(p)
+    top, beams, tokens = beam_step(scores, lprobs, 2)
+    assert torch.allclose(top.exp(), torch.tensor([[0.36, 0.24, 0.18, 0.18]]))
+    assert beams.tolist() == [[1, 0, 0, 0]] and tokens.tolist()[0][:2] == [EOS, EOS]
+    done, live_scores, live_beams, live_tokens = choose(top, beams, tokens, 2)
+    assert done.tolist() == [[True, True, False, False]]
+    assert torch.allclose(live_scores.exp(), torch.tensor([[0.18, 0.18]]))
+    assert live_beams.tolist() == [[0, 0]] and sorted(live_tokens.tolist()[0]) == [A, B]
+
+
+def test_beam_finds_what_greedy_misses():
+    hyps = Table([TABLE], beam=2).run(beam=2, alpha=0.0, max_lens=[10], nbest=2)[0]
+    assert [h.tokens for h in hyps] == [[B], [A]]
+    assert [h.score for h in hyps] == pytest.approx([math.log(0.36), math.log(0.24)])
+    greedy_hyp = Table([TABLE], beam=1).run(beam=1, alpha=0.0, max_lens=[10])[0][0]
+    assert greedy_hyp.tokens == [A] and greedy_hyp.score == pytest.approx(math.log(0.24))
+
+
+def test_length_penalty_divides_scores():
+    hyps = Table([TABLE], beam=2).run(beam=2, alpha=0.6, max_lens=[10], nbest=2)[0]
+    lp = length_penalty(2, 0.6)
+    assert [h.score for h in hyps] == pytest.approx([math.log(0.36) / lp, math.log(0.24) / lp])
+
+
+def test_max_length_forces_eos_per_sentence():
+    import itertools
+    dist = {A: 0.5, B: 0.49, EOS: 0.01}  # EOS never ranks among the best two by itself
+    forever = {prefix: dist for n in range(3) for prefix in itertools.product([A, B], repeat=n)}
+    hyps = Table([forever, TABLE], beam=2).run(beam=2, alpha=0.0, max_lens=[3, 10])
+    assert hyps[0][0].tokens == [A, A]  # 2 tokens + the forced EOS = the limit of 3
+    assert hyps[0][0].score == pytest.approx(math.log(0.5 * 0.5 * 0.01))
+    assert hyps[1][0].tokens == [B]  # the other sentence is not cut short
+
+
+def test_stops_when_no_live_hypothesis_can_win():
+    # After "A EOS" (0.5) finishes, the live "B" has 0.5 * (at most 0.2 more): it cannot win.
+    table = {(): {A: 0.5, B: 0.5}, (A,): {EOS: 1.0}, (B,): {A: 0.2, B: 0.2, EOS: 0.6}}
+    calls = {"n": 0}
+    t = Table([table], beam=3)
+    real = t.step
+
+    def counting(tokens):
+        calls["n"] += 1
+        return real(tokens)
+
+    t.step = counting
+    hyps = t.run(beam=3, alpha=0.0, max_lens=[50])[0]
+    assert hyps[0].tokens == [A] and hyps[0].score == pytest.approx(math.log(0.5))
+    assert calls["n"] <= 3
+
+
+def model():
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=40, num_encoder_layers=2, num_decoder_layers=2,
+                                   d_model=32, ffn=64, heads=4)).eval()
+
+
+SRC = torch.tensor([[5, 6, 7, 8, 9, 10, EOS], [11, 12, EOS, PAD, PAD, PAD, PAD],
+                    [13, 14, 15, 16, EOS, PAD, PAD]])
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cached_equals_uncached(beam):
+    m = model()
+    a = translate(m, SRC, beam=beam, max_len_b=12, nbest=1)
+    b = translate(m, SRC, beam=beam, max_len_b=12, nbest=1, use_cache=False)
+    for x, y in zip(a, b):
+        assert x[0].tokens == y[0].tokens
+        assert x[0].score == pytest.approx(y[0].score, abs=1e-5)
+
+
+def test_beam_one_equals_greedy():
+    m = model()
+    fast = translate(m, SRC, beam=1, max_len_b=12)
+    slow = translate(m, SRC, beam=1, max_len_b=12, nbest=1, use_cache=True)
+    beam1 = translate(m, SRC, beam=1, max_len_b=12, nbest=2)  # nbest > 1 takes the beam path
+    for f, s, b in zip(fast, slow, beam1):
+        assert f[0].tokens == s[0].tokens == b[0].tokens
+        assert f[0].score == pytest.approx(b[0].score, abs=1e-5)
+
+
+def test_batched_equals_alone():
+    m = model()
+    batched = translate(m, SRC, beam=4, max_len_b=12)
+    for i in range(len(SRC)):
+        row = SRC[i:i + 1, : int((SRC[i] != PAD).sum())]
+        alone = translate(m, row, beam=4, max_len_b=12)
+        assert alone[0][0].tokens == batched[i][0].tokens
+        assert alone[0][0].score == pytest.approx(batched[i][0].score, abs=1e-5)
+
+
+def test_greedy_respects_limits():
+    m = model()
+    out = greedy(lambda tokens: torch.log_softmax(torch.zeros(len(tokens), V), -1)
+                 .index_fill(1, torch.tensor([EOS]), -math.inf),
+                 lambda idx: None, [3, 5], alpha=0.0)
+    assert [len(h[0].tokens) for h in out] == [2, 4]
+    del m
