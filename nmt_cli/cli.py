@@ -248,16 +248,190 @@ def average(
            f"{run.averaged}")
 
 
-@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def translate() -> None:
-    """Translate stdin to stdout with beam search (not implemented yet)."""
-    _not_yet("translate", 4)
+BeamOption = Annotated[int, typer.Option(help="Beam size (1: greedy).")]
+AlphaOption = Annotated[float, typer.Option(help="Length penalty ((5+|Y|)/6)^alpha.")]
+MaxLenA = Annotated[float, typer.Option(help="Output length <= a * source length + b: a.")]
+MaxLenB = Annotated[int, typer.Option(help="Output length <= a * source length + b: b.")]
+CheckpointOption = Annotated[Optional[Path], typer.Option(
+    help="Model file (default: the averaged model, else the latest checkpoint).")]
+DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+PrecisionOption = Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16 (GPU).")]
+Int8Option = Annotated[bool, typer.Option("--int8", help="CPU: int8 dynamic quantisation of the linear layers.")]
+ThreadsOption = Annotated[int, typer.Option(help="CPU threads (0: torch's default).")]
 
 
-@app.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def score() -> None:
-    """Score translations with sacreBLEU BLEU, chrF and TER (not implemented yet)."""
-    _not_yet("score", 4)
+@app.command()
+def translate(
+    run_dir: RunDirOption = Path("run"),
+    checkpoint: CheckpointOption = None,
+    beam: BeamOption = 4,
+    alpha: AlphaOption = 0.6,
+    max_len_a: MaxLenA = 1.0,
+    max_len_b: MaxLenB = 50,
+    nbest: Annotated[int, typer.Option(help="Hypotheses per line, printed as "
+                                            "'line<TAB>score<TAB>text'.")] = 1,
+    max_tokens: Annotated[int, typer.Option(help="Padded source tokens per batch.")] = 4096,
+    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
+    device: DeviceOption = "auto",
+    precision: PrecisionOption = "auto",
+    int8: Int8Option = False,
+    threads: ThreadsOption = 0,
+) -> None:
+    """Translate stdin to stdout, one line per line, with cached beam search."""
+    from nmt_cli import ui
+    from nmt_cli.config import TranslateConfig
+    from nmt_cli.rundir import RunDir
+    from nmt_cli.translate import Translator
+
+    config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
+                             alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, nbest=nbest,
+                             max_tokens=max_tokens, batch_size=batch_size, device=device,
+                             precision=precision, int8=int8, threads=threads)
+    run = RunDir(run_dir)
+    translator = Translator(run, config)
+    with ui.progress() as bar:
+        task = bar.add_task("translate", total=None)
+        counts = translator.stream(sys.stdin.buffer, sys.stdout,
+                                   lambda n: bar.advance(task, n))
+    _report_counts(counts, translator.max_src)
+
+
+def _report_counts(counts, max_src: int) -> None:
+    from nmt_cli import ui
+    if counts.truncated:
+        ui.warn(f"{counts.truncated} lines were longer than {max_src} tokens and were "
+                "truncated before translating")
+    if counts.damage.not_utf8:
+        ui.warn(f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
+                f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD")
+
+
+@app.command()
+def score(
+    hyp: Annotated[Optional[Path], typer.Option(help="Translations (default: stdin, or with "
+                                                     "no --ref, the run's test set).")] = None,
+    ref: Annotated[Optional[Path], typer.Option(help="References, line-aligned with --hyp.")] = None,
+    run_dir: RunDirOption = Path("run"),
+    split: Annotated[str, typer.Option(help="Without --ref: the run's split to translate and score.")] = "test",
+    metrics: Annotated[str, typer.Option(help="Comma-separated: bleu, chrf, ter.")] = "bleu,chrf,ter",
+    tokenize: Annotated[str, typer.Option(help="sacreBLEU tokenizer for BLEU.")] = "13a",
+    lowercase: Annotated[bool, typer.Option("--lowercase", help="Case-insensitive scores.")] = False,
+    moses_lc: Annotated[bool, typer.Option("--moses-lc", help="Lowercase + Moses normalise + "
+                                           "Moses tokenise both sides, BLEU with --tokenize none "
+                                           "(how Multi30k papers report).")] = False,
+    lang: Annotated[Optional[str], typer.Option(help="Target language for --moses-lc "
+                                                     "(default: the run's).")] = None,
+    compare: Annotated[Optional[Path], typer.Option(help="Another system's translations: "
+                                                         "paired bootstrap test against it.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    checkpoint: CheckpointOption = None,
+    beam: BeamOption = 4,
+    alpha: AlphaOption = 0.6,
+    max_len_a: MaxLenA = 1.0,
+    max_len_b: MaxLenB = 50,
+    device: DeviceOption = "auto",
+    precision: PrecisionOption = "auto",
+    int8: Int8Option = False,
+    threads: ThreadsOption = 0,
+) -> None:
+    """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
+    import json
+
+    from nmt_cli import score as score_mod
+    from nmt_cli.rundir import RunDir, atomic_write_json
+    from nmt_cli.textio import read_lines
+
+    names = [m.strip().lower() for m in metrics.split(",") if m.strip()]
+    for m in names:
+        if m not in score_mod.METRICS:
+            raise NmtError(f"unknown metric {m!r} in --metrics: choose from "
+                           f"{', '.join(score_mod.METRICS)}")
+    run = RunDir(run_dir)
+    saved_to = None
+    if ref is None:
+        if hyp is not None:
+            raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
+        from nmt_cli.config import TranslateConfig
+        config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
+                                 alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                                 device=device, precision=precision, int8=int8, threads=threads)
+        hyp_path, ref_path = _translate_split(run, split, config)
+        hyps, refs = list(read_lines(hyp_path)), list(read_lines(ref_path))
+        hyp_name, ref_name = str(hyp_path), str(ref_path)
+        saved_to = run.scores(split)
+    else:
+        refs = list(read_lines(ref))
+        hyps = list(read_lines(hyp)) if hyp is not None else _stdin_lines()
+        hyp_name, ref_name = str(hyp) if hyp else "stdin", str(ref)
+    score_mod.check_lengths(hyps, refs, hyp_name, ref_name)
+    other = None
+    if compare is not None:
+        other = list(read_lines(compare))
+        score_mod.check_lengths(other, refs, str(compare), ref_name)
+    if moses_lc:
+        target = lang or run.load_manifest().get("prep", {}).get("tgt", "en") \
+            if run.manifest_path.exists() else (lang or "en")
+        hyps, refs = score_mod.moses_lc(hyps, target), score_mod.moses_lc(refs, target)
+        other = score_mod.moses_lc(other, target) if other is not None else None
+        tokenize = "none"
+    results = score_mod.score(hyps, refs, names, tokenize=tokenize, lowercase=lowercase)
+    report = {"hyp": hyp_name, "ref": ref_name, "lines": len(hyps), "moses_lc": moses_lc,
+              "scores": [r.as_dict() for r in results]}
+    if other is not None:
+        report["compare"] = {"baseline": str(compare),
+                             **score_mod.compare(hyps, other, refs, names, tokenize, lowercase)}
+    if saved_to is not None:
+        atomic_write_json(saved_to, report)
+    if json_out:
+        print(json.dumps(report, indent=2))
+        return
+    for r in results:
+        print(f"{r.text}\t{r.signature}")
+    for m, c in report.get("compare", {}).items():
+        if m != "baseline":
+            print(f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
+                  f"p = {c['p_value']:.4f} (paired bootstrap)")
+
+
+def _stdin_lines() -> list[str]:
+    from nmt_cli.textio import Damage, decode_line
+    damage = Damage()
+    return [decode_line(raw, i, damage) for i, raw in enumerate(sys.stdin.buffer, 1)]
+
+
+def _translate_split(run, split: str, config) -> tuple[Path, Path]:
+    """Translate the run's split unless a translation by the same model and settings exists."""
+    import dataclasses
+    import json
+
+    from nmt_cli import ui
+    from nmt_cli.rundir import atomic_open, atomic_write_json
+    from nmt_cli.translate import Translator, model_path
+
+    manifest = run.load_manifest().get("prep")
+    if not manifest:
+        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
+    if split not in manifest["splits"]:
+        raise NmtError(f"split {split!r} is not in {run.root} (it has "
+                       f"{', '.join(manifest['splits'])})")
+    src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
+    ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
+    out = run.translation(split, manifest["tgt"])
+    model = model_path(run, config.checkpoint)
+    record = model.with_suffix(".json")
+    key = {"model": str(model), "model_sha256": json.loads(record.read_text()).get("sha256")
+           if record.exists() else None, "settings": dataclasses.asdict(config)}
+    key_path = out.with_suffix(out.suffix + ".json")
+    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+        ui.say(f"reusing {out} (same model and settings)")
+        return out, ref_path
+    translator = Translator(run, config)
+    with ui.progress() as bar, open(src_path, "rb") as source, atomic_open(out) as sink:
+        task = bar.add_task(f"translate {split}", total=manifest["splits"][split]["kept"])
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+    atomic_write_json(key_path, key)
+    _report_counts(counts, translator.max_src)
+    return out, ref_path
 
 
 # -- output helpers -----------------------------------------------------------------------------

@@ -141,6 +141,37 @@ class TrainConfig:
             raise NmtError(f"bad model shape: {e}") from None
 
 
+@dataclass(frozen=True)
+class TranslateConfig:
+    checkpoint: str | None = None      # default: the averaged model, else the latest checkpoint
+    beam: int = 4
+    alpha: float = 0.6
+    max_len_a: float = 1.0             # output length <= a * source length + b
+    max_len_b: int = 50
+    nbest: int = 1
+    max_tokens: int = 4096             # padded source tokens per batch
+    batch_size: int = 32               # sentences per batch
+    chunk: int = 10_000                # lines read (and held) at a time
+    device: str = "auto"
+    precision: str = "auto"            # auto: fp32 on CPU, bf16 on GPU
+    int8: bool = False                 # CPU: dynamic int8 quantisation of the linear layers
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("beam", "nbest", "max_tokens", "batch_size", "chunk"):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.nbest > self.beam:
+            raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
+        if self.alpha < 0 or self.max_len_a < 0 or self.max_len_b < 0:
+            raise NmtError("--alpha, --max-len-a and --max-len-b must not be negative")
+        if self.precision not in PRECISIONS:
+            raise NmtError(f"unknown --precision {self.precision!r}: choose one of "
+                           f"{', '.join(PRECISIONS)}")
+        if self.int8 and self.precision not in ("auto", "fp32"):
+            raise NmtError("--int8 quantises an fp32 model: drop --precision or use fp32")
+
+
 C = TypeVar("C")
 
 

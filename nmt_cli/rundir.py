@@ -13,6 +13,8 @@ Layout (each step writes only its own part, and records it in manifest.json):
     checkpoints/checkpoint_{step:08d}.pt/.json   training checkpoints (engine/checkpoint.py)
     metrics.jsonl               every logged training/validation figure, one JSON object a line
     averaged.pt/.json           the average of the last checkpoints (`nmt average`)
+    translations/{split}.{lang}(.json)  translations made by `nmt score`, and their settings
+    scores/{split}.json         the scores `nmt score` computed for a split
 """
 
 from __future__ import annotations
@@ -155,6 +157,14 @@ class RunDir:
     def averaged(self) -> Path:
         """The averaged model (`nmt average`); its record is averaged.json."""
         return self.root / "averaged.pt"
+
+    # -- translate, score
+    def translation(self, split: str, lang: str) -> Path:
+        """`nmt score`'s translation of a split (its record, .json, says by which model)."""
+        return self.root / "translations" / f"{split}.{lang}"
+
+    def scores(self, split: str) -> Path:
+        return self.root / "scores" / f"{split}.json"
 
     # -- helpers
     def relative(self, path: Path) -> str:

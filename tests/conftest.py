@@ -22,11 +22,16 @@ class Result:
 
 
 @pytest.fixture
-def nmt(capfd):
+def nmt(capfd, monkeypatch):
     """Run `nmt ARGS...` through the real entry point; returns exit code, stdout and stderr."""
+    import io
+    import sys
+
     from nmt_cli.cli import main
 
-    def run(*args: str) -> Result:
+    def run(*args: str, stdin: bytes = b"") -> Result:
+        fake = io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")
+        monkeypatch.setattr(sys, "stdin", fake)
         capfd.readouterr()
         try:
             main([str(a) for a in args])
@@ -82,3 +87,20 @@ def run_copy(multi30k_bpe, tmp_path) -> Path:
 # A model small enough that a training step takes milliseconds.
 TINY = ["--size", "tiny", "--d-model", "16", "--ffn", "32", "--heads", "2",
         "--num-encoder-layers", "1", "--num-decoder-layers", "1", "--max-tokens", "256"]
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, multi30k_bpe) -> Path:
+    """A tiny model trained briefly on Multi30k, with its checkpoints averaged; copy before writing."""
+    import shutil
+
+    from nmt_cli.cli import main
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    shutil.copytree(multi30k_bpe, run_dir)
+    for args in (["train", "--run-dir", run_dir, *TINY, "--max-steps", "40", "--save-every", "20",
+                  "--eval-every", "100", "--warmup", "10", "--lr-scale", "4"],
+                 ["average", "--run-dir", run_dir, "--last", "2"]):
+        with pytest.raises(SystemExit) as done:
+            main([str(a) for a in args])
+        assert done.value.code == 0
+    return run_dir

@@ -1,0 +1,130 @@
+"""`nmt translate` as a Unix filter, and `nmt score`."""
+
+import json
+
+from conftest import one_error_line
+
+from nmt_cli.rundir import RunDir
+
+FAST = ["--max-len-b", "6"]  # a barely trained model would otherwise talk for 50 tokens
+
+
+def test_every_awkward_line_gets_one_output_line_in_order(trained, nmt):
+    long_line = " ".join(["word"] * 1500)  # longer than the model's 1024 positions
+    stream = b"".join([
+        b"A man is riding a bike.\n",
+        b"\n",                                   # empty
+        b"   \t \n",                             # whitespace only
+        long_line.encode() + b"\n",
+        b"caf\xe9 \xff\xfe broken bytes\n",      # not UTF-8
+        b"Two dogs play.\r\n",                   # CRLF
+        b"nul\x00inside\n",
+        b"A woman sings.",                       # no final newline
+    ])
+    result = nmt("translate", "--run-dir", trained, *FAST, stdin=stream)
+    assert result.code == 0, result.err
+    lines = result.out.split("\n")
+    assert lines[-1] == "" and len(lines) - 1 == 8
+    assert lines[1] == "" and lines[2] == ""
+    assert all(lines[i] for i in (0, 3, 4, 5, 6, 7))
+    assert "truncated" in result.err and "not UTF-8" in result.err
+    # The same sentence alone gives the same translation as inside the stream.
+    alone = nmt("translate", "--run-dir", trained, *FAST, stdin=b"Two dogs play.\n")
+    assert alone.out == lines[5] + "\n"
+
+
+def test_empty_stdin_gives_empty_output(trained, nmt):
+    result = nmt("translate", "--run-dir", trained, stdin=b"")
+    assert (result.code, result.out) == (0, "")
+
+
+def test_batching_does_not_change_translations(trained, nmt):
+    text = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:40]
+    big = nmt("translate", "--run-dir", trained, *FAST, stdin=b"".join(text))
+    small = nmt("translate", "--run-dir", trained, *FAST, "--batch-size", "3",
+                stdin=b"".join(text))
+    assert big.code == small.code == 0
+    assert big.out == small.out and big.out.count("\n") == 40
+
+
+def test_nbest_and_greedy(trained, nmt):
+    result = nmt("translate", "--run-dir", trained, *FAST, "--nbest", "3",
+                 stdin=b"A dog runs.\nA cat.\n")
+    rows = [line.split("\t") for line in result.out.splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
+    scores = [float(r[1]) for r in rows[:3]]
+    assert scores == sorted(scores, reverse=True)
+    greedy = nmt("translate", "--run-dir", trained, *FAST, "--beam", "1", stdin=b"A dog runs.\n")
+    assert greedy.code == 0 and greedy.out.count("\n") == 1
+
+
+def test_bf16_and_int8_run(trained, nmt):
+    for flags in (["--precision", "bf16"], ["--int8"]):
+        result = nmt("translate", "--run-dir", trained, *FAST, *flags, stdin=b"A dog runs.\n")
+        assert result.code == 0, result.err
+        assert result.out.count("\n") == 1
+
+
+def test_translate_errors(trained, tmp_path, nmt):
+    assert "nmt train" in one_error_line(nmt("translate", "--run-dir", tmp_path, stdin=b"x\n"))
+    assert "--nbest 5 exceeds --beam 4" in one_error_line(
+        nmt("translate", "--run-dir", trained, "--nbest", "5", stdin=b"x\n"))
+    assert "not found" in one_error_line(nmt("translate", "--run-dir", trained, "--checkpoint",
+                                             tmp_path / "none.pt", stdin=b"x\n"))
+
+
+def test_score_files(tmp_path, nmt):
+    ref = tmp_path / "ref.de"
+    ref.write_text("Ein Hund läuft.\nZwei Katzen schlafen.\n")
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text("Ein Hund läuft.\nZwei Katzen schlafen.\n")
+    result = nmt("score", "--hyp", hyp, "--ref", ref)
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
+    assert lines[0].startswith("BLEU = 100.00") and "nrefs:1|case:mixed" in lines[0]
+    assert lines[1].startswith("chrF2 = 100.00") and lines[2].startswith("TER = 0.00")
+    piped = nmt("score", "--ref", ref, "--metrics", "bleu", "--json", stdin=hyp.read_bytes())
+    report = json.loads(piped.out)
+    assert round(report["scores"][0]["score"], 6) == 100.0 and report["scores"][0]["metric"] == "bleu"
+
+
+def test_score_moses_lc_and_compare(tmp_path, nmt):
+    ref = tmp_path / "ref.de"
+    ref.write_text('Ein "Hund" läuft.\n' * 30)
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text('ein " hund " läuft .\n' * 30)  # what a tokenized lowercased system writes
+    result = nmt("score", "--hyp", hyp, "--ref", ref, "--moses-lc", "--lang", "de",
+                 "--metrics", "bleu", "--json")
+    report = json.loads(result.out)
+    assert round(report["scores"][0]["score"], 6) == 100.0 and "tok:none" in report["scores"][0]["signature"]
+    worse = tmp_path / "worse.de"
+    worse.write_text("Katze\n" * 30)
+    result = nmt("score", "--hyp", hyp, "--ref", ref, "--compare", worse, "--metrics", "chrf",
+                 "--json")
+    c = json.loads(result.out)["compare"]["chrf"]
+    assert c["system"] > c["baseline"] and c["p_value"] < 0.05
+
+
+def test_score_errors(tmp_path, nmt):
+    ref = tmp_path / "ref"
+    ref.write_text("a\nb\n")
+    hyp = tmp_path / "hyp"
+    hyp.write_text("a\n")
+    line = one_error_line(nmt("score", "--hyp", hyp, "--ref", ref))
+    assert "has 1 lines but" in line and "has 2" in line
+    assert "unknown metric" in one_error_line(nmt("score", "--hyp", ref, "--ref", ref,
+                                                  "--metrics", "meteor"))
+    assert "nmt prep" in one_error_line(nmt("score", "--run-dir", tmp_path / "none"))
+
+
+def test_score_translates_the_test_set_once(trained, tmp_path, nmt):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    first = nmt("score", "--run-dir", run, "--beam", "1", *FAST, "--json")
+    assert first.code == 0, first.err
+    saved = json.loads((run / "scores" / "test.json").read_text())
+    assert saved == json.loads(first.out)
+    assert (run / "translations" / "test.de").read_text().count("\n") == 1000
+    again = nmt("score", "--run-dir", run, "--beam", "1", *FAST, "--json")
+    assert "reusing" in again.err and json.loads(again.out) == saved
