@@ -6,6 +6,7 @@ Nothing heavy is imported at module level, so `nmt --help` stays fast (no torch)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from enum import Enum
@@ -33,6 +34,7 @@ app = typer.Typer(
 )
 
 _debug = bool(os.environ.get("NMT_DEBUG"))
+_argv: list[str] = []  # the raw arguments, for forwarding to distributed workers
 
 RunDirOption = Annotated[Path, typer.Option(
     "--run-dir", envvar="NMT_RUN_DIR",
@@ -181,6 +183,15 @@ def train(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the model.")] = False,
     threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,
+    gpus: Annotated[int, typer.Option(help="GPUs on this node: one NCCL worker each, through "
+                                           "torch's elastic launcher.")] = 0,
+    procs: Annotated[int, typer.Option(help="CPU worker processes (gloo), e.g. --procs 2 "
+                                            "--device cpu.")] = 1,
+    nnodes: Annotated[int, typer.Option(help="Nodes taking part (run the same command on each).")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's rank among --nnodes.")] = 0,
+    rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, for --nnodes > 1.")] = "",
+    max_restarts: Annotated[int, typer.Option(help="Restarts of failed workers (they resume "
+                                                   "from the last checkpoint).")] = 0,
 ) -> None:
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
@@ -202,7 +213,18 @@ def train(
                  max_time=max_time, precision=precision, eval_every=eval_every,
                  patience=patience, save_every=save_every, keep_last=keep_last, seed=seed,
                  device=device, compile=compile, threads=threads)
-    with run.lock("train"):
+    if gpus < 0 or procs < 1 or nnodes < 1 or max_restarts < 0:
+        raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "
+                       "must be at least 1")
+    if gpus or procs > 1 or nnodes > 1:
+        _launch(run, gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts, device,
+                max_tokens, update_freq)
+        return
+    # Under a launcher the parent holds the lock; under torchrun/SLURM rank 0 takes it.
+    from nmt_cli.engine import distributed
+    rank = distributed.from_environment()[0]
+    lock = contextlib.nullcontext() if os.environ.get("NMT_LOCK_HELD") or rank else run.lock("train")
+    with lock:
         if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
             # A resume keeps the saved settings; options given now override them.
             saved = from_json(TrainConfig, run.config_path("train").read_text(),
@@ -211,15 +233,63 @@ def train(
             config = dataclasses.replace(saved, **explicit)
         else:
             config = TrainConfig(**given)
-        run.save_config("train", config)
+        if rank == 0:
+            run.save_config("train", config)
         with ui.TrainDisplay() as display:
             try:
                 result = trainer.train(config, run, display)
             except trainer.Interrupted as e:
                 ui.say(str(e))
                 raise typer.Exit(128 + e.signum) from None
-    ui.say(f"step {result['step']}: checkpoints in {run.checkpoints}; next: nmt average "
-           f"--run-dir {run.root}")
+    if rank == 0:
+        ui.say(f"step {result['step']}: checkpoints in {run.checkpoints}; next: nmt average "
+               f"--run-dir {run.root}")
+
+
+LAUNCH_OPTIONS = ("--gpus", "--procs", "--nnodes", "--node-rank", "--rdzv-endpoint",
+                  "--max-restarts")
+
+
+def _launch(run, gpus: int, procs: int, nnodes: int, node_rank: int, rdzv_endpoint: str,
+            max_restarts: int, device: str, max_tokens: int, update_freq: int) -> None:
+    """Start this node's workers, each running `nmt train` with the same options."""
+    from nmt_cli import ui
+    from nmt_cli.engine import distributed
+
+    if gpus and procs > 1:
+        raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
+    if gpus:
+        if device == "cpu":
+            raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N instead")
+        distributed.check_gpus(gpus)
+    elif device.startswith("cuda"):
+        raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
+    args = _argv[_argv.index("train") + 1:]
+    forwarded: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in LAUNCH_OPTIONS:
+            skip = True
+            continue
+        if a.split("=")[0] in LAUNCH_OPTIONS:
+            continue
+        forwarded.append(a)
+    if not gpus and device == "auto":
+        forwarded += ["--device", "cpu"]
+    workers = gpus or procs
+    ui.say(f"starting {workers} worker{'s' if workers > 1 else ''} on node {node_rank} "
+           f"({'NCCL, one GPU each' if gpus else 'gloo, CPU'}); effective batch: {max_tokens} "
+           f"tokens x {workers * nnodes} ranks x {update_freq} = "
+           f"{max_tokens * workers * nnodes * update_freq:,} tokens per update")
+    with run.lock("train"):
+        os.environ["NMT_LOCK_HELD"] = "1"
+        try:
+            distributed.launch(workers, forwarded, nnodes, node_rank, rdzv_endpoint, max_restarts)
+        finally:
+            os.environ.pop("NMT_LOCK_HELD", None)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -454,14 +524,18 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def _error(message: str) -> None:
-    # One line, whatever the message contains.
-    print(f"nmt: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    # One line, whatever the message contains. A worker under our launcher labels its line
+    # with its rank: the launcher prints the job's one error line.
+    prefix = f"nmt: rank {os.environ.get('RANK', '?')}:" if os.environ.get("NMT_LOCK_HELD") \
+        else "nmt: error:"
+    print(f"{prefix} {' '.join(str(message).split())}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: runs the app and turns every failure into one line on stderr and an exit code."""
-    global _debug
+    global _debug, _argv
     args = list(sys.argv[1:] if argv is None else argv)
+    _argv = args
     if "--debug" in args:  # accepted anywhere, not only before the command
         _debug = True
         args = [a for a in args if a != "--debug"]

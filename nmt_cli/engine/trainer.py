@@ -8,6 +8,7 @@ moment and restarted ends with the same weights as one that never stopped (CPU, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nmt_cli.config import TrainConfig
-from nmt_cli.engine import checkpoint
+from nmt_cli.engine import checkpoint, distributed
 from nmt_cli.engine.model import ModelConfig, Transformer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
@@ -46,9 +47,61 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
     return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
 
 
+def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler, batches: list[list[torch.Tensor]], *,
+               label_smoothing: float, clip_norm: float, lr: float, autocast,
+               group: distributed.Group) -> dict | None:
+    """One update from (src, tgt_in, tgt_out) batches: forward, label-smoothed loss, backward,
+    the gradient as a per-token mean over all ranks, clipping, Adam. None if non-finite.
+
+    `forward` is the model as called for training (compiled and/or DDP-wrapped); gradients are
+    all-reduced only after the last batch.
+    """
+    model.train()
+    loss_sum = nll_sum = tokens = 0.0
+    for i, (src, tgt_in, tgt_out) in enumerate(batches):
+        sync = i == len(batches) - 1
+        with (contextlib.nullcontext() if sync else group.no_sync(forward)):
+            with autocast():
+                hidden = forward(src, tgt_in)
+                mask = tgt_out != PAD
+                logits = model.logits(hidden[mask])  # padding never reaches the output layer
+            loss, nll = label_smoothed_loss(logits, tgt_out[mask], label_smoothing)
+            scaler.scale(loss).backward()
+        loss_sum += loss.item()
+        nll_sum += nll.item()
+        tokens += int(mask.sum())
+    loss_sum, nll_sum, tokens = group.sum([loss_sum, nll_sum, tokens], tgt_out.device)
+    scaler.unscale_(optimizer)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    # The loss is a sum over this rank's tokens and DDP averaged over ranks: make the gradient
+    # the mean over every token of the update.
+    torch._foreach_mul_(grads, group.world / tokens)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or math.inf)
+    if not (math.isfinite(loss_sum) and math.isfinite(float(norm))):
+        optimizer.zero_grad(set_to_none=True)
+        scaler.update()  # with fp16, backs the loss scale off
+        return None
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = lr
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "lr": lr,
+            "grad_norm": float(norm), "tokens": int(tokens)}
+
+
 class Reporter(Protocol):
     def progress(self, state: "State", total_steps: int | None, metrics: dict) -> None: ...
     def say(self, message: str) -> None: ...
+
+
+class _Quiet:
+    def progress(self, state, total_steps, metrics) -> None:
+        pass
+
+    def say(self, message: str) -> None:
+        pass
 
 
 class Interrupted(Exception):
@@ -88,10 +141,14 @@ class Split:
         keep = np.flatnonzero((sl <= limit) & (tl <= limit))
         return cls(s, t, sl, tl, keep)
 
-    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+    def batches(self, max_tokens: int, seed: int, epoch: int, rank: int = 0,
+                world: int = 1) -> list[np.ndarray]:
+        """This rank's share of the epoch's batches: every world-th one, the same number on
+        every rank (the few left over are dropped)."""
         groups = make_batches(self.src_lengths[self.keep], self.tgt_lengths[self.keep],
                               max_tokens, seed, epoch)
-        return [self.keep[g] for g in groups]
+        usable = len(groups) // world * world
+        return [self.keep[g] for g in groups[rank:usable:world]]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -122,7 +179,9 @@ class Trainer:
         self.src_lang, self.tgt_lang = prep["src"], prep["tgt"]
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.device = resolve_device(config.device)
+        self.dist, self.device = distributed.setup(resolve_device(config.device))
+        if not self.dist.is_main:  # rank 0 alone talks, logs and writes
+            self.reporter = reporter = _Quiet()
         self.precision = resolve_precision(config.precision, self.device)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
         limit = min(self.model_config.max_positions, config.max_tokens)
@@ -135,9 +194,14 @@ class Trainer:
         dropped = len(self.train_data.src) - len(self.train_data.keep)
         if dropped:
             reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
+        if self.dist.world > 1 and len(self.train_data.batches(config.max_tokens, config.seed, 0)) < 1:
+            raise NmtError("too little training data for one batch per rank")
         torch.manual_seed(config.seed)
         self.model = Transformer(self.model_config).to(self.device)
-        self.forward = torch.compile(self.model) if config.compile else self.model
+        if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
+            torch.manual_seed(config.seed + 7919 * self.dist.rank)
+        compiled = torch.compile(self.model) if config.compile else self.model
+        self.forward = self.dist.wrap(compiled, self.device)
         cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=0.0, betas=(config.beta1, config.beta2),
@@ -149,16 +213,22 @@ class Trainer:
 
     # -- checkpoints
     def save(self) -> None:
+        """Every rank calls this at the same step (its RNG state is gathered); rank 0 writes."""
+        rng_cpu = self.dist.gather(torch.get_rng_state())
+        rng_cuda = (self.dist.gather(torch.cuda.get_rng_state(self.device).to(self.device)
+                                     ) if self.device.type == "cuda" else [])
+        if not self.dist.is_main:
+            return
         tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-                   "rng_cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            tensors["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+                   "rng_cpu": torch.stack(rng_cpu)}
+        if rng_cuda:
+            tensors["rng_cuda"] = torch.stack([r.cpu() for r in rng_cuda])
         meta = {"format": 1, "saved": now(), "step": self.state.step,
                 "state": dataclasses.asdict(self.state),
                 "model": dataclasses.asdict(self.model_config),
                 "train": dataclasses.asdict(self.config),
-                "src": self.src_lang, "tgt": self.tgt_lang}
+                "src": self.src_lang, "tgt": self.tgt_lang, "world": self.dist.world}
         checkpoint.save_tensors(checkpoint.path_for(self.run.checkpoints, self.state.step),
                                 tensors, meta)
         checkpoint.prune(self.run.checkpoints, self.config.keep_last)
@@ -175,11 +245,20 @@ class Trainer:
         self.optimizer.load_state_dict(tensors["optimizer"])
         if self.scaler.is_enabled() and tensors.get("scaler"):
             self.scaler.load_state_dict(tensors["scaler"])
-        torch.set_rng_state(tensors["rng_cpu"])
-        if self.device.type == "cuda" and "rng_cuda" in tensors:
-            torch.cuda.set_rng_state(tensors["rng_cuda"], self.device)
+        rng_cpu = tensors["rng_cpu"]
+        if meta.get("world", 1) == self.dist.world:  # each rank continues its own dropout stream
+            # clone(): torch.set_rng_state crashes (SIGSEGV) on a view such as a row.
+            torch.set_rng_state((rng_cpu[self.dist.rank] if rng_cpu.dim() == 2 else rng_cpu).clone())
+            if self.device.type == "cuda" and "rng_cuda" in tensors:
+                torch.cuda.set_rng_state(tensors["rng_cuda"][self.dist.rank].clone(), self.device)
+        else:
+            self.reporter.say(f"the checkpoint was written by {meta.get('world', 1)} ranks, "
+                              f"this run has {self.dist.world}: this epoch's data order and the "
+                              "dropout streams differ from an uninterrupted run")
+            torch.manual_seed(self.config.seed + 7919 * self.dist.rank + meta["step"])
         self.state = State(**meta["state"])
-        self._truncate_metrics(self.state.step)
+        if self.dist.is_main:
+            self._truncate_metrics(self.state.step)
         self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
         return True
 
@@ -198,6 +277,8 @@ class Trainer:
         atomic_write_text(self.run.metrics, "".join(f"{line}\n" for line in kept))
 
     def log(self, kind: str, metrics: dict) -> None:
+        if not self.dist.is_main:
+            return
         record = {"kind": kind, "step": self.state.step, "epoch": self.state.epoch + 1,
                   "minutes": round(self.elapsed() / 60, 4), **metrics}
         with open(self.run.metrics, "a", encoding="utf-8") as f:
@@ -216,39 +297,14 @@ class Trainer:
 
     def step(self, group: list[np.ndarray]) -> dict | None:
         """One update from a group of batches; None if it was skipped as non-finite."""
-        self.model.train()
-        loss_sum = nll_sum = 0.0
-        tokens = 0
-        for indices in group:
-            src, tgt_in, tgt_out = self.to_device(collate(self.train_data.src,
-                                                          self.train_data.tgt, indices))
-            with self.autocast():
-                hidden = self.forward(src, tgt_in)
-                mask = tgt_out != PAD
-                logits = self.model.logits(hidden[mask])  # padding never reaches the output layer
-            loss, nll = label_smoothed_loss(logits, tgt_out[mask], self.config.label_smoothing)
-            self.scaler.scale(loss).backward()
-            loss_sum += loss.item()
-            nll_sum += nll.item()
-            tokens += int(mask.sum())
-        self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / tokens)  # the loss is a sum: make it a per-token mean
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                              self.config.clip_norm or math.inf)
-        if not (math.isfinite(loss_sum) and math.isfinite(float(norm))):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update()  # with fp16, backs the loss scale off
-            return None
+        batches = [self.to_device(collate(self.train_data.src, self.train_data.tgt, indices))
+                   for indices in group]
         lr = learning_rate(self.state.step + 1, self.model_config.d_model, self.config.warmup,
                            self.config.lr_scale)
-        for group_ in self.optimizer.param_groups:
-            group_["lr"] = lr
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "lr": lr,
-                "grad_norm": float(norm), "tokens": tokens}
+        return train_step(self.model, self.forward, self.optimizer, self.scaler, batches,
+                          label_smoothing=self.config.label_smoothing,
+                          clip_norm=self.config.clip_norm, lr=lr, autocast=self.autocast,
+                          group=self.dist)
 
     @torch.no_grad()
     def validate(self) -> dict | None:
@@ -273,12 +329,15 @@ class Trainer:
         self._signal = signum
 
     def should_stop(self) -> str | None:
+        """Why training ends now, if it does; every rank reaches the same answer."""
         c, s = self.config, self.state
         if c.max_steps and s.step >= c.max_steps:
             return f"reached --max-steps {c.max_steps}"
         if c.max_epochs and s.epoch >= c.max_epochs:
             return f"reached --max-epochs {c.max_epochs}"
-        if c.max_time and self.elapsed() >= c.max_time * 60:
+        # Clocks differ between ranks: stop when any rank's has run out.
+        time_up = bool(c.max_time) and self.elapsed() >= c.max_time * 60
+        if c.max_time and self.dist.sum([float(time_up)], self.device)[0] > 0:
             return f"reached --max-time {c.max_time:g} minutes"
         if c.patience and s.bad_evals >= c.patience:
             return f"validation loss did not improve in {c.patience} evaluations (--patience)"
@@ -308,7 +367,8 @@ class Trainer:
             reason = self.should_stop()
             window_tokens, window_start = 0, time.monotonic()
             while reason is None:
-                batches = self.train_data.batches(c.max_tokens, c.seed, self.state.epoch)
+                batches = self.train_data.batches(c.max_tokens, c.seed, self.state.epoch,
+                                                  self.dist.rank, self.dist.world)
                 if self.state.batch == 0:
                     share = padding_share(batches, self.train_data.src_lengths,
                                           self.train_data.tgt_lengths)
@@ -344,10 +404,13 @@ class Trainer:
                     if self.state.step % c.save_every == 0:
                         self.save()
                         saved_at = self.state.step
-                    if self._signal is not None:
+                    signum = self._signal or 0
+                    if self.dist.active:  # a signal seen by one rank stops them all, together
+                        signum = int(max(self.dist.gather(torch.tensor([signum], device=self.device))).item())
+                    if signum:
                         if saved_at != self.state.step:
                             self.save()
-                        raise Interrupted(self._signal, self.state.step)
+                        raise Interrupted(signum, self.state.step)
                     reason = self.should_stop()
                 if self.state.batch >= len(batches):
                     self.state.epoch += 1
@@ -359,9 +422,15 @@ class Trainer:
                 self.save()
             self.reporter.say(f"training stopped: {reason}")
             return {"reason": reason, "step": self.state.step, **last}
+        except RuntimeError as e:
+            if self.dist.active and not isinstance(e, NmtError):
+                raise NmtError(f"lost contact with the other ranks at step {self.state.step} "
+                               f"({str(e).splitlines()[0][:200]})") from None
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.dist.close()
 
 
 def train(config: TrainConfig, run: RunDir, reporter: Reporter) -> dict:

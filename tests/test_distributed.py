@@ -1,0 +1,122 @@
+"""Distributed training on the CPU with gloo, through the same launcher as `--gpus N`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, one_error_line
+
+from nmt_cli.engine import checkpoint
+
+NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nmt):
+    import shutil
+    single = tmp_path / "single"
+    shutil.copytree(run_copy, single)
+    common = [*TINY, *NO_DROPOUT, "--max-steps", "20", "--save-every", "20", "--eval-every", "100"]
+    result = nmt("train", "--run-dir", single, *common, "--update-freq", "2")
+    assert result.code == 0, result.err
+    result = nmt("train", "--run-dir", run_copy, *common, "--procs", "2", "--device", "cpu")
+    assert result.code == 0, result.err
+    assert "x 2 ranks x 1 = 512 tokens per update" in result.err.replace("\n", " ")
+    a, meta_a = checkpoint.load_tensors(checkpoint.listed(single / "checkpoints")[-1])
+    b, meta_b = checkpoint.load_tensors(checkpoint.listed(run_copy / "checkpoints")[-1])
+    assert meta_a["step"] == meta_b["step"] == 20 and meta_b["world"] == 2
+    for name in a["model"]:
+        assert torch.allclose(a["model"][name], b["model"][name], rtol=1e-4, atol=1e-5), name
+    loss_a = [(r["step"], r["loss"], r["tokens"]) for r in _metrics(single) if r["kind"] == "train"]
+    loss_b = [(r["step"], r["loss"], r["tokens"]) for r in _metrics(run_copy) if r["kind"] == "train"]
+    assert [x[0] for x in loss_a] == [x[0] for x in loss_b]
+    assert [x[2] for x in loss_a] == [x[2] for x in loss_b]  # global token counts
+    assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(loss_a, loss_b))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_job_and_the_rerun_resumes(run_copy):
+    cmd = [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_copy), *TINY,
+           "--max-steps", "100000", "--save-every", "5", "--eval-every", "1000",
+           "--procs", "2", "--device", "cpu"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    first = run_copy / "checkpoints" / "checkpoint_00000005.json"
+    deadline = time.monotonic() + 180
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first.exists()
+    workers = [p for p in _children(launcher.pid) if _rank_of(p) is not None]
+    victim = next(p for p in workers if _rank_of(p) == 1)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert time.monotonic() - killed_at < 60  # bounded, not the 30-minute collective timeout
+    assert launcher.returncode == 1
+    errors = [line for line in err.splitlines() if line.startswith("nmt: error:")]
+    assert len(errors) == 1 and "rank 1" in errors[0] and "resume" in errors[0]
+    last = checkpoint.listed(run_copy / "checkpoints")[-1]
+    step = json.loads(last.with_suffix(".json").read_text())["step"]
+    rerun = subprocess.run(cmd[:cmd.index("100000")] + [str(step + 2)] + cmd[cmd.index("100000") + 1:],
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"resuming from step {step}" in rerun.stderr
+    assert json.loads(checkpoint.listed(run_copy / "checkpoints")[-1]
+                      .with_suffix(".json").read_text())["step"] == step + 2
+
+
+def test_gpus_without_gpus_says_so(run_copy, nmt):
+    line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--gpus", "8"))
+    assert "--gpus 8 but this machine has 0 GPUs" in line and "--procs N --device cpu" in line
+    line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--procs", "2",
+                              "--device", "cuda"))
+    assert "--gpus" in line
+
+
+@pytest.mark.slow
+def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
+    import shutil
+    other = tmp_path / "uninterrupted"
+    shutil.copytree(run_copy, other)
+    common = [*TINY, "--save-every", "4", "--eval-every", "100", "--procs", "2", "--device", "cpu"]
+    assert nmt("train", "--run-dir", other, *common, "--max-steps", "8").code == 0
+    assert nmt("train", "--run-dir", run_copy, *common, "--max-steps", "4").code == 0
+    result = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "8")
+    assert result.code == 0 and "resuming from step 4" in result.err
+    a, _ = checkpoint.load_tensors(checkpoint.listed(other / "checkpoints")[-1])
+    b, _ = checkpoint.load_tensors(checkpoint.listed(run_copy / "checkpoints")[-1])
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
