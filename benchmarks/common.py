@@ -1,0 +1,66 @@
+"""Shared by the benchmarks and the peer scripts (which run in the peers' own venvs, so this
+file imports nothing but torch and the standard library)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    "tiny": dict(layers=3, d=256, ffn=1024, heads=4, vocab=8000),
+    "base": dict(layers=6, d=512, ffn=2048, heads=8, vocab=32000),
+}
+
+
+def batch(vocab: int, sentences: int = 128, length: int = 32, seed: int = 0):
+    """4096 source + 4096 target tokens without padding: (src, tgt_in, tgt_out), ids >= 4."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, vocab, (sentences, length), generator=g)
+    tgt = torch.randint(4, vocab, (sentences, length + 1), generator=g)
+    return src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
+
+
+def train_flops(shape: dict, src_tokens: int, tgt_tokens: int, s_len: int, t_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward), matmuls only."""
+    L, d, f, v = shape["layers"], shape["d"], shape["ffn"], shape["vocab"]
+    enc = src_tokens * L * (2 * (4 * d * d + 2 * d * f) + 4 * s_len * d)
+    dec = tgt_tokens * L * (2 * (4 * d * d + 2 * d * d + 2 * d * f) + 4 * t_len * d + 4 * s_len * d)
+    dec += src_tokens * L * 2 * (2 * d * d)   # encoder-decoder keys and values
+    out = tgt_tokens * 2 * d * v               # tied output projection
+    return 3.0 * (enc + dec + out)
+
+
+def time_steps(step, warmup: int, repeats: int) -> float:
+    """Median seconds of `step()` after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_ceiling(dtype: torch.dtype, rows: int = 4096, d: int = 1024, repeats: int = 5) -> float:
+    """GFLOP/s of a (rows x d) by (d x d) linear layer in `dtype` on this machine now: the shape
+    and the call (F.linear, oneDNN) of a training step's matmuls."""
+    x, w = torch.randn(rows, d).to(dtype), torch.randn(d, d).to(dtype)
+    seconds = time_steps(lambda: torch.nn.functional.linear(x, w), 2, repeats)
+    return 2 * rows * d * d / seconds / 1e9
+
+
+def cpu_name() -> str:
+    import platform
+    flags = ""
+    try:
+        info = open("/proc/cpuinfo").read()
+        name = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                    if line.startswith("model name"))
+        have = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
+        flags = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
+        return f"{name} ({flags})"
+    except (OSError, StopIteration):
+        return platform.processor()
