@@ -27,6 +27,10 @@ from nmt_cli.shards import EOS, PAD
 from nmt_cli.textio import Damage, decode_line
 
 
+# Characters that some readers take for a line break: an output line must stay one line.
+ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
 def model_path(run: RunDir, explicit: str | None) -> Path:
     """The model to use: --checkpoint, else the averaged model, else the latest checkpoint."""
     if explicit:
@@ -153,7 +157,7 @@ class Translator:
             lines = [decode_line(raw, self.counts.lines + i + 1, self.counts.damage)
                      for i, raw in enumerate(chunk)]
             for text in self.translate(lines):
-                sink.write(text.replace("\n", " ") + "\n")
+                sink.write(text.translate(ONE_LINE) + "\n")
             sink.flush()
             self.counts.lines += len(chunk)
             advance(len(chunk))

@@ -36,6 +36,22 @@ def test_label_smoothed_loss_by_hand():
     assert loss.item() == pytest.approx(0.9 * nll.item() + 0.1 * uniform)
 
 
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_label_smoothed_loss_gradient_matches_autograd(epsilon):
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    logits = torch.randn(40, 30, requires_grad=True)
+    target = torch.randint(0, 30, (40,))
+    lprobs = F.log_softmax(logits, -1)
+    nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)
+    reference = ((1 - epsilon) * nll - epsilon * lprobs.mean(-1)).sum()
+    expected, = torch.autograd.grad(3 * reference + 2 * nll.sum(), logits)
+    loss, nll_sum = label_smoothed_loss(logits, target, epsilon)
+    got, = torch.autograd.grad(3 * loss + 2 * nll_sum, logits)
+    assert torch.allclose(loss, reference.detach(), atol=1e-4)
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
     run = RunDir(multi30k_bpe)
     s, t = Shard(run.tokens("train", "en")).lengths + 1, Shard(run.tokens("train", "de")).lengths + 1
