@@ -190,8 +190,8 @@ def train(
     nnodes: Annotated[int, typer.Option(help="Nodes taking part (run the same command on each).")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank among --nnodes.")] = 0,
     rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, for --nnodes > 1.")] = "",
-    max_restarts: Annotated[int, typer.Option(help="Restarts of failed workers (they resume "
-                                                   "from the last checkpoint).")] = 0,
+    max_restarts: Annotated[int, typer.Option(help="Restarts of failed workers by the launcher "
+                                                   "(see the guide: unreliable in torch 2.13).")] = 0,
 ) -> None:
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
@@ -439,8 +439,10 @@ def score(
         other = list(read_lines(compare))
         score_mod.check_lengths(other, refs, str(compare), ref_name)
     if moses_lc:
-        target = lang or run.load_manifest().get("prep", {}).get("tgt", "en") \
-            if run.manifest_path.exists() else (lang or "en")
+        target = lang
+        if target is None:  # the run's target language, if there is a run
+            prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
+            target = prepped.get("tgt", "en")
         hyps, refs = score_mod.moses_lc(hyps, target), score_mod.moses_lc(refs, target)
         other = score_mod.moses_lc(other, target) if other is not None else None
         tokenize = "none"

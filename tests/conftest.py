@@ -62,17 +62,25 @@ def multi30k_dir() -> Path:
     return MULTI30K
 
 
+def run_ok(*commands: list) -> None:
+    """Run each `nmt` command line through the real entry point; each must succeed."""
+    from nmt_cli.cli import main
+    for args in commands:
+        with pytest.raises(SystemExit) as done:
+            main([str(a) for a in args])
+        assert done.value.code == 0, args
+
+
+def prepared_multi30k(run_dir: Path, vocab_size: int) -> Path:
+    run_ok(["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", MULTI30K],
+           ["bpe", "--run-dir", run_dir, "--vocab-size", vocab_size])
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def multi30k_bpe(tmp_path_factory, multi30k_dir) -> Path:
     """A run directory with Multi30k prepared and binarized (vocabulary 1000); copy before use."""
-    from nmt_cli.cli import main
-    run_dir = tmp_path_factory.mktemp("m30k-bpe")
-    for args in (["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", multi30k_dir],
-                 ["bpe", "--run-dir", run_dir, "--vocab-size", "1000"]):
-        with pytest.raises(SystemExit) as done:
-            main([str(a) for a in args])
-        assert done.value.code == 0
-    return run_dir
+    return prepared_multi30k(tmp_path_factory.mktemp("m30k-bpe"), 1000)
 
 
 @pytest.fixture
@@ -93,14 +101,9 @@ TINY = ["--size", "tiny", "--d-model", "16", "--ffn", "32", "--heads", "2",
 def trained(tmp_path_factory, multi30k_bpe) -> Path:
     """A tiny model trained briefly on Multi30k, with its checkpoints averaged; copy before writing."""
     import shutil
-
-    from nmt_cli.cli import main
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     shutil.copytree(multi30k_bpe, run_dir)
-    for args in (["train", "--run-dir", run_dir, *TINY, "--max-steps", "40", "--save-every", "20",
-                  "--eval-every", "100", "--warmup", "10", "--lr-scale", "4"],
-                 ["average", "--run-dir", run_dir, "--last", "2"]):
-        with pytest.raises(SystemExit) as done:
-            main([str(a) for a in args])
-        assert done.value.code == 0
+    run_ok(["train", "--run-dir", run_dir, *TINY, "--max-steps", "40", "--save-every", "20",
+            "--eval-every", "100", "--warmup", "10", "--lr-scale", "4"],
+           ["average", "--run-dir", run_dir, "--last", "2"])
     return run_dir

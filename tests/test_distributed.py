@@ -120,3 +120,21 @@ def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
     b, _ = checkpoint.load_tensors(checkpoint.listed(run_copy / "checkpoints")[-1])
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+
+
+@pytest.mark.slow
+def test_torchrun_starts_the_same_training(run_copy):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), "--master-addr", "127.0.0.1",
+         "-m", "nmt_cli", "train", "--run-dir", str(run_copy), *TINY, "--max-steps", "4",
+         "--save-every", "4", "--eval-every", "100", "--device", "cpu"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = checkpoint.listed(run_copy / "checkpoints")[-1]
+    meta = json.loads(last.with_suffix(".json").read_text())
+    assert meta["step"] == 4 and meta["world"] == 2

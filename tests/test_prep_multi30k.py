@@ -4,6 +4,7 @@ import gzip
 import json
 
 import pytest
+from conftest import prepared_multi30k
 
 from nmt_cli import bpe
 from nmt_cli.rundir import RunDir, file_stats
@@ -14,14 +15,7 @@ SPLITS = {"train": 29000, "valid": 1014, "test": 1000, "test2017": 1000}
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, multi30k_dir):
-    from nmt_cli.cli import main
-    run_dir = tmp_path_factory.mktemp("m30k")
-    for args in (["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", multi30k_dir],
-                 ["bpe", "--run-dir", run_dir, "--vocab-size", "2000"]):
-        with pytest.raises(SystemExit) as done:
-            main([str(a) for a in args])
-        assert done.value.code == 0
-    return RunDir(run_dir)
+    return RunDir(prepared_multi30k(tmp_path_factory.mktemp("m30k"), 2000))
 
 
 def test_every_split_is_prepared_with_its_counts(prepared, multi30k_dir):

@@ -12,6 +12,7 @@ import datetime
 import os
 import signal
 import sys
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -123,17 +124,20 @@ def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if nnodes == 1:  # one node: a static rendezvous on a free local port
-        endpoint, node_rank = f"127.0.0.1:{_free_port()}", 0
+    if nnodes == 1:
+        # As torchrun --standalone: a c10d rendezvous on a free local port, which also serves
+        # the later rounds when --max-restarts restarts the workers.
+        backend, endpoint, configs = "c10d", f"127.0.0.1:{_free_port()}", {}
+        run_id = uuid.uuid4().hex
     elif not rdzv_endpoint:
         raise NmtError("multi-node training needs --rdzv-endpoint HOST:PORT of node 0 "
                        "(the same on every node) and --node-rank")
-    else:
-        endpoint = rdzv_endpoint
+    else:  # as torchrun --node-rank R --master-addr/--master-port: ranks fixed by the nodes
+        backend, endpoint, configs = "static", rdzv_endpoint, {"rank": node_rank}
+        run_id = os.environ.get("NMT_RUN_ID", "nmt")
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs,
-        run_id=os.environ.get("NMT_RUN_ID", "nmt"), rdzv_backend="static",
-        rdzv_endpoint=endpoint, rdzv_configs={"rank": node_rank},
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id,
+        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
         max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "nmt_cli", "train", *argv)
