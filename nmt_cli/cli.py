@@ -183,6 +183,8 @@ def train(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the model.")] = False,
     threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,
+    max_bad_steps: Annotated[int, typer.Option(help="Stop after this many non-finite updates "
+                                                    "in a row.")] = 20,
     gpus: Annotated[int, typer.Option(help="GPUs on this node: one NCCL worker each, through "
                                            "torch's elastic launcher.")] = 0,
     procs: Annotated[int, typer.Option(help="CPU worker processes (gloo), e.g. --procs 2 "
@@ -212,7 +214,7 @@ def train(
                  clip_norm=clip_norm, max_steps=max_steps, max_epochs=max_epochs,
                  max_time=max_time, precision=precision, eval_every=eval_every,
                  patience=patience, save_every=save_every, keep_last=keep_last, seed=seed,
-                 device=device, compile=compile, threads=threads)
+                 device=device, compile=compile, threads=threads, max_bad_steps=max_bad_steps)
     if gpus < 0 or procs < 1 or nnodes < 1 or max_restarts < 0:
         raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "
                        "must be at least 1")

@@ -218,8 +218,10 @@ class Trainer:
         dropped = len(self.train_data.src) - len(self.train_data.keep)
         if dropped:
             reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
-        if self.dist.world > 1 and len(self.train_data.batches(config.max_tokens, config.seed, 0)) < 1:
-            raise NmtError("too little training data for one batch per rank")
+        if not self.train_data.batches(config.max_tokens, config.seed, 0, self.dist.rank,
+                                       self.dist.world):
+            raise NmtError(f"too little training data for one batch per rank ({self.dist.world} "
+                           "ranks): use fewer processes or a smaller --max-tokens")
         torch.manual_seed(config.seed)
         self.model = Transformer(self.model_config).to(self.device)
         if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
