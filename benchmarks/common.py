@@ -1,12 +1,10 @@
 """Shared by the benchmarks and the peer scripts (which run in the peers' own venvs, so this
-file imports nothing but torch and the standard library)."""
+file imports only the standard library at the top, and torch where a function needs it)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-
-import torch
 
 SHAPES = {
     "tiny": dict(layers=3, d=256, ffn=1024, heads=4, vocab=8000),
@@ -16,6 +14,7 @@ SHAPES = {
 
 def batch(vocab: int, sentences: int = 128, length: int = 32, seed: int = 0):
     """4096 source + 4096 target tokens without padding: (src, tgt_in, tgt_out), ids >= 4."""
+    import torch
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, vocab, (sentences, length), generator=g)
     tgt = torch.randint(4, vocab, (sentences, length + 1), generator=g)
@@ -44,9 +43,10 @@ def time_steps(step, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_ceiling(dtype: torch.dtype, rows: int = 4096, d: int = 1024, repeats: int = 5) -> float:
+def matmul_ceiling(dtype, rows: int = 4096, d: int = 1024, repeats: int = 5) -> float:
     """GFLOP/s of a (rows x d) by (d x d) linear layer in `dtype` on this machine now: the shape
     and the call (F.linear, oneDNN) of a training step's matmuls."""
+    import torch
     x, w = torch.randn(rows, d).to(dtype), torch.randn(d, d).to(dtype)
     seconds = time_steps(lambda: torch.nn.functional.linear(x, w), 2, repeats)
     return 2 * rows * d * d / seconds / 1e9

@@ -1,0 +1,121 @@
+"""Benchmark beam search: nmt cached and uncached, fairseq's SequenceGenerator, CTranslate2
+float32 and int8 — same shape, same sources, same amount of work, in one run.
+
+    python benchmarks/decode_speed.py [--shapes tiny base] [--sentences 96]
+
+Random weights never stop, so every system is forced to the same output length (64 tokens):
+fairseq and CTranslate2 through their minimum/maximum lengths, nmt through its maximum length
+(max_len_a 0, max_len_b 65: 64 tokens and the EOS); each system's actual token count is what
+tokens/s divides. Beam 4, batches of 32 sentences, 2 threads. Sources are real sentences,
+encoded with the Multi30k BPE model: newstest2014 (news, long) and Multi30k test2016 (short).
+Peers run in their own venvs (benchmarks/peers/install_fairseq.sh; `pip install ctranslate2`
+in ../peers/ct2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHAPES, cpu_name  # noqa: E402
+
+from nmt_cli.engine import beam  # noqa: E402
+from nmt_cli.engine.model import ModelConfig, Transformer  # noqa: E402
+from nmt_cli.shards import EOS, PAD  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data"))
+PEERS = ROOT.parent / "peers"
+
+
+def sources(name: str, n: int) -> list[list[int]]:
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(ROOT / "benchmarks/out/multi30k/bpe/spm.model"))
+    path = DATA / ("wmt14/newstest2014.en.gz" if name == "newstest2014" else "multi30k/test_2016_flickr.en.gz")
+    lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[:n]
+    return [ids[:200] for ids in sp.encode(lines)]
+
+
+def nmt_decode(shape_name: str, ids: list[list[int]], cache: bool, dtype, length: int) -> dict:
+    shape = SHAPES[shape_name]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=shape["vocab"], num_encoder_layers=shape["layers"],
+                                    num_decoder_layers=shape["layers"], d_model=shape["d"],
+                                    ffn=shape["ffn"], heads=shape["heads"])).eval().to(dtype)
+    tokens = 0
+    for i in [-1] + list(range(0, len(ids), 32)):  # -1: an untimed warm-up
+        if i == 0:
+            tokens, start = 0, time.perf_counter()
+        chunk = ids[:2] if i < 0 else ids[i:i + 32]
+        width = max(len(s) for s in chunk) + 1
+        src = torch.full((len(chunk), width), PAD)
+        for r, s in enumerate(chunk):
+            src[r, :len(s)] = torch.tensor(s)
+            src[r, len(s)] = EOS
+        hyps = beam.translate(model, src, beam=4, max_len_a=0.0, max_len_b=length + 1,
+                              use_cache=cache)
+        tokens += sum(len(h[0].tokens) for h in hyps)
+    seconds = time.perf_counter() - start
+    name = f"nmt {'cached' if cache else 'uncached'} {str(dtype).replace('torch.', '')}"
+    return {"system": name, "seconds": seconds, "tokens": tokens, "sentences": len(ids)}
+
+
+def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> dict | None:
+    if not python.exists():
+        return None
+    done = subprocess.run([str(python), str(ROOT / "benchmarks/peers" / script), "--shape", shape,
+                           "--ids", str(ids_file), *extra], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"system": script, "error": done.stderr[-400:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["tiny", "base"])
+    ap.add_argument("--sets", nargs="*", default=["newstest2014", "multi30k"])
+    ap.add_argument("--sentences", type=int, default=96)
+    ap.add_argument("--uncached-sentences", type=int, default=32)
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--bf16", action="store_true",
+                    help="Also nmt with bf16 weights (slow on CPUs without AVX512_BF16).")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/decode_speed.json")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    results = {"cpu": cpu_name(), "threads": 2, "runs": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes:
+        for name in args.sets:
+            ids = sources(name, args.sentences)
+            ids_file = args.out.parent / f"decode_ids_{name}.json"
+            ids_file.write_text(json.dumps(ids))
+            common = ["--length", str(args.length), "--batch", "32"]
+            rows = [nmt_decode(shape, ids, True, torch.float32, args.length),
+                    nmt_decode(shape, ids[:args.uncached_sentences], False, torch.float32, args.length),
+                    *([nmt_decode(shape, ids, True, torch.bfloat16, args.length)]
+                      if args.bf16 else []),
+                    peer(PEERS / "fairseq/bin/python", "fairseq_decode.py", shape, ids_file, *common),
+                    peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common),
+                    peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common,
+                         "--compute-type", "int8")]
+            for row in rows:
+                if row and "seconds" in row:
+                    row["tokens_per_s"] = row["tokens"] / row["seconds"]
+                    row["sentences_per_s"] = row["sentences"] / row["seconds"]
+            entry = {"shape": shape, "set": name, "rows": [r for r in rows if r]}
+            results["runs"].append(entry)
+            print(json.dumps(entry), flush=True)
+    args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
