@@ -102,6 +102,7 @@ def prep(
                         test_src=opt(test_src), test_tgt=opt(test_tgt))
     if workers is not None and workers < 1:
         raise NmtError("--workers must be at least 1")
+    prep_mod.check_inputs(config)
     run = RunDir(run_dir)
     with run.lock("prep"):
         run.save_config("prep", config)

@@ -306,8 +306,6 @@ def _drop_reason(a: str, b: str, config: PrepConfig) -> str | None:
 def local_paths(recipe: Recipe, config: PrepConfig, run: RunDir) -> dict[str, list[dict[str, Path]]]:
     """Fetch, verify and extract what the recipe needs; the local path of every part."""
     mirror = Path(config.mirror) if config.mirror else None
-    if mirror is not None and not mirror.is_dir():
-        raise NmtError(f"mirror folder {mirror} not found")
     fetched: dict[str, Path] = {}
     members: dict[str, list[str]] = collections.defaultdict(list)
     for corpora in recipe.values():
@@ -333,16 +331,23 @@ def local_paths(recipe: Recipe, config: PrepConfig, run: RunDir) -> dict[str, li
             for split, corpora in recipe.items()}
 
 
-def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict:
-    """Run the recipe into the run directory; returns the per-split statistics."""
-    recipe = recipe_for(config)
-    for split, corpora in recipe.items():
+def check_inputs(config: PrepConfig) -> None:
+    """The cheap checks, made before anything in the run directory changes."""
+    if config.mirror and not Path(config.mirror).is_dir():
+        raise NmtError(f"mirror folder {config.mirror} not found")
+    for split, corpora in recipe_for(config).items():
         for corpus in corpora:
             for lang in (config.src, config.tgt):
                 part = corpus[lang]
                 if part.source is None and not Path(part.path).is_file():  # type: ignore[arg-type]
                     raise NmtError(f"--{split}-{'src' if lang == config.src else 'tgt'} "
                                    f"{part.path}: file not found")
+
+
+def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict:
+    """Run the recipe into the run directory; returns the per-split statistics."""
+    check_inputs(config)
+    recipe = recipe_for(config)
     paths = local_paths(recipe, config, run)
     if workers is None:
         big = sum(os.path.getsize(p) for c in paths[TRAIN] for p in c.values()) > 20_000_000

@@ -60,11 +60,15 @@ def test_failed_prep_loses_nothing(corpus, tmp_path, nmt):
     run = RunDir(tmp_path / "run")
     assert nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1],
                "--run-dir", run.root).code == 0
-    before = run.text("train", "en").read_bytes(), run.manifest_path.read_bytes()
+    before = (run.text("train", "en").read_bytes(), run.manifest_path.read_bytes())
     short = write(tmp_path / "short.de", ["eins"])
     assert nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short,
                "--run-dir", run.root).code == 1
     assert (run.text("train", "en").read_bytes(), run.manifest_path.read_bytes()) == before
+    config = run.config_path("prep").read_bytes()
+    assert nmt("prep", "custom", "--train-src", tmp_path / "missing", "--train-tgt", corpus[1],
+               "--run-dir", run.root).code == 1
+    assert run.config_path("prep").read_bytes() == config  # a refused run changes nothing
     assert not [p for p in (run.root / "text").iterdir() if p.name.startswith(".")]
 
 
