@@ -37,7 +37,8 @@ def moses_lc(lines: list[str], lang: str) -> list[str]:
 def _metric(name: str, tokenize: str, lowercase: bool):
     from sacrebleu.metrics import BLEU, CHRF, TER
     if name == "bleu":
-        return BLEU(tokenize=tokenize, lowercase=lowercase)
+        # --tokenize none scores tokenized text on purpose (--moses-lc): no warning about it.
+        return BLEU(tokenize=tokenize, lowercase=lowercase, force=tokenize == "none")
     if name == "chrf":
         return CHRF(lowercase=lowercase)
     if name == "ter":
