@@ -71,6 +71,18 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
     return _SmoothedCrossEntropy.apply(logits, target, epsilon)
 
 
+def batch_loss(model: Transformer, forward: torch.nn.Module, batch: list[torch.Tensor],
+               label_smoothing: float, autocast) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Summed smoothed loss, summed NLL and target token count of one (src, tgt_in, tgt_out)."""
+    src, tgt_in, tgt_out = batch
+    with autocast():
+        hidden = forward(src, tgt_in)
+        mask = tgt_out != PAD
+        logits = model.logits(hidden[mask])  # padding never reaches the output layer
+    loss, nll = label_smoothed_loss(logits, tgt_out[mask], label_smoothing)
+    return loss, nll, int(mask.sum())
+
+
 def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.optim.Optimizer,
                scaler: torch.amp.GradScaler, batches: list[list[torch.Tensor]], *,
                label_smoothing: float, clip_norm: float, lr: float, autocast,
@@ -83,19 +95,15 @@ def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.op
     """
     model.train()
     loss_sum = nll_sum = tokens = 0.0
-    for i, (src, tgt_in, tgt_out) in enumerate(batches):
+    for i, batch in enumerate(batches):
         sync = i == len(batches) - 1
         with (contextlib.nullcontext() if sync else group.no_sync(forward)):
-            with autocast():
-                hidden = forward(src, tgt_in)
-                mask = tgt_out != PAD
-                logits = model.logits(hidden[mask])  # padding never reaches the output layer
-            loss, nll = label_smoothed_loss(logits, tgt_out[mask], label_smoothing)
+            loss, nll, n = batch_loss(model, forward, batch, label_smoothing, autocast)
             scaler.scale(loss).backward()
         loss_sum += loss.item()
         nll_sum += nll.item()
-        tokens += int(mask.sum())
-    loss_sum, nll_sum, tokens = group.sum([loss_sum, nll_sum, tokens], tgt_out.device)
+        tokens += n
+    loss_sum, nll_sum, tokens = group.sum([loss_sum, nll_sum, tokens], batches[-1][2].device)
     scaler.unscale_(optimizer)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     # The loss is a sum over this rank's tokens and DDP averaged over ranks: make the gradient
@@ -344,15 +352,10 @@ class Trainer:
         self.model.eval()
         nll_sum, tokens = 0.0, 0
         for indices in self.valid_data.batches(self.config.max_tokens, 0, 0):
-            src, tgt_in, tgt_out = self.to_device(collate(self.valid_data.src,
-                                                          self.valid_data.tgt, indices))
-            with self.autocast():
-                hidden = self.forward(src, tgt_in)
-                mask = tgt_out != PAD
-                logits = self.model.logits(hidden[mask])
-            _, nll = label_smoothed_loss(logits, tgt_out[mask], 0.0)
+            batch = self.to_device(collate(self.valid_data.src, self.valid_data.tgt, indices))
+            _, nll, n = batch_loss(self.model, self.forward, batch, 0.0, self.autocast)
             nll_sum += nll.item()
-            tokens += int(mask.sum())
+            tokens += n
         nll = nll_sum / max(tokens, 1)
         return {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
 
@@ -387,7 +390,6 @@ class Trainer:
 
     def train(self) -> dict:
         """Train until a limit is reached; returns the last figures."""
-        self._started = time.monotonic()
         self.resume()
         self._started = time.monotonic()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
