@@ -177,6 +177,7 @@ def train(
     max_time: Annotated[float, typer.Option(help="Stop after this many minutes (0: no limit).")] = 0.0,
     precision: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")] = "auto",
     eval_every: Annotated[int, typer.Option(help="Validate every N updates.")] = 1000,
+    eval_bleu: Annotated[bool, typer.Option(help="Also log greedy BLEU on the validation set.")] = False,
     patience: Annotated[int, typer.Option(help="Stop after N validations without improvement (0: off).")] = 0,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N updates.")] = 1000,
     keep_last: Annotated[int, typer.Option(help="Checkpoints kept.")] = 20,
@@ -214,7 +215,7 @@ def train(
                  lr_scale=lr_scale, warmup=warmup, beta2=beta2, label_smoothing=label_smoothing,
                  clip_norm=clip_norm, max_steps=max_steps, max_epochs=max_epochs,
                  max_time=max_time, precision=precision, eval_every=eval_every,
-                 patience=patience, save_every=save_every, keep_last=keep_last, seed=seed,
+                 eval_bleu=eval_bleu, patience=patience, save_every=save_every, keep_last=keep_last, seed=seed,
                  device=device, compile=compile, threads=threads, max_bad_steps=max_bad_steps)
     if gpus < 0 or procs < 1 or nnodes < 1 or max_restarts < 0:
         raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "

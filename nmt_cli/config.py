@@ -96,6 +96,7 @@ class TrainConfig:
     max_time: float = 0.0                       # minutes; 0: no limit
     precision: str = "auto"                     # auto: bf16 on GPU, fp32 on CPU
     eval_every: int = 1000
+    eval_bleu: bool = False                     # also log greedy BLEU of the validation set
     patience: int = 0                           # evaluations without improvement; 0: off
     save_every: int = 1000
     keep_last: int = 20                         # enough to average the last 20 (big)

@@ -70,7 +70,8 @@ class TrainDisplay:
     def progress(self, state, total_steps, metrics: dict) -> None:
         if "valid_nll" in metrics:
             say(f"step {state.step}: valid nll {metrics['valid_nll']:.3f}, "
-                f"ppl {metrics['valid_ppl']:.2f}")
+                f"ppl {metrics['valid_ppl']:.2f}"
+                + (f", BLEU {metrics['valid_bleu']:.2f}" if "valid_bleu" in metrics else ""))
             return
         info = (f"loss {metrics['loss']:.3f} ppl {metrics['ppl']:.1f} lr {metrics['lr']:.2e} "
                 f"{metrics['tokens_per_s']:,.0f} tok/s")

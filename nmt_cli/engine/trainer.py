@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nmt_cli.config import TrainConfig
-from nmt_cli.engine import checkpoint, distributed
+from nmt_cli.engine import beam, checkpoint, distributed
 from nmt_cli.engine.model import ModelConfig, Transformer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
@@ -244,6 +244,8 @@ class Trainer:
                                            enabled=self.precision == "fp16")
         self.state = State()
         self._signal: int | None = None
+        self._valid_refs: list[str] | None = None  # loaded at the first --eval-bleu
+        self._sp = None
 
     # -- checkpoints
     def save(self) -> None:
@@ -357,7 +359,35 @@ class Trainer:
             nll_sum += nll.item()
             tokens += n
         nll = nll_sum / max(tokens, 1)
-        return {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+        metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
+        if self.config.eval_bleu and self.dist.is_main:
+            metrics["valid_bleu"] = self.valid_bleu()
+        return metrics
+
+    @torch.no_grad()
+    def valid_bleu(self, batch_size: int = 64) -> float:
+        """sacreBLEU of greedy translations of the validation set against its references as
+        released: a cheap stand-in for the test score while training."""
+        from nmt_cli import bpe
+        from nmt_cli.score import score
+        data = self.valid_data
+        if self._valid_refs is None:
+            path = self.run.text("valid", self.tgt_lang, raw=True)
+            if not path.exists():
+                path = self.run.text("valid", self.tgt_lang)
+            self._valid_refs = path.read_text(encoding="utf-8").splitlines()[:len(data.src)]
+            self._sp = bpe.load(self.run)
+        ids: list[list[int]] = [[] for _ in range(len(data.src))]
+        order = data.keep[np.argsort(-data.src_lengths[data.keep], kind="stable")]
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            src = self.to_device(collate(data.src, data.tgt, rows)[:1])[0]
+            with self.autocast():
+                hyps = beam.translate(self.model, src, beam=1)
+            for i, h in zip(rows, hyps):
+                ids[i] = h[0].tokens
+        texts = self._sp.decode(ids)
+        return score(texts[:len(self._valid_refs)], self._valid_refs, ["bleu"])[0].score
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
@@ -388,6 +418,17 @@ class Trainer:
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
 
+    def skipped(self) -> None:
+        self.state.skipped += 1
+        self.state.bad_in_a_row += 1
+        self.log("skipped", {"skipped": self.state.skipped})
+        self.reporter.say(f"skipped an update with non-finite loss or gradients "
+                          f"({self.state.skipped} so far)")
+        if self.state.bad_in_a_row >= self.config.max_bad_steps:
+            raise NmtError(f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
+                           f"or gradients (at step {self.state.step}): lower --lr-scale, "
+                           "set --clip-norm, or use --precision fp32")
+
     def train(self) -> dict:
         """Train until a limit is reached; returns the last figures."""
         self.resume()
@@ -411,32 +452,25 @@ class Trainer:
                     result = self.step(group)
                     self.state.batch += len(group)
                     if result is None:
-                        self.state.skipped += 1
-                        self.state.bad_in_a_row += 1
-                        self.log("skipped", {"skipped": self.state.skipped})
-                        self.reporter.say(f"skipped an update with non-finite loss or gradients "
-                                          f"({self.state.skipped} so far)")
-                        if self.state.bad_in_a_row >= c.max_bad_steps:
-                            raise NmtError(
-                                f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
-                                f"or gradients (at step {self.state.step}): lower --lr-scale, "
-                                "set --clip-norm, or use --precision fp32")
-                        continue
-                    self.state.bad_in_a_row = 0
-                    self.state.step += 1
-                    window_tokens += result["tokens"]
-                    seconds = time.monotonic() - window_start
-                    last = {**result, "ppl": math.exp(min(result["nll"], 50.0)),
-                            "tokens_per_s": window_tokens / seconds if seconds > 0 else 0.0}
-                    if self.state.step % 10 == 0 or self.state.step == 1:
-                        self.log("train", last)
-                        window_tokens, window_start = 0, time.monotonic()
-                    self.reporter.progress(self.state, c.max_steps or None, last)
-                    if self.state.step % c.eval_every == 0:
-                        self.evaluate_and_maybe_stop()
-                    if self.state.step % c.save_every == 0:
-                        self.save()
-                        saved_at = self.state.step
+                        self.skipped()
+                    else:
+                        self.state.bad_in_a_row = 0
+                        self.state.step += 1
+                        window_tokens += result["tokens"]
+                        seconds = time.monotonic() - window_start
+                        last = {**result, "ppl": math.exp(min(result["nll"], 50.0)),
+                                "tokens_per_s": window_tokens / seconds if seconds > 0 else 0.0}
+                        if self.state.step % 10 == 0 or self.state.step == 1:
+                            self.log("train", last)
+                            window_tokens, window_start = 0, time.monotonic()
+                        self.reporter.progress(self.state, c.max_steps or None, last)
+                        if self.state.step % c.eval_every == 0:
+                            self.evaluate_and_maybe_stop()
+                        if self.state.step % c.save_every == 0:
+                            self.save()
+                            saved_at = self.state.step
+                        if self.state.step % c.eval_every == 0 or self.state.step % c.save_every == 0:
+                            window_tokens, window_start = 0, time.monotonic()  # speed of training only
                     signum = self._signal or 0
                     if self.dist.active:  # a signal seen by one rank stops them all, together
                         signum = int(max(self.dist.gather(torch.tensor([signum], device=self.device))).item())
