@@ -194,8 +194,8 @@ def train(
     nnodes: Annotated[int, typer.Option(help="Nodes taking part (run the same command on each).")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank among --nnodes.")] = 0,
     rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, for --nnodes > 1.")] = "",
-    max_restarts: Annotated[int, typer.Option(help="Restarts of failed workers by the launcher "
-                                                   "(see the guide: unreliable in torch 2.13).")] = 0,
+    max_restarts: Annotated[int, typer.Option(help="Restart failed workers up to N times; they "
+                                                   "resume from the last checkpoint.")] = 0,
 ) -> None:
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
@@ -291,7 +291,8 @@ def _launch(run, gpus: int, procs: int, nnodes: int, node_rank: int, rdzv_endpoi
     with run.lock("train"):
         os.environ["NMT_LOCK_HELD"] = "1"
         try:
-            distributed.launch(workers, forwarded, nnodes, node_rank, rdzv_endpoint, max_restarts)
+            distributed.launch(workers, forwarded, nnodes, node_rank, rdzv_endpoint, max_restarts,
+                               ui.say)
         finally:
             os.environ.pop("NMT_LOCK_HELD", None)
 

@@ -98,6 +98,27 @@ def test_a_dead_rank_stops_the_job_and_the_rerun_resumes(run_copy):
                       .with_suffix(".json").read_text())["step"] == step + 2
 
 
+@pytest.mark.slow
+def test_max_restarts_restarts_a_dead_rank_and_training_finishes(run_copy):
+    steps = 600
+    cmd = [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_copy), *TINY,
+           "--max-steps", str(steps), "--save-every", "5", "--eval-every", "1000",
+           "--procs", "2", "--device", "cpu", "--max-restarts", "1"]
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    first = run_copy / "checkpoints" / "checkpoint_00000005.json"
+    deadline = time.monotonic() + 180
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim = next(p for p in _children(launcher.pid) if _rank_of(p) == 1)
+    os.kill(victim, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err
+    assert "rank 1 was killed by SIGKILL: restarting the workers" in err
+    assert "resuming from step" in err
+    newest = checkpoint.listed(run_copy / "checkpoints")[-1]
+    assert json.loads(newest.with_suffix(".json").read_text())["step"] == steps
+
+
 def test_gpus_without_gpus_says_so(run_copy, nmt):
     line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--gpus", "8"))
     assert "--gpus 8 but this machine has 0 GPUs" in line and "--procs N --device cpu" in line

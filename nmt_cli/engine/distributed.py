@@ -14,6 +14,7 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -118,15 +119,38 @@ def check_gpus(gpus: int) -> None:
 
 
 def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str = "", max_restarts: int = 0) -> None:
+           rdzv_endpoint: str = "", max_restarts: int = 0,
+           say: Callable[[str], None] = print) -> None:
     """Run `python -m nmt_cli train ARGV` in `nprocs` workers through torch's elastic launcher
-    (what torchrun runs); returns when all finished, raises NmtError if one failed."""
+    (what torchrun runs); returns when all finished, raises NmtError if one failed.
+
+    On one node a failed job is restarted up to `max_restarts` times, each time as a fresh
+    launch (new rendezvous, new port) whose workers resume from the last checkpoint: the
+    elastic agent's own in-place restart left restarted gloo workers unable to reconnect
+    ("connectFullMesh failed", cf. pytorch/pytorch#167288). Several nodes must restart
+    together, so there the agent's restart is used.
+    """
+    attempts = 1 + (max_restarts if nnodes == 1 else 0)
+    for attempt in range(1, attempts + 1):
+        failure = _launch_once(nprocs, argv, nnodes, node_rank, rdzv_endpoint,
+                               max_restarts if nnodes > 1 else 0)
+        if failure is None:
+            return
+        if attempt == attempts:
+            raise NmtError(f"distributed training failed: {failure}; the other workers were "
+                           "stopped. Rerun the same command to resume from the last checkpoint")
+        say(f"{failure}: restarting the workers, which resume from the last checkpoint "
+            f"(restart {attempt} of {max_restarts})")
+
+
+def _launch_once(nprocs: int, argv: list[str], nnodes: int, node_rank: int,
+                 rdzv_endpoint: str, max_restarts: int) -> str | None:
+    """One launch; what failed, or None if every worker finished."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nnodes == 1:
-        # As torchrun --standalone: a c10d rendezvous on a free local port, which also serves
-        # the later rounds when --max-restarts restarts the workers.
+        # As torchrun --standalone: a c10d rendezvous on a free local port.
         backend, endpoint, configs = "c10d", f"127.0.0.1:{_free_port()}", {}
         run_id = uuid.uuid4().hex
     elif not rdzv_endpoint:
@@ -141,6 +165,7 @@ def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
         max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "nmt_cli", "train", *argv)
+        return None
     except ChildFailedError as e:
         # The root cause is the rank that died first (the others fail after losing it).
         failures = sorted(e.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
@@ -148,11 +173,8 @@ def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
             rank, first = failures[0]
             how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
                    else f"exited with code {first.exitcode}")
-            what = f"rank {rank} {how}"
-        else:
-            what = str(e)
-        raise NmtError(f"distributed training failed: {what}; the other workers were stopped. "
-                       "Rerun the same command to resume from the last checkpoint") from None
+            return f"rank {rank} {how}"
+        return str(e)
 
 
 def _free_port() -> int:
