@@ -511,6 +511,134 @@ def _translate_split(run, split: str, config) -> tuple[Path, Path]:
     return out, ref_path
 
 
+@app.command()
+def plot(
+    run_dir: RunDirOption = Path("run"),
+    out: Annotated[Optional[Path], typer.Option(help="PNG to write (default: curves.png in the "
+                                                     "run directory).")] = None,
+) -> None:
+    """Draw the run's training curves (loss, validation BLEU, lr, tokens/s) into a PNG."""
+    from nmt_cli import plot as plot_mod
+    from nmt_cli.rundir import RunDir
+
+    path = plot_mod.plot(RunDir(run_dir), out)
+    _say(f"curves drawn into {path}")
+
+
+# The quickstart's model: the CPU recipe measured in docs/benchmarks.md (Multi30k quality).
+QUICKSTART_BPE = ["--vocab-size", "8000"]
+# Small batches: on Multi30k in a fixed CPU time, more updates beat bigger ones.
+QUICKSTART_TRAIN = ["--size", "small", "--max-tokens", "1024", "--warmup", "1000", "--eval-bleu",
+                    "--eval-every", "500", "--save-every", "250", "--keep-last", "10"]
+QUICKSTART_AVERAGE = 5
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def quickstart(
+    ctx: typer.Context,
+    run_dir: RunDirOption = Path("quickstart"),
+    minutes: Annotated[float, typer.Option(help="Time budget of the whole pipeline; all but "
+                                                "about 2 minutes of it trains.")] = 15.0,
+    mirror: Annotated[Optional[Path], typer.Option(
+        envvar="NMT_MIRROR", help="Take Multi30k from this local folder instead of the "
+                                  "network.")] = None,
+    threads: ThreadsOption = 0,
+) -> None:
+    """Multi30k English-German end to end: prep, bpe, train, average, translate, score, plot.
+
+    Further options go to `nmt train` and override the recipe's, e.g. `--size tiny`.
+    """
+    global _argv
+    import contextlib
+    import io
+    import json
+    import time
+
+    from nmt_cli import ui
+    from nmt_cli.rundir import RunDir
+
+    # Decoding the test set and scoring take about a minute on 2 CPU cores; the rest trains.
+    reserve = 2.0
+    if minutes < reserve + 1:
+        raise NmtError(f"--minutes {minutes:g} is too short: give at least {reserve + 1:g} "
+                       "(15 shows a readable model)")
+    run = RunDir(run_dir)
+    command = typer.main.get_command(app)
+    common = ["--run-dir", str(run.root)]
+    # Options meant for `nmt train` are checked now, not after prep and bpe have run.
+    command.get_command(ctx, "train").make_context("nmt train", [*common, *ctx.args])
+    threads_opt = ["--threads", str(threads)] if threads else []
+    steps = [
+        ("prep Multi30k", ["prep", "multi30k-en-de", *common]
+         + (["--mirror", str(mirror)] if mirror else [])),
+        ("learn BPE and binarize", ["bpe", *common, *QUICKSTART_BPE]),
+        (f"train for {minutes - reserve:g} minutes",
+         ["train", *common, *QUICKSTART_TRAIN, "--max-steps", "0",
+          "--max-time", f"{minutes - reserve:g}", *threads_opt, *ctx.args]),
+        ("average checkpoints", ["average", *common, "--last", str(QUICKSTART_AVERAGE)]),
+        ("translate and score test2016", ["score", *common, "--json", "--metrics", "bleu,chrf",
+                                          *threads_opt]),
+    ]
+    prepared = _prepared_for_quickstart(run)
+    started = time.monotonic()
+    report = None
+    for i, (title, args) in enumerate(steps, 1):
+        ui.console.rule(f"[bold]{i}/{len(steps) + 1}: {title}")
+        if args[0] in prepared:  # a rerun must not re-learn the BPE its checkpoints were trained on
+            ui.say(f"{run.root} already has this step's output (manifest.json): kept")
+            continue
+        if args[0] == "train":
+            _argv = args  # what a worker would be given
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(captured) if args[0] == "score" else contextlib.nullcontext():
+            code = command.main(args=args, prog_name="nmt", standalone_mode=False)
+        if code:  # e.g. training interrupted (its checkpoint is saved): stop here, rerun resumes
+            raise typer.Exit(code)
+        if args[0] == "score":
+            report = json.loads(captured.getvalue())
+    ui.console.rule(f"[bold]{len(steps) + 1}/{len(steps) + 1}: plot")
+    from nmt_cli import plot as plot_mod
+    try:
+        picture = str(plot_mod.plot(run))
+    except NmtError as e:
+        picture = f"not drawn: {e}"
+    from nmt_cli import score as score_mod
+    from nmt_cli.textio import read_lines
+    hyps = list(read_lines(Path(report["hyp"])))
+    refs = list(read_lines(Path(report["ref"])))
+    lc = score_mod.score(score_mod.moses_lc(hyps, "de"), score_mod.moses_lc(refs, "de"),
+                         ["bleu"], tokenize="none")[0]
+    named = [("BLEU" if s["metric"] == "bleu" else "chrF", s["score"], s["signature"])
+             for s in report["scores"]]
+    named.append(("BLEU, lowercased + Moses-tokenized", lc.score, lc.signature))
+    _table(f"nmt quickstart: Multi30k test2016 en-de, {(time.monotonic() - started) / 60:.1f} "
+           "minutes", ["score", "test2016"], [[name, f"{value:.2f}"] for name, value, _ in named])
+    for name, _, signature in named:
+        _say(f"{name}: {signature}")
+    # Paths as plain lines, not table cells: a narrow terminal must not fold them.
+    for what, where in [("run directory", str(run.root)), ("model (averaged)", str(run.averaged)),
+                        ("test translations", report["hyp"]), ("scores", str(run.scores("test"))),
+                        ("training figures", str(run.metrics)), ("curves", picture)]:
+        _say(f"{what}: {where}")
+    _say(f"translate your own text: echo 'A man is riding a bike.' | nmt translate --run-dir "
+         f"{run.root}")
+
+
+def _prepared_for_quickstart(run) -> set[str]:
+    """The data steps a quickstart run directory already has: none, prep, or prep and bpe."""
+    import json
+    if not run.manifest_path.exists():
+        return set()
+    manifest = run.load_manifest()
+    prep_config = run.config_path("prep")
+    recipe = json.loads(prep_config.read_text()).get("recipe") if prep_config.exists() else None
+    if "prep" in manifest and (recipe != "multi30k-en-de" or manifest["prep"].get("src") != "en"):
+        raise NmtError(f"{run.root} holds another corpus or direction ({recipe}): give "
+                       "`nmt quickstart` a new --run-dir")
+    done = {step for step in ("prep", "bpe") if step in manifest}
+    return done if "prep" in done else set()
+
+
 # -- output helpers -----------------------------------------------------------------------------
 
 def _say(message: str) -> None:

@@ -15,6 +15,7 @@ Layout (each step writes only its own part, and records it in manifest.json):
     averaged.pt/.json           the average of the last checkpoints (`nmt average`)
     translations/{split}.{lang}(.json)  translations made by `nmt score`, and their settings
     scores/{split}.json         the scores `nmt score` computed for a split
+    curves.png                  the training curves drawn by `nmt plot`
 """
 
 from __future__ import annotations
@@ -165,6 +166,10 @@ class RunDir:
 
     def scores(self, split: str) -> Path:
         return self.root / "scores" / f"{split}.json"
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "curves.png"
 
     # -- helpers
     def relative(self, path: Path) -> str:

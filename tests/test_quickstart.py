@@ -1,0 +1,125 @@
+"""`nmt quickstart` end to end on the real Multi30k mirror, `nmt plot`, and `--eval-bleu`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+
+from conftest import MULTI30K, TINY, one_error_line
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quickstarted(tmp_path_factory, multi30k_dir):
+    """A quickstart run with a miniature model in place of the recipe's (same pipeline)."""
+    from nmt_cli.cli import main
+    import io
+    import contextlib
+    run_dir = tmp_path_factory.mktemp("qs") / "run"
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as done, contextlib.redirect_stderr(err):
+        main(["quickstart", "--run-dir", str(run_dir), "--mirror", str(MULTI30K), "--minutes", "5",
+              *TINY, "--max-steps", "30", "--eval-every", "15", "--save-every", "10",
+              "--warmup", "10", "--lr-scale", "4"])
+    assert done.value.code == 0, err.getvalue()
+    return run_dir
+
+
+def test_quickstart_runs_every_step_and_reports(quickstarted, nmt):
+    run = quickstarted
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert {"prep", "bpe"} <= set(manifest)
+    assert json.loads((run / "bpe.json").read_text())["vocab_size"] == 8000  # the recipe's
+    train = json.loads((run / "train.json").read_text())
+    assert train["eval_bleu"] and train["d_model"] == 16  # the recipe, overridden by the user
+    averaged = json.loads((run / "averaged.json").read_text())
+    assert averaged["averaged"] == ["checkpoint_00000010.pt", "checkpoint_00000020.pt",
+                                    "checkpoint_00000030.pt"]
+    scores = json.loads((run / "scores" / "test.json").read_text())
+    assert [s["metric"] for s in scores["scores"]] == ["bleu", "chrf"]
+    assert scores["lines"] == 1000
+    assert len((run / "translations" / "test.de").read_text().splitlines()) == 1000
+    assert (run / "curves.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_quickstart_rerun_resumes_and_reports_on_stderr_only(tmp_path, nmt, quickstarted):
+    # A rerun resumes: training is over (same budget), so it averages, reuses, scores, reports.
+    run = tmp_path / "run"
+    shutil.copytree(quickstarted, run)
+    spm_before = (run / "bpe" / "spm.model").read_bytes()
+    result = nmt("quickstart", "--run-dir", run, "--mirror", MULTI30K, "--minutes", "5", *TINY,
+                 "--max-steps", "30", "--eval-every", "15", "--save-every", "10")
+    assert result.code == 0, result.err
+    assert result.out == ""
+    assert "nmt quickstart: Multi30k test2016" in result.err
+    assert "BLEU, lowercased + Moses-tokenized" in result.err
+    assert "nrefs:1|case:mixed|eff:no|tok:13a" in result.err  # the signatures are printed
+    assert str(run / "curves.png") in result.err
+    assert "resuming from step 30" in result.err  # the budget is spent: no further training
+    # prep and bpe are not redone: the checkpoints stay tied to the BPE they were trained on
+    assert result.err.count("already has this step's output") == 2
+    assert (run / "bpe" / "spm.model").read_bytes() == spm_before
+
+
+def test_quickstart_refuses_a_run_directory_of_another_corpus(run_copy, nmt):
+    prep = json.loads((run_copy / "prep.json").read_text())
+    (run_copy / "prep.json").write_text(json.dumps({**prep, "recipe": "custom"}))
+    line = one_error_line(nmt("quickstart", "--run-dir", run_copy, "--mirror", MULTI30K))
+    assert "new --run-dir" in line
+
+
+def test_logged_validation_bleu_is_the_greedy_translation_score(quickstarted, nmt):
+    """--eval-bleu logs what `nmt translate --beam 1` + `nmt score` give for that checkpoint."""
+    run = quickstarted
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in rows if r["kind"] == "valid"]
+    assert [r["step"] for r in valid] == [15, 30]
+    logged = valid[-1]["valid_bleu"]
+    assert 0.0 <= logged <= 100.0
+    source = (run / "text" / "valid.raw.en").read_bytes()
+    translated = nmt("translate", "--run-dir", run, "--beam", "1", "--checkpoint",
+                     run / "checkpoints" / "checkpoint_00000030.pt", stdin=source)
+    assert translated.code == 0, translated.err
+    hyp = run / "valid.hyp"
+    hyp.write_text(translated.out, encoding="utf-8")
+    scored = nmt("score", "--hyp", hyp, "--ref", run / "text" / "valid.raw.de", "--metrics",
+                 "bleu", "--json")
+    assert json.loads(scored.out)["scores"][0]["score"] == pytest.approx(logged, abs=1e-6)
+
+
+def test_quickstart_refuses_a_budget_too_short(nmt, tmp_path):
+    line = one_error_line(nmt("quickstart", "--run-dir", tmp_path / "r", "--minutes", "1"))
+    assert "--minutes 1 is too short" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_quickstart_passes_unknown_options_to_train_which_rejects_them(nmt, tmp_path):
+    line = one_error_line(nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", MULTI30K,
+                              "--no-such-option", "3"))
+    assert "--no-such-option" in line
+
+
+def test_plot_draws_a_png_into_the_run_directory(trained, tmp_path, nmt):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    result = nmt("plot", "--run-dir", run)
+    assert result.code == 0, result.err
+    assert (run / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    elsewhere = tmp_path / "pictures" / "c.png"
+    assert nmt("plot", "--run-dir", run, "--out", elsewhere).code == 0
+    assert elsewhere.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(trained, nmt, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    line = one_error_line(nmt("plot", "--run-dir", trained))
+    assert "pip install 'nmt-cli[plot]'" in line
+
+
+def test_plot_before_training_is_a_clear_error(run_copy, nmt):
+    line = one_error_line(nmt("plot", "--run-dir", run_copy))
+    assert "run `nmt train` first" in line
