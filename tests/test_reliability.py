@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from nmt_cli.engine import checkpoint
 from nmt_cli.rundir import RunDir
 
-STEPS = 150
+STEPS = 300  # enough that 20 kills at 2-4.5 s land before the end on an idle machine
 
 
 def _cmd(run_dir):
