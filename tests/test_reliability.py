@@ -18,13 +18,22 @@ from hypothesis import strategies as st
 from nmt_cli.engine import checkpoint
 from nmt_cli.rundir import RunDir
 
-STEPS = 300  # enough that 20 kills at 2-4.5 s land before the end on an idle machine
+STEPS = 150
 
 
 def _cmd(run_dir):
     return [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_dir), *TINY,
             "--max-steps", str(STEPS), "--save-every", "1", "--keep-last", "3",
             "--eval-every", "8", "--seed", "5"]
+
+
+def _newest_step(run_dir) -> int:
+    for path in reversed(checkpoint.listed(run_dir / "checkpoints")):
+        try:
+            return json.loads(path.with_suffix(".json").read_text())["step"]
+        except OSError:  # pruned by the running trainer meanwhile
+            continue
+    return 0
 
 
 def _model(run_dir):
@@ -43,8 +52,15 @@ def test_twenty_random_kills_lose_nothing(run_copy, tmp_path):
     took_over = 0
     refused = 0
     while kills < 20:
+        # Kill after a few more checkpoints, at a random moment of a step (training or saving):
+        # counted in steps, not seconds, so a fast machine cannot finish before 20 kills.
+        target = _newest_step(run_copy) + rng.randint(1, 6)
         proc = subprocess.Popen(_cmd(run_copy), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(2.0, 4.5))  # startup takes ~2 s: kills land in training and saving
+        deadline = time.monotonic() + 120
+        while (_newest_step(run_copy) < target and proc.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.03))
         if proc.poll() is not None:
             break  # finished before this kill
         proc.send_signal(signal.SIGKILL)
