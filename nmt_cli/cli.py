@@ -549,9 +549,6 @@ def quickstart(
     Further options go to `nmt train` and override the recipe's, e.g. `--size tiny`.
     """
     global _argv
-    import contextlib
-    import io
-    import json
     import time
 
     from nmt_cli import ui
@@ -589,28 +586,23 @@ def quickstart(
             continue
         if args[0] == "train":
             _argv = args  # what a worker would be given
-        captured = io.StringIO()
-        with contextlib.redirect_stdout(captured) if args[0] == "score" else contextlib.nullcontext():
-            code = command.main(args=args, prog_name="nmt", standalone_mode=False)
+        if args[0] == "score":
+            report = _json_of(command, args)
+            continue
+        code = command.main(args=args, prog_name="nmt", standalone_mode=False)
         if code:  # e.g. training interrupted (its checkpoint is saved): stop here, rerun resumes
             raise typer.Exit(code)
-        if args[0] == "score":
-            report = json.loads(captured.getvalue())
     ui.console.rule(f"[bold]{len(steps) + 1}/{len(steps) + 1}: plot")
     from nmt_cli import plot as plot_mod
     try:
         picture = str(plot_mod.plot(run))
     except NmtError as e:
         picture = f"not drawn: {e}"
-    from nmt_cli import score as score_mod
-    from nmt_cli.textio import read_lines
-    hyps = list(read_lines(Path(report["hyp"])))
-    refs = list(read_lines(Path(report["ref"])))
-    lc = score_mod.score(score_mod.moses_lc(hyps, "de"), score_mod.moses_lc(refs, "de"),
-                         ["bleu"], tokenize="none")[0]
+    lc = _json_of(command, ["score", "--hyp", report["hyp"], "--ref", report["ref"],
+                            "--moses-lc", "--lang", "de", "--metrics", "bleu", "--json"])["scores"][0]
     named = [("BLEU" if s["metric"] == "bleu" else "chrF", s["score"], s["signature"])
              for s in report["scores"]]
-    named.append(("BLEU, lowercased + Moses-tokenized", lc.score, lc.signature))
+    named.append(("BLEU, lowercased + Moses-tokenized", lc["score"], lc["signature"]))
     _table(f"nmt quickstart: Multi30k test2016 en-de, {(time.monotonic() - started) / 60:.1f} "
            "minutes", ["score", "test2016"], [[name, f"{value:.2f}"] for name, value, _ in named])
     for name, _, signature in named:
@@ -622,6 +614,19 @@ def quickstart(
         _say(f"{what}: {where}")
     _say(f"translate your own text: echo 'A man is riding a bike.' | nmt translate --run-dir "
          f"{run.root}")
+
+
+def _json_of(command, args: list[str]) -> dict:
+    """Run an `nmt ... --json` command in this process; what it printed, parsed."""
+    import contextlib
+    import io
+    import json
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        code = command.main(args=args, prog_name="nmt", standalone_mode=False)
+    if code:
+        raise typer.Exit(code)
+    return json.loads(captured.getvalue())
 
 
 def _prepared_for_quickstart(run) -> set[str]:

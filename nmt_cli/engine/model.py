@@ -43,8 +43,8 @@ class ModelConfig:
 PRESETS: dict[str, dict] = {
     # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
     # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny, narrower but deeper than `tiny`;
-    # a small corpus wants few parameters and heavy dropout, and a CPU hour then holds
-    # ~40 epochs (docs/benchmarks.md).
+    # a small corpus wants few parameters and heavy dropout, and a 2-core CPU hour then holds
+    # 26-35 epochs at 1024-token batches (docs/benchmarks.md).
     "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
                  dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
     "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,

@@ -464,13 +464,15 @@ class Trainer:
                             self.log("train", last)
                             window_tokens, window_start = 0, time.monotonic()
                         self.reporter.progress(self.state, c.max_steps or None, last)
-                        if self.state.step % c.eval_every == 0:
+                        evaluate = self.state.step % c.eval_every == 0
+                        save = self.state.step % c.save_every == 0
+                        if evaluate:
                             self.evaluate_and_maybe_stop()
-                        if self.state.step % c.save_every == 0:
+                        if save:
                             self.save()
                             saved_at = self.state.step
-                        if self.state.step % c.eval_every == 0 or self.state.step % c.save_every == 0:
-                            window_tokens, window_start = 0, time.monotonic()  # speed of training only
+                        if evaluate or save:  # tokens/s measures training only
+                            window_tokens, window_start = 0, time.monotonic()
                     signum = self._signal or 0
                     if self.dist.active:  # a signal seen by one rank stops them all, together
                         signum = int(max(self.dist.gather(torch.tensor([signum], device=self.device))).item())
