@@ -75,8 +75,9 @@ def prep(
                                   "the network (same names, same checksums).")] = None,
     max_words: Annotated[int, typer.Option(help="Drop training pairs with a side longer "
                                                 "than this many words.")] = 250,
-    max_ratio: Annotated[float, typer.Option(help="Drop training pairs whose word-count "
-                                                  "ratio exceeds this.")] = 1.5,
+    max_ratio: Annotated[Optional[float], typer.Option(
+        help="Drop training pairs whose word-count ratio exceeds this (default: 9 for "
+             "multi30k-en-de, else 1.5).", show_default=False)] = None,
     train_src: Annotated[Optional[Path], typer.Option(help="custom: training source (plain or .gz).")] = None,
     train_tgt: Annotated[Optional[Path], typer.Option(help="custom: training target.")] = None,
     valid_src: Annotated[Optional[Path], typer.Option(

@@ -22,8 +22,10 @@ def test_every_split_is_prepared_with_its_counts(prepared, multi30k_dir):
     manifest = prepared.load_manifest()
     splits = manifest["prep"]["splits"]
     assert {s: v["read"] for s, v in splits.items()} == SPLITS
-    # Cleaning drops some training pairs (length ratio, duplicates) but keeps evaluation sets whole.
-    assert 27000 < splits["train"]["kept"] < 29000
+    # People translated Multi30k: only its 3 exact duplicate pairs go (a 1.5 word-count ratio,
+    # right for WMT, would drop 888 pairs), and evaluation sets stay whole.
+    assert splits["train"]["dropped"] == {"duplicate": 3}
+    assert json.loads(prepared.config_path("prep").read_text())["max_ratio"] == 9.0
     assert sum(splits["train"]["dropped"].values()) == 29000 - splits["train"]["kept"]
     for split, n in SPLITS.items():
         for lang in ("en", "de"):
