@@ -42,13 +42,14 @@ class ModelConfig:
 
 PRESETS: dict[str, dict] = {
     # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
-    # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny, narrower but deeper than `tiny`;
-    # a small corpus wants few parameters and heavy dropout, and a 2-core CPU hour then holds
-    # 26-35 epochs at 1024-token batches (docs/benchmarks.md).
+    # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
+    # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to the end,
+    # while a 2-core CPU hour (~35 epochs at 1024-token batches) still underfits, and there 0.2
+    # led 0.3 by 1.7 validation BLEU at equal time (docs/benchmarks.md).
     "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
                  dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
     "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,
-                  dropout=0.3, attention_dropout=0.1, relu_dropout=0.1),
+                  dropout=0.2, attention_dropout=0.1, relu_dropout=0.1),
     "base": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512, ffn=2048, heads=8,
                  dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
     "big": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=1024, ffn=4096, heads=16,
@@ -169,26 +170,56 @@ class DecoderLayer(nn.Module):
 class DecoderCache:
     """What incremental decoding keeps between steps, per decoder layer: the encoder-decoder K/V,
     computed once per sentence (B rows, shared by its beams), and the self-attention K/V of
-    earlier positions (B*beam rows) in buffers preallocated for `max_len` steps, so a step
-    writes one position and never concatenates."""
+    earlier positions (B*beam rows), so a step computes only its new position.
+
+    Each self-attention K and V is a contiguous (rows, H, length + 1, K) tensor whose last
+    position is free for the next step, laid out in one of two buffers preallocated for
+    `max_len` positions. A reorder gathers the survivors from one buffer straight into the
+    other, already shaped for the next step; when no reorder comes (greedy, nobody finished),
+    the next append moves them likewise. On the CPU these copies, not arithmetic, are a large
+    part of a step: gathering in place would copy twice, and attention over a strided slice of
+    a max_len buffer makes scaled_dot_product_attention copy once more."""
 
     def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor, beam: int,
                  max_len: int):
         k0 = memory_kv[0][0]
-        b, h, _, k = k0.shape
+        b, self.heads, _, self.head_dim = k0.shape
         self.memory_kv, self.src_mask, self.beam = memory_kv, src_mask, beam
-        self.self_k = [k0.new_empty(b * beam, h, max_len, k) for _ in memory_kv]
-        self.self_v = [k0.new_empty(b * beam, h, max_len, k) for _ in memory_kv]
+        size = b * beam * self.heads * max_len * self.head_dim
+        # [layer's K, layer's V, next layer's K, ...], each with its two buffers
+        self.buffers = [(k0.new_empty(size), k0.new_empty(size)) for _ in range(2 * len(memory_kv))]
+        self.current = [0] * len(self.buffers)     # which buffer each tensor lies in
+        self.tensors = [self._view(buf[0], b * beam, 1) for buf in self.buffers]
         self.length = 0      # positions cached so far
-        self.rows = b * beam  # rows in use; finished sentences free theirs
         self.max_len = max_len
+
+    def _view(self, buffer: Tensor, rows: int, positions: int) -> Tensor:
+        shape = (rows, self.heads, positions, self.head_dim)
+        return buffer[:math.prod(shape)].view(shape)
+
+    def _move(self, i: int, indices: Tensor | None) -> None:
+        """Tensor i's filled positions (its rows `indices`, or all) into its other buffer,
+        with one free position after them."""
+        n, src = self.length, self.tensors[i]
+        if n + 1 > self.max_len:
+            raise ValueError(f"decoding past the cache's max_len {self.max_len}")
+        self.current[i] ^= 1
+        rows = src.shape[0] if indices is None else len(indices)
+        dst = self._view(self.buffers[i][self.current[i]], rows, n + 1)
+        if indices is None:
+            dst[:, :, :n] = src[:, :, :n]
+        else:
+            torch.index_select(src[:, :, :n], 0, indices, out=dst[:, :, :n])
+        self.tensors[i] = dst
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store one new position's K/V of `layer`; returns all cached K/V of that layer."""
-        n, rows = self.length, self.rows
-        self.self_k[layer][:rows, :, n:n + 1] = k
-        self.self_v[layer][:rows, :, n:n + 1] = v
-        return self.self_k[layer][:rows, :, :n + 1], self.self_v[layer][:rows, :, :n + 1]
+        n = self.length
+        for i, new in ((2 * layer, k), (2 * layer + 1, v)):
+            if self.tensors[i].shape[2] == n:  # no reorder since the last step: make room
+                self._move(i, None)
+            self.tensors[i][:, :, n:n + 1] = new
+        return self.tensors[2 * layer], self.tensors[2 * layer + 1]
 
     def advance(self) -> None:
         self.length += 1
@@ -196,11 +227,8 @@ class DecoderCache:
     def reorder(self, indices: Tensor) -> None:
         """Keep rows `indices` (B'*beam of them, each sentence's beams together, sentences in
         their old order): beam search's survivors, and only the sentences still running."""
-        n = self.length
-        for buffers in (self.self_k, self.self_v):
-            for buf in buffers:  # in place: only the filled positions move
-                buf[:len(indices), :, :n] = buf[:self.rows, :, :n].index_select(0, indices)
-        self.rows = len(indices)
+        for i in range(len(self.tensors)):
+            self._move(i, indices)
         sentences = indices[::self.beam] // self.beam
         if len(sentences) != self.src_mask.shape[0]:  # some sentences finished
             self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
