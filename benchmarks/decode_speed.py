@@ -2,12 +2,16 @@
 float32 and int8 — same shape, same sources, same amount of work, in one run.
 
     python benchmarks/decode_speed.py [--shapes tiny base] [--sentences 96]
+    python benchmarks/decode_speed.py --trained RUN_DIR    # a trained model, as users run it
 
 Random weights never stop, so every system is forced to the same output length (64 tokens):
 fairseq and CTranslate2 through their minimum/maximum lengths, nmt through its maximum length
 (max_len_a 0, max_len_b 65: 64 tokens and the EOS); each system's actual token count is what
 tokens/s divides. Beam 4, batches of 32 sentences, 2 threads. Sources are real sentences,
 encoded with the Multi30k BPE model: newstest2014 (news, long) and Multi30k test2016 (short).
+`--trained RUN_DIR` instead times `nmt translate` on that run's model as a user runs it (beam 4,
+early stopping, its own batching) on all of Multi30k test2016 and the first 1000 lines of
+newstest2014, with the process's peak resident memory.
 Peers run in their own venvs (benchmarks/peers/install_fairseq.sh; `pip install ctranslate2`
 in ../peers/ct2).
 """
@@ -79,6 +83,34 @@ def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> 
     return json.loads(lines[-1]) if lines else {"system": script, "error": done.stderr[-400:]}
 
 
+def trained(run: Path, out: Path) -> list[dict]:
+    """Wall time and peak RSS of `nmt translate` (a fresh process per test set)."""
+    rows = []
+    for name, path, n in (("multi30k test2016", "multi30k/test_2016_flickr.en.gz", 1000),
+                          ("newstest2014", "wmt14/newstest2014.en.gz", 1000)):
+        lines = gzip.open(DATA / path, "rt", encoding="utf-8").read().splitlines()[:n]
+        src = out.parent / f"trained_{name.split()[0]}.en"
+        src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        hyp = src.with_suffix(".hyp")
+        with open(src, "rb") as stdin, open(hyp, "wb") as stdout:
+            start = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, "-m", "nmt_cli", "translate", "--run-dir",
+                                     str(run), "--threads", "2"], stdin=stdin, stdout=stdout,
+                                    stderr=subprocess.DEVNULL)
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
+            seconds = time.perf_counter() - start
+        if status:
+            sys.exit(f"nmt translate failed on {name} (status {status})")
+        out_lines = hyp.read_text(encoding="utf-8").splitlines()
+        assert len(out_lines) == len(lines)
+        rows.append({"set": name, "sentences": len(lines), "seconds": seconds,
+                     "sentences_per_s": len(lines) / seconds,
+                     "target_words": sum(len(x.split()) for x in out_lines),
+                     "peak_rss_mb": usage.ru_maxrss / 1024})  # Linux: KiB
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["tiny", "base"])
@@ -89,7 +121,15 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true",
                     help="Also nmt with bf16 weights (slow on CPUs without AVX512_BF16).")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/decode_speed.json")
+    ap.add_argument("--trained", type=Path, metavar="RUN_DIR",
+                    help="Time `nmt translate` with this run's model on the real test sets.")
     args = ap.parse_args()
+    if args.trained:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        rows = trained(args.trained, args.out)
+        args.out.with_name("decode_trained.json").write_text(json.dumps(
+            {"cpu": cpu_name(), "run": str(args.trained), "rows": rows}, indent=2))
+        return
     torch.set_num_threads(2)
     results = {"cpu": cpu_name(), "threads": 2, "runs": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)

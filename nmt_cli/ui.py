@@ -26,6 +26,25 @@ def say(message: str) -> None:
     console.print(message, markup=False)
 
 
+_suggest_next = True
+
+
+def done(message: str, next_command: str) -> None:
+    """What a step made, and the command a user would run next."""
+    say(f"{message}; next: {next_command}" if _suggest_next else message)
+
+
+@contextmanager
+def without_next_steps() -> Iterator[None]:
+    """For a pipeline (`nmt quickstart`) that runs each next step itself."""
+    global _suggest_next
+    _suggest_next = False
+    try:
+        yield
+    finally:
+        _suggest_next = True
+
+
 def warn(message: str) -> None:
     console.print(f"warning: {message}", style="yellow", markup=False)
 

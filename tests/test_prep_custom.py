@@ -26,6 +26,7 @@ def test_custom_with_holdout_validation(corpus, tmp_path, nmt):
     result = nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1],
                  "--run-dir", run.root)
     assert result.code == 0, result.err
+    assert f"next: nmt bpe --run-dir {run.root}" in result.err  # a step names the next one
     splits = run.load_manifest()["prep"]["splits"]
     assert splits["train"]["kept"] == 495 and splits["valid"]["kept"] == 5  # every 100th
     valid = run.text("valid", "en").read_text().splitlines()

@@ -26,6 +26,7 @@ def quickstarted(tmp_path_factory, multi30k_dir):
               *TINY, "--max-steps", "30", "--eval-every", "15", "--save-every", "10",
               "--warmup", "10", "--lr-scale", "4"])
     assert done.value.code == 0, err.getvalue()
+    assert "next: nmt" not in err.getvalue()  # the pipeline runs the next step itself
     return run_dir
 
 
@@ -60,6 +61,7 @@ def test_quickstart_rerun_resumes_and_reports_on_stderr_only(tmp_path, nmt, quic
     assert "nrefs:1|case:mixed|eff:no|tok:13a" in result.err  # the signatures are printed
     assert str(run / "curves.png") in result.err
     assert "resuming from step 30" in result.err  # the budget is spent: no further training
+    assert "next: nmt" not in result.err
     # prep and bpe are not redone: the checkpoints stay tied to the BPE they were trained on
     assert result.err.count("already has this step's output") == 2
     assert (run / "bpe" / "spm.model").read_bytes() == spm_before
