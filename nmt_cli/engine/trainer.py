@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import signal
@@ -489,6 +490,8 @@ class Trainer:
                 self.evaluate_and_maybe_stop()
             if saved_at != self.state.step:
                 self.save()
+            # The ranks leave together: none tears down its connections while rank 0 still writes.
+            self.dist.barrier()
             self.reporter.say(f"training stopped: {reason}")
             return {"reason": reason, "step": self.state.step, **last}
         except RuntimeError as e:
@@ -499,6 +502,10 @@ class Trainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            # DDP holds the process group; released here, gloo's threads stop now rather than
+            # during interpreter shutdown, where a rank could abort (SIGABRT) after a finished run.
+            self.forward = None
+            gc.collect()
             self.dist.close()
 
 
