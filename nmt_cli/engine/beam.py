@@ -40,9 +40,13 @@ def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor
     next token. Returns candidate scores, the beam each extends and its token, (B, 2*beam) each.
     """
     b, k, v = lprobs.shape
-    total = (scores[:, :, None] + lprobs).view(b, k * v)
-    top, index = total.topk(min(2 * beam, k * v), dim=1)
-    return top, index // v, index % v
+    n = min(2 * beam, v)
+    # A beam's score is one number added to all its tokens, so the sentence's best 2*beam are
+    # among each beam's own best 2*beam: rank (B, k*n) candidates, not all (B, k*V).
+    own, tokens = lprobs.topk(n, dim=2)
+    total = (scores[:, :, None] + own).view(b, k * n)
+    top, index = total.topk(min(2 * beam, k * n), dim=1)
+    return top, index // n, tokens.view(b, k * n).gather(1, index)
 
 
 def choose(cand_scores: Tensor, cand_beams: Tensor, cand_tokens: Tensor,
