@@ -134,6 +134,27 @@ def test_sigterm_saves_and_resumes(run_copy):
     assert step >= 10
 
 
+def test_max_time_counts_the_time_trained_before_a_resume(run_copy, nmt):
+    first = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "8", "--save-every", "4",
+                "--eval-every", "100")
+    assert first.code == 0, first.err
+    saved = [json.loads(p.with_suffix(".json").read_text())["state"]["seconds"]
+             for p in checkpoint.listed(run_copy / "checkpoints")]
+    assert 0 < saved[0] < saved[1]
+    # A budget the first run already spent: the resumed run stops before its first update.
+    budget = f"{saved[1] / 60 * 0.99:.6f}"
+    second = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "0", "--max-time", budget)
+    assert second.code == 0, second.err
+    assert f"reached --max-time {float(budget):g} minutes" in second.err
+    records = [json.loads(x) for x in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 8
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [8]  # not validated twice
+    third = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "10", "--max-time", "0")
+    assert third.code == 0, third.err
+    records = [json.loads(x) for x in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    assert min(r["minutes"] for r in records if r["step"] > 8) >= saved[1] / 60
+
+
 def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
     calls = {"n": 0}
     real = trainer.label_smoothed_loss

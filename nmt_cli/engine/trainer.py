@@ -261,8 +261,11 @@ class Trainer:
                    "rng_cpu": torch.stack(rng_cpu)}
         if rng_cuda:
             tensors["rng_cuda"] = torch.stack([r.cpu() for r in rng_cuda])
+        # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
+        # however many times it was interrupted and resumed.
+        state = dataclasses.replace(self.state, seconds=self.elapsed())
         meta = {"format": 1, "saved": now(), "step": self.state.step,
-                "state": dataclasses.asdict(self.state),
+                "state": dataclasses.asdict(state),
                 "model": dataclasses.asdict(self.model_config),
                 "train": dataclasses.asdict(self.config),
                 "src": self.src_lang, "tgt": self.tgt_lang, "world": self.dist.world}
@@ -438,6 +441,7 @@ class Trainer:
         c = self.config
         last: dict = {}
         saved_at = self.state.step if self.state.step else -1
+        resumed_at = self.state.step
         try:
             reason = self.should_stop()
             window_tokens, window_start = 0, time.monotonic()
@@ -486,7 +490,8 @@ class Trainer:
                     self.state.epoch += 1
                     self.state.batch = 0
                     reason = reason or self.should_stop()
-            if self.state.step % c.eval_every != 0:
+            # A resumed run that made no update was validated at this step before.
+            if self.state.step % c.eval_every != 0 and self.state.step != resumed_at:
                 self.evaluate_and_maybe_stop()
             if saved_at != self.state.step:
                 self.save()
