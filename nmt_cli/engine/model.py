@@ -43,9 +43,9 @@ class ModelConfig:
 PRESETS: dict[str, dict] = {
     # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
     # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
-    # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to the end,
-    # while a 2-core CPU hour (~35 epochs at 1024-token batches) still underfits, and there 0.2
-    # led 0.3 by 1.7 validation BLEU at equal time (docs/benchmarks.md).
+    # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to
+    # convergence, while in a 2-core CPU hour (~36 epochs at 1024-token batches) 0.2 led 0.3 by
+    # 1.7 validation BLEU at equal time (docs/benchmarks.md).
     "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
                  dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
     "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,
