@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from nmt_cli.engine.model import PRESETS, DecoderCache, ModelConfig, Transformer, sinusoids
+from nmt_cli.engine.model import PRESETS, DecoderCache, ModelConfig, Transformer, dropout, sinusoids
 from nmt_cli.shards import BOS, PAD
 
 
@@ -37,6 +37,28 @@ def test_initialisation_and_tying():
     assert torch.equal(m.logits(h), h @ w.T)  # output layer is the embedding
     names = [n for n, _ in m.named_parameters()]
     assert not any("out_proj" in n or "generator" in n for n in names)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_dropout_drops_its_share_and_keeps_the_mean(p):
+    torch.manual_seed(0)
+    x = (torch.rand(1000, 1001) + 1.0).requires_grad_()  # an odd size: the last draw is cut
+    torch.manual_seed(1)
+    y = dropout(x, p, training=True)
+    dropped = (y == 0).double().mean().item()
+    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / x.numel())
+    assert y.sum().item() == pytest.approx(x.sum().item(), rel=2e-3)  # unbiased
+    kept = y != 0
+    scale = (y[kept] / x[kept]).detach()
+    assert torch.allclose(scale, torch.full_like(scale, 1 / (1 - p)), rtol=1e-4)
+    y.sum().backward()
+    assert torch.equal(x.grad != 0, kept) and torch.allclose(x.grad[kept], scale)
+    # Each of the four 16-bit lanes of a draw is used: no lane always keeps or always drops.
+    lanes = kept.flatten()[:4 * (x.numel() // 4)].view(-1, 4).double().mean(0)
+    assert torch.allclose(lanes, torch.full_like(lanes, 1 - p), atol=0.01)
+    torch.manual_seed(1)
+    assert torch.equal(dropout(x, p, training=True), y)  # from torch's generator: seeded
+    assert dropout(x, p, training=False) is x
 
 
 def test_sinusoids():
