@@ -11,7 +11,9 @@
    measure the small-data literature reports (Wu et al. 2021, Transformer-Tiny: 41.02).
 4. The learning curve: greedy BLEU and NLL on the validation set against minutes of training.
 
-Results go to OUT/quality.json and print as the markdown rows of docs/benchmarks.md.
+Results go to OUT/quality.json and print as the markdown rows of docs/benchmarks.md. An OUT
+that already holds a run resumes it (the budget counts the time it trained before): remove OUT
+for a new measurement.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "quality.log"
     extra = ["--threads", str(args.threads)] if args.threads else []
+    if (run / "checkpoints").is_dir():
+        print(f"{run} holds a run: resuming it (remove {args.out} for a new measurement)",
+              file=sys.stderr)
     started = time.perf_counter()
     # The quickstart keeps a minute of its budget for prep, BPE, decoding and scoring.
     nmt("quickstart", "--run-dir", str(run), "--minutes", f"{args.minutes + 1:g}",
