@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from nmt_cli.engine.model import PRESETS, DecoderCache, ModelConfig, Transformer, dropout, sinusoids
+from nmt_cli.engine.model import (PRESETS, DecoderCache, ModelConfig, Transformer, dropout,
+                                  sinusoids)
 from nmt_cli.shards import BOS, PAD
 
 
