@@ -40,6 +40,19 @@ def test_initialisation_and_tying():
     assert not any("out_proj" in n or "generator" in n for n in names)
 
 
+def test_decoding_logits_in_vocabulary_slices_equal_one_matmul():
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=5000, d_model=32, num_encoder_layers=1,
+                                num_decoder_layers=1, ffn=64, heads=2)).eval()
+    w = m.embed.weight.detach()
+    for shape in ((7, 32), (2, 3, 32), (300, 32)):  # 300 rows: the one-matmul path
+        h = torch.randn(shape)
+        with torch.no_grad():
+            out = m.logits(h)
+        assert out.shape == (*shape[:-1], 5000)
+        torch.testing.assert_close(out, h @ w.T, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.3])
 def test_dropout_drops_its_share_and_keeps_the_mean(p):
     torch.manual_seed(0)

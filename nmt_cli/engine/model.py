@@ -312,7 +312,18 @@ class Transformer(nn.Module):
 
     def logits(self, h: Tensor) -> Tensor:
         """(..., D) decoder states -> (..., V) scores through the tied embedding."""
-        return F.linear(h, self.embed.weight)
+        rows = h.numel() // h.shape[-1]
+        if h.device.type != "cpu" or torch.is_grad_enabled() or rows > 256:
+            return F.linear(h, self.embed.weight)
+        # A decoding step's few rows against the whole vocabulary: on the CPU one GEMM over
+        # (V, D) ran at about half the speed of GEMMs over slices of 2048 words, whose outputs
+        # stay in cache (docs/benchmarks.md, beam search). Training's many rows gain nothing.
+        x = h.reshape(rows, h.shape[-1])
+        w = self.embed.weight
+        out = x.new_empty(rows, w.shape[0])
+        for i in range(0, w.shape[0], 2048):
+            torch.mm(x, w[i:i + 2048].t(), out=out[:, i:i + 2048])
+        return out.view(*h.shape[:-1], w.shape[0])
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
