@@ -74,7 +74,9 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     a fifth of its training time there. Each 64-bit draw here gives four 16-bit lanes, an element
     is kept when its lane is at or above a threshold, and the scale is that of the probability
     the threshold gives. GPUs keep F.dropout (Philox, fast)."""
-    if not training or p == 0.0 or p >= 1.0 or x.device.type != "cpu":
+    if not training or p == 0.0:
+        return x
+    if p >= 1.0 or x.device.type != "cpu":
         return F.dropout(x, p, training)
     threshold = round(p * 65536)
     n = x.numel()
