@@ -318,8 +318,8 @@ class Transformer(nn.Module):
         if h.device.type != "cpu" or torch.is_grad_enabled() or rows > 256:
             return F.linear(h, self.embed.weight)
         # A decoding step's few rows against the whole vocabulary: on the CPU one GEMM over
-        # (V, D) ran at about half the speed of GEMMs over slices of 2048 words, whose outputs
-        # stay in cache (docs/benchmarks.md, beam search). Training's many rows gain nothing.
+        # (V, D) ran at about two thirds the speed of GEMMs over slices of 2048 words
+        # (docs/benchmarks.md, beam search). From ~384 rows up, slicing gains nothing.
         x = h.reshape(rows, h.shape[-1])
         w = self.embed.weight
         out = x.new_empty(rows, w.shape[0])
