@@ -1,10 +1,11 @@
 """Benchmark the quality `nmt quickstart` reaches on Multi30k en-de in a fixed training time.
 
-    python benchmarks/multi30k_quality.py [--minutes 60] [--out benchmarks/out/quality]
+    python benchmarks/multi30k_quality.py [--minutes 60] [--out benchmarks/out/quality] [OPTIONS]
 
 1. `nmt quickstart --minutes M+1 --mirror ../shared/data/multi30k`: prep, bpe, the quickstart's
    CPU recipe trained for M minutes (validation BLEU logged along the way), average, translate
-   test2016 with beam 4, score, plot.
+   test2016 with beam 4, score, plot. Further OPTIONS (`nmt train`'s, e.g. `--dropout 0.1`) go
+   to the quickstart and override its recipe.
 2. `nmt score --split test2017` (translates test2017 with the same model).
 3. For both test sets: cased detokenized sacreBLEU and chrF with signatures, and BLEU on text
    processed like the Multi30k repository's tokenized files (`nmt score --moses-lc`), the
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "quality")
     ap.add_argument("--threads", type=int, default=0)
-    args = ap.parse_args()
+    args, train_options = ap.parse_known_args()
     run = args.out / "run"
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "quality.log"
@@ -67,7 +68,7 @@ def main() -> None:
     started = time.perf_counter()
     # The quickstart keeps a minute of its budget for prep, BPE, decoding and scoring.
     nmt("quickstart", "--run-dir", str(run), "--minutes", f"{args.minutes + 1:g}",
-        "--mirror", str(MULTI30K), *extra, log=log)
+        "--mirror", str(MULTI30K), *extra, *train_options, log=log)
     pipeline = time.perf_counter() - started
     results = {"minutes": args.minutes, "pipeline_minutes": pipeline / 60,
                "train": json.loads((run / "train.json").read_text()),
