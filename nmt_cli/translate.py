@@ -19,7 +19,7 @@ import torch
 from nmt_cli import bpe, prep
 from nmt_cli.config import TranslateConfig
 from nmt_cli.engine import beam, checkpoint
-from nmt_cli.engine.model import ModelConfig, Transformer
+from nmt_cli.engine.model import ModelConfig, Transformer, pack_for_cpu
 from nmt_cli.engine.trainer import resolve_device
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
@@ -67,6 +67,8 @@ def load_model(path: Path, device: torch.device, precision: str,
         model = model.to(torch.bfloat16)
     elif precision == "fp16":
         model = model.to(torch.float16)
+    elif device.type == "cpu":
+        model = pack_for_cpu(model)
     return model.to(device), meta
 
 

@@ -40,17 +40,39 @@ def test_initialisation_and_tying():
     assert not any("out_proj" in n or "generator" in n for n in names)
 
 
-def test_decoding_logits_in_vocabulary_slices_equal_one_matmul():
+def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
+    from nmt_cli.engine import beam
+    from nmt_cli.engine.model import PackedLinear, pack_for_cpu
+    m = tiny()
+    src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
+    tgt = torch.tensor([[BOS, 11, 12], [BOS, 13, PAD]])
+    with torch.no_grad():
+        states = m(src, tgt)
+        logits = m.logits(states)
+    hyps = beam.translate(m, src, beam=3, max_len_b=10, nbest=2)
+    monkeypatch.setattr("nmt_cli.engine.model.PACK_MIN", 0)  # pack even this model's weights
+    packed = pack_for_cpu(m)
+    assert packed is m and not any(p.requires_grad for p in m.parameters())
+    assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
+    assert sum(isinstance(x, PackedLinear) for x in m.modules()) == 2 * 5 + 2 * 8  # q, kv, out (x2 in the decoder), FFN in and out
+    with torch.no_grad():
+        torch.testing.assert_close(m(src, tgt), states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.logits(states), logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(beam.translate(m, src, beam=3, max_len_b=10, nbest=2), hyps):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
+
+
+def test_packing_leaves_small_weights_to_f_linear():
+    from nmt_cli.engine.model import PACK_MIN, PackedLinear, pack_for_cpu
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=5000, d_model=32, num_encoder_layers=1,
-                                num_decoder_layers=1, ffn=64, heads=2)).eval()
-    w = m.embed.weight.detach()
-    for shape in ((7, 32), (2, 3, 32), (300, 32)):  # 300 rows: the one-matmul path
-        h = torch.randn(shape)
-        with torch.no_grad():
-            out = m.logits(h)
-        assert out.shape == (*shape[:-1], 5000)
-        torch.testing.assert_close(out, h @ w.T, rtol=1e-5, atol=1e-5)
+    m = pack_for_cpu(Transformer(ModelConfig(vocab_size=1000, num_encoder_layers=1,
+                                             num_decoder_layers=1, d_model=128, ffn=1024,
+                                             heads=2)))
+    packed = {n for n, x in m.named_modules() if isinstance(x, PackedLinear)}
+    assert packed == {"encoder.0.ffn.inner", "encoder.0.ffn.outer", "decoder.0.ffn.inner",
+                      "decoder.0.ffn.outer"}  # 128 x 1024 = PACK_MIN; q, k, v, out are 128 x 128
+    assert 128 * 1024 == PACK_MIN and m.packed_output is None  # 1000 x 128 words: below it
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3])
