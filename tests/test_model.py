@@ -54,7 +54,8 @@ def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
     packed = pack_for_cpu(m)
     assert packed is m and not any(p.requires_grad for p in m.parameters())
     assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
-    assert sum(isinstance(x, PackedLinear) for x in m.modules()) == 2 * 5 + 2 * 8  # q, kv, out (x2 in the decoder), FFN in and out
+    # per encoder layer q, kv, out and the FFN's two; per decoder layer those and cross q, kv, out
+    assert sum(isinstance(x, PackedLinear) for x in m.modules()) == 2 * 5 + 2 * 8
     with torch.no_grad():
         torch.testing.assert_close(m(src, tgt), states, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m.logits(states), logits, rtol=1e-5, atol=1e-5)
