@@ -337,6 +337,10 @@ def build(config: ModelConfig) -> Transformer:
 PACK_MIN = 2 ** 17  # weight elements
 
 
+def _pack(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
 def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -346,8 +350,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.packed = _pack(linear.weight)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: Tensor) -> Tensor:
@@ -374,5 +377,5 @@ def pack_for_cpu(model: Transformer) -> Transformer:
             if isinstance(child, nn.Linear) and child.weight.numel() >= PACK_MIN:
                 setattr(module, name, PackedLinear(child))
     if model.embed.weight.numel() >= PACK_MIN:
-        model.packed_output = torch.ops.mkldnn._reorder_linear_weight(model.embed.weight.detach())
+        model.packed_output = _pack(model.embed.weight)
     return model
