@@ -289,7 +289,9 @@ def _launch(run, gpus: int, procs: int, nnodes: int, node_rank: int, rdzv_endpoi
            f"({'NCCL, one GPU each' if gpus else 'gloo, CPU'}); effective batch: {max_tokens} "
            f"tokens x {workers * nnodes} ranks x {update_freq} = "
            f"{max_tokens * workers * nnodes * update_freq:,} tokens per update")
-    with run.lock("train"):
+    # Node 0 holds the run directory's lock for the whole job; the other nodes share that
+    # directory (or it is their own copy, whose checkpoints the ranks then compare on resume).
+    with run.lock("train") if node_rank == 0 else contextlib.nullcontext():
         os.environ["NMT_LOCK_HELD"] = "1"
         try:
             distributed.launch(workers, forwarded, nnodes, node_rank, rdzv_endpoint, max_restarts,
@@ -673,10 +675,15 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 def _error(message: str) -> None:
     # One line, whatever the message contains. A worker under our launcher labels its line
-    # with its rank: the launcher prints the job's one error line.
-    prefix = f"nmt: rank {os.environ.get('RANK', '?')}:" if os.environ.get("NMT_LOCK_HELD") \
-        else "nmt: error:"
-    print(f"{prefix} {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    # with its rank and hands the error to the launcher, which prints the job's one error line.
+    message = ' '.join(str(message).split())
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a worker of torch's launcher (or ours)
+        from nmt_cli.engine.distributed import record_worker_error
+        record_worker_error(message)
+    if os.environ.get("NMT_LOCK_HELD"):
+        print(f"nmt: rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
+    else:
+        print(f"nmt: error: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -20,7 +20,7 @@ from nmt_cli import bpe, prep
 from nmt_cli.config import TranslateConfig
 from nmt_cli.engine import beam, checkpoint
 from nmt_cli.engine.model import ModelConfig, Transformer, pack_for_cpu
-from nmt_cli.engine.trainer import resolve_device
+from nmt_cli.engine.device import resolve_device, resolve_precision
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import EOS, PAD
@@ -83,7 +83,6 @@ class Translator:
     """A loaded model with its sentencepiece model, translating lists of raw lines."""
 
     def __init__(self, run: RunDir, config: TranslateConfig):
-        from nmt_cli.engine.trainer import resolve_precision
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)

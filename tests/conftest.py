@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# The suite behaves the same on every machine: GPUs stay hidden (from this process and every
+# command it starts) unless NMT_TEST_GPU=1 asks for them, as tests/test_gpu.py's command does.
+# Set before torch first looks for a device.
+if os.environ.get("NMT_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -107,3 +114,53 @@ def trained(tmp_path_factory, multi30k_bpe) -> Path:
             "--eval-every", "100", "--warmup", "10", "--lr-scale", "4"],
            ["average", "--run-dir", run_dir, "--last", "2"])
     return run_dir
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Count what would make the host wait for a GPU, on any device: reading a tensor's values
+    (item, float, bool, tolist, cpu) and shapes that depend on values (nonzero, as in
+    boolean-mask indexing). Yields a dict whose "n" grows with each. Not counted, so not to be
+    used for reading in nmt: numpy() (it refuses GPU tensors) and to("cpu") (on a CPU machine
+    it cannot be told from a copy to the device)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"n": 0}
+    reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in reads:
+                counts["n"] += 1
+            return func(*args, **(kwargs or {}))
+
+    patched = {}
+    for name in ("tolist", "cpu"):  # these read without an aten call on a CPU tensor
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _real=real, **kwargs):
+            counts["n"] += 1
+            return _real(self, *args, **kwargs)
+
+        patched[name] = real
+        setattr(torch.Tensor, name, counting)
+    try:
+        with Mode():
+            yield counts
+    finally:
+        for name, real in patched.items():
+            setattr(torch.Tensor, name, real)
+
+
+def count_decoding_steps(model) -> dict:
+    """Wrap `model.decode` so that the returned dict's "n" counts its calls (one per step)."""
+    steps = {"n": 0}
+    decode = model.decode
+
+    def counting(*args, **kwargs):
+        steps["n"] += 1
+        return decode(*args, **kwargs)
+
+    model.decode = counting
+    return steps

@@ -69,10 +69,9 @@ def test_beam_step_and_choose_by_hand():
     top, beams, tokens = beam_step(scores, lprobs, 2)
     assert torch.allclose(top.exp(), torch.tensor([[0.36, 0.24, 0.18, 0.18]]))
     assert beams.tolist() == [[1, 0, 0, 0]] and tokens.tolist()[0][:2] == [EOS, EOS]
-    done, live_scores, live_beams, live_tokens = choose(top, beams, tokens, 2)
+    done, live = choose(top.numpy(), beams.numpy(), tokens.numpy(), 2)
     assert done.tolist() == [[True, True, False, False]]
-    assert torch.allclose(live_scores.exp(), torch.tensor([[0.18, 0.18]]))
-    assert live_beams.tolist() == [[0, 0]] and sorted(live_tokens.tolist()[0]) == [A, B]
+    assert live.tolist() == [[2, 3]]  # the two best that do not end: A or B after A
 
 
 def test_beam_finds_what_greedy_misses():
@@ -163,3 +162,16 @@ def test_greedy_respects_limits():
                  lambda idx: None, [3, 5], alpha=0.0)
     assert [len(h[0].tokens) for h in out] == [2, 4]
     del m
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_search_reads_the_device_once_per_step(beam):
+    """On a GPU every read of a tensor's values waits for the device: one per step, not one
+    per sentence or per check."""
+    from conftest import count_decoding_steps, host_reads
+    m = model()
+    steps = count_decoding_steps(m)
+    with host_reads() as reads:
+        translate(m, SRC, beam=beam, max_len_b=12)
+    assert steps["n"] >= 5
+    assert reads["n"] <= steps["n"] + 1, (reads, steps)  # + the source lengths

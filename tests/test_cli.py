@@ -32,3 +32,12 @@ def test_usage_error_is_one_line(nmt):
 def test_unknown_recipe_is_one_line(nmt):
     line = one_error_line(nmt("prep", "wmt99"))
     assert "wmt99" in line
+
+
+def test_the_suite_runs_without_a_gpu_unless_asked():
+    """conftest hides GPUs, so `--device auto` means the CPU here on any machine."""
+    import os
+
+    import torch
+    if os.environ.get("NMT_TEST_GPU") != "1":
+        assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""

@@ -42,6 +42,10 @@ def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nm
     assert [x[0] for x in loss_a] == [x[0] for x in loss_b]
     assert [x[2] for x in loss_a] == [x[2] for x in loss_b]  # global token counts
     assert all(abs(x[1] - y[1]) < 1e-4 for x, y in zip(loss_a, loss_b))
+    # Each rank validated half the batches: together, the whole validation set.
+    valid_a = [r["valid_nll"] for r in _metrics(single) if r["kind"] == "valid"]
+    valid_b = [r["valid_nll"] for r in _metrics(run_copy) if r["kind"] == "valid"]
+    assert len(valid_a) == len(valid_b) == 1 and valid_a[0] == pytest.approx(valid_b[0], abs=1e-4)
 
 
 def _children(pid: int) -> list[int]:
@@ -159,3 +163,136 @@ def test_torchrun_starts_the_same_training(run_copy):
     last = checkpoint.listed(run_copy / "checkpoints")[-1]
     meta = json.loads(last.with_suffix(".json").read_text())
     assert meta["step"] == 4 and meta["world"] == 2
+
+
+def _in_one_process_group(backend: str):
+    """A world of one: this process, in a process group of `backend`."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1",
+            "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def test_host_collectives_take_cpu_tensors_whatever_the_default_backend(monkeypatch):
+    """NCCL has a backend for CUDA tensors only; "cuda:gloo" is the same on a CPU machine. The
+    checkpoint's RNG states (CPU tensors) must still be gathered."""
+    from nmt_cli.engine import distributed
+    for name, value in _in_one_process_group("cuda:gloo").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(distributed.BACKENDS, "cpu", "cuda:gloo")
+    group, _ = distributed.setup(torch.device("cpu"))
+    try:
+        assert group.active and group.host is not None
+        state = torch.get_rng_state()
+        assert torch.equal(group.gather(state)[0], state)  # what Trainer.save gathers
+        assert group.host_max([3, 0]) == [3, 0]
+        assert group.gather_objects(("step", 7)) == [("step", 7)]
+        group.barrier()
+    finally:
+        group.close()
+
+
+def test_compile_wraps_the_ddp_model(monkeypatch):
+    """torch's order: DDP first, then compile, so gradient buckets still overlap backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nmt_cli.engine import distributed
+    for name, value in _in_one_process_group("gloo").items():
+        monkeypatch.setenv(name, value)
+    group, device = distributed.setup(torch.device("cpu"))
+    try:
+        forward = group.wrap(torch.nn.Linear(4, 4), device, compile=True)
+        assert isinstance(forward, torch._dynamo.eval_frame.OptimizedModule)
+        assert isinstance(forward._orig_mod, DistributedDataParallel)
+        assert hasattr(forward, "no_sync")  # reaches DDP's, for --update-freq
+    finally:
+        group.close()
+
+
+def test_launch_environments_find_their_gpu(monkeypatch):
+    from nmt_cli.engine import distributed
+    from nmt_cli.errors import NmtError
+    for name in ("WORLD_SIZE", "RANK", *distributed.LOCAL_RANK_VARIABLES, "SLURM_NTASKS",
+                 "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    # SLURM, one task per GPU bound with --gpus-per-task: task 3 sees only its own GPU.
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    rank, world, local = distributed.from_environment()
+    assert (rank, world, local) == (3, 4, 3)
+    assert distributed.gpu_index(rank, local, visible=1) == 0
+    assert distributed.gpu_index(rank, local, visible=4) == 3
+    with pytest.raises(NmtError, match="local rank 3 but sees 2 GPUs"):
+        distributed.gpu_index(rank, local, visible=2)
+    # A launcher that sets RANK and WORLD_SIZE only: no guessing which GPU is whose.
+    for name in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    assert distributed.from_environment() == (5, 8, None)
+    with pytest.raises(NmtError, match="LOCAL_RANK"):
+        distributed.gpu_index(5, None, visible=8)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "5")  # mpirun says it
+    assert distributed.from_environment() == (5, 8, 5)
+    assert distributed.shared_gpus([("a", "g0"), ("a", "g1"), ("b", "g0")]) is None
+    problem = distributed.shared_gpus([("a", "g0"), ("a", "g1"), ("a", "g0")])
+    assert "ranks 0 and 2 both use GPU g0 of a" in problem
+
+
+def test_the_launcher_reports_the_worker_that_started_it():
+    from nmt_cli.engine.distributed import LOST_CONTACT, WORKER_ERROR, root_cause
+    own = WORKER_ERROR + "out of memory on cuda:1 at step 9: lower --max-tokens"
+    lost = WORKER_ERROR + LOST_CONTACT + " at step 8 (Connection reset by peer)"
+    # Rank 0 lost contact first (in the same second), rank 1 ran out of memory: rank 1 it is.
+    failure = root_cause({0: (1, 100, lost), 1: (1, 100, own)})
+    assert failure.message == "rank 1: out of memory on cuda:1 at step 9: lower --max-tokens"
+    assert not failure.restartable
+    failure = root_cause({0: (1, 100, lost), 1: (-9, 101, "")})
+    assert failure.message == "rank 1 was killed by SIGKILL" and failure.restartable
+    # The launcher stops the survivors with SIGTERM, maybe before they notice on their own.
+    failure = root_cause({0: (-15, 100, ""), 1: (-9, 100, "")})
+    assert failure.message == "rank 1 was killed by SIGKILL"
+    assert root_cause({2: (1, 100, ""), 1: (1, 99, "")}).message == "rank 1 exited with code 1"
+
+
+def _two_nodes(node_dirs, extra):
+    """`nmt train` on two 'nodes' of one CPU worker each (this machine twice): node 0 and
+    node 1 each run their own launcher, as on a cluster."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [*TINY, "--save-every", "3", "--eval-every", "100", "--device", "cpu",
+              "--procs", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
+    procs = [subprocess.Popen([sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(d),
+                               *common, "--node-rank", str(i)], stderr=subprocess.PIPE, text=True)
+             for i, d in enumerate(node_dirs)]
+    return [(p.wait(timeout=180), p.stderr.read()) for p in procs]
+
+
+@pytest.mark.slow
+def test_nodes_share_one_run_directory(run_copy):
+    done = _two_nodes([run_copy, run_copy], ["--max-steps", "6"])
+    assert [code for code, _ in done] == [0, 0], done
+    meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json")
+                      .read_text())
+    assert meta["step"] == 6 and meta["world"] == 2
+
+
+@pytest.mark.slow
+def test_nodes_that_would_resume_apart_stop_with_one_error(run_copy, tmp_path):
+    import shutil
+    fresh = tmp_path / "node1"  # a node-local run directory without node 0's checkpoints
+    shutil.copytree(run_copy, fresh)
+    done = _two_nodes([run_copy, run_copy], ["--max-steps", "3"])
+    assert [code for code, _ in done] == [0, 0], done
+    done = _two_nodes([run_copy, fresh], ["--max-steps", "6"])
+    for code, err in done:
+        errors = [line for line in err.splitlines() if line.startswith("nmt: error:")]
+        assert code == 1 and len(errors) == 1, err
+        assert "different checkpoints to resume from (rank 0: step 3, rank 1: none)" in errors[0]
+        assert "must be one directory that every node shares" in errors[0]
+    assert not (fresh / "checkpoints").exists()

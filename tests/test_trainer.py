@@ -256,3 +256,78 @@ def test_train_errors(tmp_path, run_copy, nmt):
     assert "heads" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--heads", "3"))
     with RunDir(run_copy).lock("train"):
         assert "in use by `nmt train`" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY))
+
+
+# -- the hot path does not wait for the device -------------------------------------------------
+
+def _tiny_trainer(run_dir, **options):
+    from nmt_cli.config import TrainConfig
+    config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1,
+                         num_decoder_layers=1, max_tokens=256, device="cpu", **options)
+    return trainer.Trainer(config, RunDir(run_dir), trainer._Quiet())
+
+
+def test_train_step_reads_nothing_back_from_the_device(run_copy):
+    from conftest import host_reads
+
+    from nmt_cli.engine.data import on_device
+    t = _tiny_trainer(run_copy, update_freq=2)
+    groups = [t.epoch_batches(0)[i:i + 2] for i in range(0, 12, 2)]
+    updates = list(on_device(t.train_data, groups, t.device))
+    with host_reads() as reads:
+        figures = [trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches,
+                                      label_smoothing=0.1, clip_norm=1.0, lr=1e-3,
+                                      autocast=t.autocast, group=t.dist) for batches in updates]
+    assert reads["n"] == 0
+    rows = torch.stack(figures).tolist()
+    assert [r[2] for r in rows] == [sum(b.tokens for b in batches) for batches in updates]
+    assert all(r[4] == 0.0 and math.isfinite(r[0]) and r[3] > 0 for r in rows)
+
+
+def test_training_reads_its_figures_once_per_log_interval(run_copy):
+    from conftest import host_reads
+    t = _tiny_trainer(run_copy, max_steps=40, eval_every=1000, save_every=1000)
+    with host_reads() as reads:
+        t.train()
+    # Reads at step 1, every LOG_EVERY updates, and the final validation: about one per
+    # interval, where reading every update would make at least 40.
+    assert t.state.step == 40
+    assert reads["n"] <= 40 // trainer.LOG_EVERY + 4, reads
+
+
+def test_a_skipped_update_changes_nothing(run_copy):
+    from nmt_cli.engine.data import on_device
+    t = _tiny_trainer(run_copy)
+    (batches,) = on_device(t.train_data, [t.epoch_batches(0)[:1]], t.device)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    figures = trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches,
+                                 label_smoothing=float("nan"), clip_norm=0.0, lr=1e-3,
+                                 autocast=t.autocast, group=t.dist)
+    assert figures[4].item() == 1.0
+    assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    assert all(s["step"].item() == 0 for s in t.optimizer.state.values())  # Adam's count too
+
+
+def test_out_of_memory_is_one_line_with_the_fix(run_copy, nmt, monkeypatch):
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(trainer, "train_step", oom)
+    line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "4"))
+    assert "out of memory" in line and "lower --max-tokens" in line and "--update-freq" in line
+
+
+def test_patience_is_rank_zeros_decision_for_every_rank(run_copy):
+    from nmt_cli.engine import distributed
+
+    class TwoRanks(distributed.Group):
+        """Rank 1 of two, whose rank 0 has run out of patience (what host_max would bring)."""
+        def host_max(self, values):
+            return [max(v, other) for v, other in zip(values, [0, 0, 1])]
+
+    t = _tiny_trainer(run_copy, patience=2)
+    t._started = time.monotonic()
+    assert t.agreed_stop() is None
+    t.dist = TwoRanks(rank=1, world=2)
+    t.state.bad_evals = 0  # this rank's own count would go on
+    assert "did not improve in 2 evaluations" in t.agreed_stop()

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -49,18 +50,18 @@ def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor
     return top, index // n, tokens.view(b, k * n).gather(1, index)
 
 
-def choose(cand_scores: Tensor, cand_beams: Tensor, cand_tokens: Tensor,
-           beam: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Split the candidates: EOS among the best `beam` finish; the best `beam` others live on.
+def choose(cand_scores: np.ndarray, cand_beams: np.ndarray, cand_tokens: np.ndarray,
+           beam: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split the candidates (each sentence's, best first): EOS among the best `beam` finish; the
+    best `beam` others live on.
 
-    Returns (finished mask (B, 2*beam), and the live scores, beams and tokens, (B, beam) each).
+    Returns the finished mask (B, 2*beam) and the columns of the live candidates (B, beam).
     There are at most `beam` EOS candidates (one per beam), so `beam` others always exist.
     """
     is_eos = cand_tokens == EOS
-    rank = torch.arange(cand_scores.shape[1], device=cand_scores.device)
-    finished = is_eos & (rank < beam)[None, :] & torch.isfinite(cand_scores)
-    live_scores, pick = cand_scores.masked_fill(is_eos, -math.inf).topk(beam, dim=1)
-    return finished, live_scores, cand_beams.gather(1, pick), cand_tokens.gather(1, pick)
+    finished = is_eos & (np.arange(cand_scores.shape[1]) < beam) & np.isfinite(cand_scores)
+    live = np.argsort(is_eos, axis=1, kind="stable")[:, :beam]  # non-EOS first, in rank order
+    return finished, live
 
 
 def search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
@@ -70,48 +71,62 @@ def search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
 
     step(tokens (R, 1)) -> log-probs (R, V) of the next token of each live row.
     reorder(indices (R',)) keeps those rows (of the last step's R) for the next step.
+
+    The device ranks the candidates; the host reads them once per step (2*beam per sentence)
+    and keeps the bookkeeping: the hypotheses' tokens, who finished, who lives on.
     """
     n = len(max_lens)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
-    active = list(range(n))                      # sentence ids of the live rows' groups
+    active = np.arange(n)                        # sentence of each live group of `beam` rows
+    history = np.zeros((n * beam, 0), dtype=np.int64)   # each live row's tokens so far
     scores = torch.full((n, beam), -math.inf, device=device)
     scores[:, 0] = 0.0                           # at first every beam is the same: keep one
-    history = torch.full((n * beam, 1), BOS, dtype=torch.long, device=device)
-    limits = torch.tensor(max_lens, device=device)
+    tokens = torch.full((n * beam, 1), BOS, dtype=torch.long, device=device)
+    limits = torch.tensor(max_lens, device=device)      # per live sentence
     t = 0
-    while active:
-        lprobs = step(history[:, -1:]).float()                  # (R, V)
+    while True:
+        lprobs = step(tokens).float()                           # (R, V)
         lprobs[:, PAD] = -math.inf
         lprobs[:, BOS] = -math.inf
-        at_limit = (limits[active] <= t + 1).repeat_interleave(beam)
-        if at_limit.any():                                      # only EOS may follow
-            eos = lprobs[at_limit, EOS].clone()
-            lprobs[at_limit] = -math.inf
-            lprobs[at_limit, EOS] = eos
+        at_limit = (limits <= t + 1).repeat_interleave(beam)    # only EOS may follow
+        eos = lprobs[:, EOS].clone()
+        lprobs.masked_fill_(at_limit[:, None], -math.inf)
+        lprobs[:, EOS] = eos
         b = len(active)
         cand = beam_step(scores, lprobs.view(b, beam, -1), beam)
-        done, live_scores, live_beams, live_tokens = choose(*cand, beam)
-        for row, col in done.nonzero().tolist():
-            src_row = row * beam + int(cand[1][row, col])
+        cand_scores, cand_beams, cand_tokens = torch.stack(
+            [c.double() for c in cand]).cpu().numpy()            # the step's one read
+        cand_beams, cand_tokens = cand_beams.astype(np.int64), cand_tokens.astype(np.int64)
+        done, live = choose(cand_scores, cand_beams, cand_tokens, beam)
+        penalty = length_penalty(t + 1, alpha)
+        for row, col in zip(*np.nonzero(done)):
             finished[active[row]].append(Hypothesis(
-                history[src_row, 1:].tolist(),
-                float(cand[0][row, col]) / length_penalty(t + 1, alpha)))
-        keep = [i for i in range(b)
-                if not _is_done(finished[active[i]], live_scores[i], beam, nbest,
-                                max(int(limits[active[i]]), t + 1), alpha, t + 1)]
-        if not keep:
+                history[row * beam + cand_beams[row, col]].tolist(),
+                float(cand_scores[row, col]) / penalty))
+        live_scores = np.take_along_axis(cand_scores, live, 1)
+        keep = np.array([i for i in range(b)
+                         if not _is_done(finished[active[i]], live_scores[i], beam, nbest,
+                                         max(max_lens[active[i]], t + 1), alpha, t + 1)],
+                        dtype=np.int64)
+        if not len(keep):
             break
-        keep_t = torch.tensor(keep, device=device)
-        rows = (keep_t[:, None] * beam + live_beams[keep_t]).view(-1)
-        history = torch.cat([history[rows], live_tokens[keep_t].view(-1, 1)], dim=1)
-        scores = live_scores[keep_t]
-        active = [active[i] for i in keep]
-        reorder(rows)
+        live_beams = np.take_along_axis(cand_beams, live, 1)[keep]
+        rows = (keep[:, None] * beam + live_beams).reshape(-1)
+        history = np.concatenate(
+            [history[rows], np.take_along_axis(cand_tokens, live, 1)[keep].reshape(-1, 1)], 1)
+        active = active[keep]
+        index = torch.from_numpy(np.concatenate([keep, live[keep].reshape(-1), rows])).to(device)
+        keep_t, live_t, rows_t = index.split([len(keep), len(rows), len(rows)])
+        live_t = live_t.view(-1, beam)
+        scores = cand[0].index_select(0, keep_t).gather(1, live_t)
+        tokens = cand[2].index_select(0, keep_t).gather(1, live_t).view(-1, 1)
+        limits = limits.index_select(0, keep_t)
+        reorder(rows_t)
         t += 1
     return [sorted(f, key=lambda h: -h.score)[:nbest] for f in finished]
 
 
-def _is_done(finished: list[Hypothesis], live: Tensor, beam: int, nbest: int, limit: int,
+def _is_done(finished: list[Hypothesis], live: np.ndarray, beam: int, nbest: int, limit: int,
              alpha: float, length: int) -> bool:
     if len(finished) >= beam or length >= limit:
         return True
@@ -127,34 +142,37 @@ def _is_done(finished: list[Hypothesis], live: Tensor, beam: int, nbest: int, li
 def greedy(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
            max_lens: list[int], alpha: float,
            device: torch.device | str = "cpu") -> list[list[Hypothesis]]:
-    """The best next token at every step: beam 1 without the bookkeeping."""
+    """The best next token at every step: beam 1 without the bookkeeping. The host reads each
+    step's tokens (and running scores) once."""
     n = len(max_lens)
     out: list[list[Hypothesis]] = [[] for _ in range(n)]
     generated: list[list[int]] = [[] for _ in range(n)]
-    active = torch.arange(n, device=device)
+    active = np.arange(n)
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
     score = torch.zeros(n, device=device)
     limits = torch.tensor(max_lens, device=device)
     t = 0
-    while len(active):
+    while True:
         lprobs = step(tokens).float()
         lprobs[:, PAD] = -math.inf
         lprobs[:, BOS] = -math.inf
-        forced = limits[active] <= t + 1
-        best = torch.where(forced, torch.full_like(active, EOS), lprobs.argmax(-1))
+        best = torch.where(limits <= t + 1, EOS, lprobs.argmax(-1))
         score = score + lprobs.gather(1, best[:, None]).squeeze(1)
-        ended = best == EOS
-        for i, (s, token, end) in enumerate(zip(active.tolist(), best.tolist(), ended.tolist())):
-            if end:
-                out[s] = [Hypothesis(generated[s], float(score[i]) / length_penalty(t + 1, alpha))]
-            else:
-                generated[s].append(token)
-        keep = (~ended).nonzero().flatten()
-        if len(keep) == 0:
+        best_h, score_h = torch.stack([best.double(), score.double()]).cpu().numpy()
+        ended = best_h == EOS
+        for i in np.flatnonzero(ended):
+            out[active[i]] = [Hypothesis(generated[active[i]],
+                                         float(score_h[i]) / length_penalty(t + 1, alpha))]
+        keep = np.flatnonzero(~ended)
+        if not len(keep):
             break
+        for i in keep:
+            generated[active[i]].append(int(best_h[i]))
         if len(keep) < len(active):
-            reorder(keep)
-        active, score, tokens = active[keep], score[keep], best[keep][:, None]
+            keep_t = torch.from_numpy(keep).to(device)
+            reorder(keep_t)
+            best, score, limits = best[keep_t], score[keep_t], limits[keep_t]
+        active, tokens = active[keep], best[:, None]
         t += 1
     return out
 

@@ -24,10 +24,12 @@ import torch.nn.functional as F
 
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import beam, checkpoint, distributed
+from nmt_cli.engine.data import Batch, Split, on_device, to_device, training_share
+from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
 from nmt_cli.engine.model import ModelConfig, Transformer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
-from nmt_cli.shards import PAD, Shard, collate, make_batches, padding_share
+from nmt_cli.shards import collate, padding_share
 
 
 def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
@@ -72,56 +74,62 @@ def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
     return _SmoothedCrossEntropy.apply(logits, target, epsilon)
 
 
-def batch_loss(model: Transformer, forward: torch.nn.Module, batch: list[torch.Tensor],
-               label_smoothing: float, autocast) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Summed smoothed loss, summed NLL and target token count of one (src, tgt_in, tgt_out)."""
-    src, tgt_in, tgt_out = batch
+def batch_loss(model: Transformer, forward: torch.nn.Module, batch: Batch,
+               label_smoothing: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed smoothed loss and summed NLL of one batch's target tokens."""
     with autocast():
-        hidden = forward(src, tgt_in)
-        mask = tgt_out != PAD
-        logits = model.logits(hidden[mask])  # padding never reaches the output layer
-    loss, nll = label_smoothed_loss(logits, tgt_out[mask], label_smoothing)
-    return loss, nll, int(mask.sum())
+        hidden = forward(batch.src, batch.tgt_in)
+        # Padding never reaches the output layer; its positions were found on the host.
+        logits = model.logits(hidden.flatten(0, 1).index_select(0, batch.positions))
+    return label_smoothed_loss(logits, batch.targets, label_smoothing)
+
+
+# What train_step returns about an update, one number each, in this order.
+STEP_FIGURES = ("loss_sum", "nll_sum", "tokens", "grad_norm", "skipped")
 
 
 def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               scaler: torch.amp.GradScaler, batches: list[list[torch.Tensor]], *,
-               label_smoothing: float, clip_norm: float, lr: float, autocast,
-               group: distributed.Group) -> dict | None:
-    """One update from (src, tgt_in, tgt_out) batches: forward, label-smoothed loss, backward,
-    the gradient as a per-token mean over all ranks, clipping, Adam. None if non-finite.
+               scaler: torch.amp.GradScaler, batches: list[Batch], *, label_smoothing: float,
+               clip_norm: float, lr: float, autocast, group: distributed.Group) -> torch.Tensor:
+    """One update from a group of batches: forward, label-smoothed loss, backward, the gradient
+    as a per-token mean over all ranks, clipping, Adam; an update whose loss or gradient is not
+    finite changes nothing (and counts as skipped).
 
-    `forward` is the model as called for training (compiled and/or DDP-wrapped); gradients are
-    all-reduced only after the last batch.
+    Nothing here waits for the device: the figures come back as one float64 tensor on it,
+    laid out as STEP_FIGURES, for the caller to read when it wants them. `forward` is the model
+    as called for training (DDP and/or compiled); gradients are all-reduced after the last
+    batch only. The optimizer must be fused: it is told on the device whether to skip.
     """
     model.train()
-    loss_sum = nll_sum = tokens = 0.0
+    sums = None
     for i, batch in enumerate(batches):
-        sync = i == len(batches) - 1
-        with (contextlib.nullcontext() if sync else group.no_sync(forward)):
-            loss, nll, n = batch_loss(model, forward, batch, label_smoothing, autocast)
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else group.no_sync(forward):
+            loss, nll = batch_loss(model, forward, batch, label_smoothing, autocast)
             scaler.scale(loss).backward()
-        loss_sum += loss.item()
-        nll_sum += nll.item()
-        tokens += n
-    loss_sum, nll_sum, tokens = group.sum([loss_sum, nll_sum, tokens], batches[-1][2].device)
+        figures = torch.stack([loss.detach(), nll.detach()]).double()
+        sums = figures if sums is None else sums + figures
+    assert sums is not None
+    tokens = sums.new_full((1,), float(sum(b.tokens for b in batches)))
+    totals = group.all_reduce(torch.cat([sums, tokens]))  # loss, NLL, tokens of every rank
     scaler.unscale_(optimizer)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
     # The loss is a sum over this rank's tokens and DDP averaged over ranks: make the gradient
     # the mean over every token of the update.
-    torch._foreach_mul_(grads, group.world / tokens)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or math.inf)
-    if not (math.isfinite(loss_sum) and math.isfinite(float(norm))):
-        optimizer.zero_grad(set_to_none=True)
-        scaler.update()  # with fp16, backs the loss scale off
-        return None
+    torch._foreach_mul_([p.grad for p in params], (group.world / totals[2]).float())
+    norm = torch.nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
+    skipped = (~(torch.isfinite(norm) & torch.isfinite(totals[0]))).float()
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
-    scaler.step(optimizer)
-    scaler.update()
+    # GradScaler's protocol with fused optimizers: the step is skipped on the device.
+    optimizer.found_inf, optimizer.grad_scale = skipped, None
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale
+    scaler.update()  # with fp16, backs the loss scale off after a non-finite update
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "lr": lr,
-            "grad_norm": float(norm), "tokens": int(tokens)}
+    return torch.cat([totals, norm.double()[None], skipped.double()[None]])
 
 
 class Reporter(Protocol):
@@ -149,7 +157,7 @@ class Interrupted(Exception):
 @dataclass
 class State:
     """Progress that a resume needs besides the tensors."""
-    step: int = 0                 # updates made
+    step: int = 0                 # updates made (a skipped update counts: its data is spent)
     epoch: int = 0
     batch: int = 0                # next batch of this epoch
     seconds: float = 0.0          # training time of earlier processes
@@ -159,46 +167,10 @@ class State:
     bad_in_a_row: int = 0
 
 
-@dataclass
-class Split:
-    src: Shard
-    tgt: Shard
-    src_lengths: np.ndarray       # with the EOS
-    tgt_lengths: np.ndarray       # with the BOS/EOS
-    keep: np.ndarray              # sentences short enough for the model and the batch size
-
-    @classmethod
-    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> "Split":
-        s, t = Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
-        sl, tl = s.lengths + 1, t.lengths + 1
-        keep = np.flatnonzero((sl <= limit) & (tl <= limit))
-        return cls(s, t, sl, tl, keep)
-
-    def batches(self, max_tokens: int, seed: int, epoch: int, rank: int = 0,
-                world: int = 1) -> list[np.ndarray]:
-        """This rank's share of the epoch's batches: every world-th one, the same number on
-        every rank (the few left over are dropped)."""
-        groups = make_batches(self.src_lengths[self.keep], self.tgt_lengths[self.keep],
-                              max_tokens, seed, epoch)
-        usable = len(groups) // world * world
-        return [self.keep[g] for g in groups[rank:usable:world]]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
-    return device
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp16" and device.type != "cuda":
-        raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
-    return precision
+# Updates between two reads of the training figures. A read waits for the device to finish
+# what was queued, so the host reads only this often (and at validations and checkpoints);
+# signals and the time budget are looked at then too.
+LOG_EVERY = 10
 
 
 class Trainer:
@@ -227,40 +199,47 @@ class Trainer:
         dropped = len(self.train_data.src) - len(self.train_data.keep)
         if dropped:
             reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
-        if not self.train_data.batches(config.max_tokens, config.seed, 0, self.dist.rank,
-                                       self.dist.world):
+        if not self.epoch_batches(0):
             raise NmtError(f"too little training data for one batch per rank ({self.dist.world} "
                            "ranks): use fewer processes or a smaller --max-tokens")
         torch.manual_seed(config.seed)
         self.model = Transformer(self.model_config).to(self.device)
         if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
             torch.manual_seed(config.seed + 7919 * self.dist.rank)
-        compiled = torch.compile(self.model) if config.compile else self.model
-        self.forward = self.dist.wrap(compiled, self.device)
-        cuda = self.device.type == "cuda"
+        self.forward = self.dist.wrap(self.model, self.device, config.compile)
+        # Fused Adam (CPU and CUDA) can skip a non-finite update on the device (train_step).
         self.optimizer = torch.optim.Adam(
             self.model.parameters(), lr=0.0, betas=(config.beta1, config.beta2),
-            eps=config.adam_eps, fused=cuda or None, foreach=None if cuda else True)
+            eps=config.adam_eps, fused=True)
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 7,
                                            enabled=self.precision == "fp16")
         self.state = State()
+        self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
+        self.last: dict = {}                   # the figures of the last read
+        self.saved_at = -1
         self._signal: int | None = None
         self._valid_refs: list[str] | None = None  # loaded at the first --eval-bleu
         self._sp = None
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches of `epoch`."""
+        return training_share(self.train_data.batches(self.config.max_tokens, self.config.seed,
+                                                       epoch), self.dist.rank, self.dist.world)
 
     # -- checkpoints
     def save(self) -> None:
         """Every rank calls this at the same step (its RNG state is gathered); rank 0 writes."""
         rng_cpu = self.dist.gather(torch.get_rng_state())
-        rng_cuda = (self.dist.gather(torch.cuda.get_rng_state(self.device).to(self.device)
-                                     ) if self.device.type == "cuda" else [])
+        rng_cuda = (self.dist.gather(torch.cuda.get_rng_state(self.device))
+                    if self.device.type == "cuda" else [])
+        self.saved_at = self.state.step
         if not self.dist.is_main:
             return
         tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
                    "rng_cpu": torch.stack(rng_cpu)}
         if rng_cuda:
-            tensors["rng_cuda"] = torch.stack([r.cpu() for r in rng_cuda])
+            tensors["rng_cuda"] = torch.stack(rng_cuda)
         # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
         # however many times it was interrupted and resumed.
         state = dataclasses.replace(self.state, seconds=self.elapsed())
@@ -280,6 +259,15 @@ class Trainer:
 
     def resume(self) -> bool:
         found = checkpoint.load_latest(self.run.checkpoints, self.reporter.say)
+        # DDP gave every rank rank 0's initial weights already: a rank that resumed from
+        # another checkpoint than the others (or from none) would silently train apart.
+        mine = (found[1]["step"], found[1]["sha256"]) if found else None
+        everyone = self.dist.gather_objects(mine)
+        if any(x != everyone[0] for x in everyone):
+            seen = ", ".join(f"rank {r}: {f'step {x[0]}' if x else 'none'}"
+                             for r, x in enumerate(everyone))
+            raise NmtError(f"the ranks found different checkpoints to resume from ({seen}): "
+                           "--run-dir must be one directory that every node shares")
         if found is None:
             return False
         tensors, meta = found
@@ -302,6 +290,7 @@ class Trainer:
                               "dropout streams differ from an uninterrupted run")
             torch.manual_seed(self.config.seed + 7919 * self.dist.rank + meta["step"])
         self.state = State(**meta["state"])
+        self.saved_at = self.state.step
         if self.dist.is_main:
             self._truncate_metrics(self.state.step)
         self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
@@ -321,60 +310,122 @@ class Trainer:
                 continue  # a line cut short by a kill
         atomic_write_text(self.run.metrics, "".join(f"{line}\n" for line in kept))
 
-    def log(self, kind: str, metrics: dict) -> None:
+    def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
         if not self.dist.is_main:
             return
-        record = {"kind": kind, "step": self.state.step, "epoch": self.state.epoch + 1,
-                  "minutes": round(self.elapsed() / 60, 4), **metrics}
+        record = {"kind": kind, "step": self.state.step if step is None else step,
+                  "epoch": self.state.epoch + 1, "minutes": round(self.elapsed() / 60, 4),
+                  **metrics}
         with open(self.run.metrics, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def elapsed(self) -> float:
         return self.state.seconds + time.monotonic() - self._started
 
+    def read_figures(self) -> None:
+        """Read the figures of the updates since the last read (this waits for the device),
+        count the skipped ones, and log the rest as one "train" record."""
+        if not self.pending:
+            return
+        rows = torch.stack(self.pending).tolist()
+        self.pending = []
+        first = self.state.step - len(rows) + 1
+        loss = nll = tokens = 0.0
+        updates = 0
+        for i, row in enumerate(rows):
+            figures = dict(zip(STEP_FIGURES, row))
+            if figures["skipped"]:
+                self.skipped(first + i)
+                continue
+            self.state.bad_in_a_row = 0
+            loss, nll = loss + figures["loss_sum"], nll + figures["nll_sum"]
+            tokens += figures["tokens"]
+            updates += 1
+        seconds = time.monotonic() - self._window_start
+        self._window_tokens += tokens
+        if not updates:
+            return
+        c = self.config
+        self.last = {"loss": loss / tokens, "nll": nll / tokens,
+                     "ppl": math.exp(min(nll / tokens, 50.0)),
+                     "lr": learning_rate(self.state.step, self.model_config.d_model, c.warmup,
+                                         c.lr_scale),
+                     "grad_norm": figures["grad_norm"] if not figures["skipped"] else None,
+                     "tokens": round(tokens / updates),
+                     "tokens_per_s": self._window_tokens / seconds if seconds > 0 else 0.0}
+        self._window_tokens, self._window_start = 0.0, time.monotonic()
+        self.log("train", self.last)
+        self.reporter.progress(self.state, c.max_steps or None, self.last)
+
+    def skipped(self, step: int) -> None:
+        self.state.skipped += 1
+        self.state.bad_in_a_row += 1
+        self.log("skipped", {"skipped": self.state.skipped}, step)
+        self.reporter.say(f"skipped update {step}, whose loss or gradients were non-finite "
+                          f"({self.state.skipped} so far)")
+        if self.state.bad_in_a_row >= self.config.max_bad_steps:
+            raise NmtError(f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
+                           f"or gradients (up to step {step}): lower --lr-scale, "
+                           "set --clip-norm, or use --precision fp32")
+
     # -- the loop
     def autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        dtype = dtype_of(self.precision)
         return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
 
-    def to_device(self, arrays) -> list[torch.Tensor]:
-        return [torch.from_numpy(a).to(self.device, non_blocking=True) for a in arrays]
-
-    def step(self, group: list[np.ndarray]) -> dict | None:
-        """One update from a group of batches; None if it was skipped as non-finite."""
-        batches = [self.to_device(collate(self.train_data.src, self.train_data.tgt, indices))
-                   for indices in group]
+    def step(self, batches: list[Batch]) -> None:
+        """Queue one update; its figures are read later (read_figures)."""
         lr = learning_rate(self.state.step + 1, self.model_config.d_model, self.config.warmup,
                            self.config.lr_scale)
-        return train_step(self.model, self.forward, self.optimizer, self.scaler, batches,
-                          label_smoothing=self.config.label_smoothing,
-                          clip_norm=self.config.clip_norm, lr=lr, autocast=self.autocast,
-                          group=self.dist)
+        self.pending.append(train_step(
+            self.model, self.forward, self.optimizer, self.scaler, batches,
+            label_smoothing=self.config.label_smoothing, clip_norm=self.config.clip_norm,
+            lr=lr, autocast=self.autocast, group=self.dist))
+        self.state.step += 1
+        self.state.batch += len(batches)
 
     @torch.no_grad()
     def validate(self) -> dict | None:
+        """Validation NLL, each rank computing its share of the batches."""
         if self.valid_data is None:
             return None
         self.model.eval()
-        nll_sum, tokens = 0.0, 0
-        for indices in self.valid_data.batches(self.config.max_tokens, 0, 0):
-            batch = self.to_device(collate(self.valid_data.src, self.valid_data.tgt, indices))
-            _, nll, n = batch_loss(self.model, self.forward, batch, 0.0, self.autocast)
-            nll_sum += nll.item()
-            tokens += n
+        # The plain model, not DDP: ranks run different numbers of batches here.
+        batches = self.valid_data.batches(self.config.max_tokens, 0, 0)
+        mine = batches[self.dist.rank::self.dist.world]
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for (batch,) in on_device(self.valid_data, ([b] for b in mine), self.device):
+            _, nll = batch_loss(self.model, self.model, batch, 0.0, self.autocast)
+            sums += torch.stack([nll.double(), sums.new_full((), float(batch.tokens))])
+        nll_sum, tokens = self.dist.all_reduce(sums).tolist()
         nll = nll_sum / max(tokens, 1)
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
-        if self.config.eval_bleu and self.dist.is_main:
-            metrics["valid_bleu"] = self.valid_bleu()
+        if self.config.eval_bleu:
+            bleu = self.valid_bleu()
+            if bleu is not None:
+                metrics["valid_bleu"] = bleu
         return metrics
 
     @torch.no_grad()
-    def valid_bleu(self, batch_size: int = 64) -> float:
+    def valid_bleu(self, batch_size: int = 64) -> float | None:
         """sacreBLEU of greedy translations of the validation set against its references as
-        released: a cheap stand-in for the test score while training."""
+        released: a cheap stand-in for the test score while training. Each rank translates its
+        share; rank 0 scores (and returns None on the others)."""
         from nmt_cli import bpe
         from nmt_cli.score import score
         data = self.valid_data
+        order = data.keep[np.argsort(-data.src_lengths[data.keep], kind="stable")]
+        starts = list(range(0, len(order), batch_size))[self.dist.rank::self.dist.world]
+        mine: dict[int, list[int]] = {}
+        for start in starts:
+            rows = order[start:start + batch_size]
+            src = to_device(collate(data.src, data.tgt, rows), self.device).src
+            with self.autocast():
+                hyps = beam.translate(self.model, src, beam=1)
+            mine.update({int(i): h[0].tokens for i, h in zip(rows, hyps)})
+        shares = self.dist.gather_objects(mine)
+        if not self.dist.is_main:
+            return None
         if self._valid_refs is None:
             path = self.run.text("valid", self.tgt_lang, raw=True)
             if not path.exists():
@@ -382,36 +433,13 @@ class Trainer:
             self._valid_refs = path.read_text(encoding="utf-8").splitlines()[:len(data.src)]
             self._sp = bpe.load(self.run)
         ids: list[list[int]] = [[] for _ in range(len(data.src))]
-        order = data.keep[np.argsort(-data.src_lengths[data.keep], kind="stable")]
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            src = self.to_device(collate(data.src, data.tgt, rows)[:1])[0]
-            with self.autocast():
-                hyps = beam.translate(self.model, src, beam=1)
-            for i, h in zip(rows, hyps):
-                ids[i] = h[0].tokens
+        for share in shares:
+            for i, tokens in share.items():
+                ids[i] = tokens
         texts = self._sp.decode(ids)
         return score(texts[:len(self._valid_refs)], self._valid_refs, ["bleu"])[0].score
 
-    def _on_signal(self, signum, frame) -> None:
-        self._signal = signum
-
-    def should_stop(self) -> str | None:
-        """Why training ends now, if it does; every rank reaches the same answer."""
-        c, s = self.config, self.state
-        if c.max_steps and s.step >= c.max_steps:
-            return f"reached --max-steps {c.max_steps}"
-        if c.max_epochs and s.epoch >= c.max_epochs:
-            return f"reached --max-epochs {c.max_epochs}"
-        # Clocks differ between ranks: stop when any rank's has run out.
-        time_up = bool(c.max_time) and self.elapsed() >= c.max_time * 60
-        if c.max_time and self.dist.sum([float(time_up)], self.device)[0] > 0:
-            return f"reached --max-time {c.max_time:g} minutes"
-        if c.patience and s.bad_evals >= c.patience:
-            return f"validation loss did not improve in {c.patience} evaluations (--patience)"
-        return None
-
-    def evaluate_and_maybe_stop(self) -> None:
+    def evaluate(self) -> None:
         metrics = self.validate()
         if metrics is None:
             return
@@ -422,86 +450,100 @@ class Trainer:
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
 
-    def skipped(self) -> None:
-        self.state.skipped += 1
-        self.state.bad_in_a_row += 1
-        self.log("skipped", {"skipped": self.state.skipped})
-        self.reporter.say(f"skipped an update with non-finite loss or gradients "
-                          f"({self.state.skipped} so far)")
-        if self.state.bad_in_a_row >= self.config.max_bad_steps:
-            raise NmtError(f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
-                           f"or gradients (at step {self.state.step}): lower --lr-scale, "
-                           "set --clip-norm, or use --precision fp32")
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
+
+    def limit_reached(self) -> str | None:
+        """The limits every rank reaches at the same update by itself."""
+        c, s = self.config, self.state
+        if c.max_steps and s.step >= c.max_steps:
+            return f"reached --max-steps {c.max_steps}"
+        if c.max_epochs and s.epoch >= c.max_epochs:
+            return f"reached --max-epochs {c.max_epochs}"
+        return None
+
+    def agreed_stop(self) -> str | None:
+        """What the ranks must decide together: a signal that any rank received (save and stop
+        all), the time budget (clocks differ: any rank's), and patience (rank 0's)."""
+        c, s = self.config, self.state
+        time_up = bool(c.max_time) and self.elapsed() >= c.max_time * 60
+        patience = bool(c.patience) and s.bad_evals >= c.patience and self.dist.is_main
+        signum, time_up, patience = self.dist.host_max([self._signal or 0, time_up, patience])
+        if signum:
+            self.read_figures()
+            if self.saved_at != s.step:
+                self.save()
+            raise Interrupted(signum, s.step)
+        if time_up:
+            return f"reached --max-time {c.max_time:g} minutes"
+        if patience:
+            return f"validation loss did not improve in {c.patience} evaluations (--patience)"
+        return None
+
+    def after_update(self) -> str | None:
+        """Read, validate, save and decide at the updates that call for it; why training ends
+        now, if it does."""
+        c, s = self.config, self.state
+        evaluate = s.step % c.eval_every == 0
+        save = s.step % c.save_every == 0
+        limit = self.limit_reached()
+        if not (evaluate or save or limit or s.step % LOG_EVERY == 0 or s.step == 1):
+            return None
+        self.read_figures()
+        if evaluate:
+            self.evaluate()
+        if save:
+            self.save()
+        if evaluate or save:  # tokens/s measures training only
+            self._window_tokens, self._window_start = 0.0, time.monotonic()
+        return limit or self.agreed_stop()
 
     def train(self) -> dict:
         """Train until a limit is reached; returns the last figures."""
         self.resume()
-        self._started = time.monotonic()
+        self._started = self._window_start = time.monotonic()
+        self._window_tokens = 0.0
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         c = self.config
-        last: dict = {}
-        saved_at = self.state.step if self.state.step else -1
         resumed_at = self.state.step
         try:
-            reason = self.should_stop()
-            window_tokens, window_start = 0, time.monotonic()
+            reason = self.limit_reached() or self.agreed_stop()
             while reason is None:
-                batches = self.train_data.batches(c.max_tokens, c.seed, self.state.epoch,
-                                                  self.dist.rank, self.dist.world)
+                batches = self.epoch_batches(self.state.epoch)
                 if self.state.batch == 0:
                     share = padding_share(batches, self.train_data.src_lengths,
                                           self.train_data.tgt_lengths)
                     self.log("epoch", {"batches": len(batches), "padding": share})
-                while self.state.batch < len(batches) and reason is None:
-                    group = batches[self.state.batch:self.state.batch + c.update_freq]
-                    result = self.step(group)
-                    self.state.batch += len(group)
-                    if result is None:
-                        self.skipped()
-                    else:
-                        self.state.bad_in_a_row = 0
-                        self.state.step += 1
-                        window_tokens += result["tokens"]
-                        seconds = time.monotonic() - window_start
-                        last = {**result, "ppl": math.exp(min(result["nll"], 50.0)),
-                                "tokens_per_s": window_tokens / seconds if seconds > 0 else 0.0}
-                        if self.state.step % 10 == 0 or self.state.step == 1:
-                            self.log("train", last)
-                            window_tokens, window_start = 0, time.monotonic()
-                        self.reporter.progress(self.state, c.max_steps or None, last)
-                        evaluate = self.state.step % c.eval_every == 0
-                        save = self.state.step % c.save_every == 0
-                        if evaluate:
-                            self.evaluate_and_maybe_stop()
-                        if save:
-                            self.save()
-                            saved_at = self.state.step
-                        if evaluate or save:  # tokens/s measures training only
-                            window_tokens, window_start = 0, time.monotonic()
-                    signum = self._signal or 0
-                    if self.dist.active:  # a signal seen by one rank stops them all, together
-                        signum = int(max(self.dist.gather(torch.tensor([signum], device=self.device))).item())
-                    if signum:
-                        if saved_at != self.state.step:
-                            self.save()
-                        raise Interrupted(signum, self.state.step)
-                    reason = self.should_stop()
+                updates = [batches[i:i + c.update_freq]
+                           for i in range(self.state.batch, len(batches), c.update_freq)]
+                for group in on_device(self.train_data, updates, self.device):
+                    self.step(group)
+                    reason = self.after_update()
+                    if reason:
+                        break
                 if self.state.batch >= len(batches):
                     self.state.epoch += 1
                     self.state.batch = 0
-                    reason = reason or self.should_stop()
+                    reason = reason or self.limit_reached()
+            self.read_figures()
             # A resumed run that made no update was validated at this step before.
             if self.state.step % c.eval_every != 0 and self.state.step != resumed_at:
-                self.evaluate_and_maybe_stop()
-            if saved_at != self.state.step:
+                self.evaluate()
+            if self.saved_at != self.state.step:
                 self.save()
             # The ranks leave together: none tears down its connections while rank 0 still writes.
             self.dist.barrier()
             self.reporter.say(f"training stopped: {reason}")
-            return {"reason": reason, "step": self.state.step, **last}
+            return {"reason": reason, "step": self.state.step, **self.last}
+        except torch.OutOfMemoryError:
+            raise NmtError(
+                f"out of memory on {self.device} at step {self.state.step + 1} with batches of "
+                f"--max-tokens {c.max_tokens}: lower --max-tokens, and raise --update-freq to "
+                f"keep the tokens per update (now {c.max_tokens} x {self.dist.world} ranks x "
+                f"{c.update_freq})") from None
         except RuntimeError as e:
             if self.dist.active and not isinstance(e, NmtError):
-                raise NmtError(f"lost contact with the other ranks at step {self.state.step} "
+                raise NmtError(f"{distributed.LOST_CONTACT} at step {self.state.step} "
                                f"({str(e).splitlines()[0][:200]})") from None
             raise
         finally:

@@ -1,0 +1,78 @@
+"""Training data on its way to the model: a split's sentences, their batches, and each batch as
+tensors on the device.
+
+Everything the loss needs to know about a batch's shape (which target positions are real, how
+many) is worked out here on the host, so that training never asks the GPU for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from nmt_cli.rundir import RunDir
+from nmt_cli.shards import PAD, Shard, collate, make_batches
+
+
+@dataclass
+class Split:
+    src: Shard
+    tgt: Shard
+    src_lengths: np.ndarray       # with the EOS
+    tgt_lengths: np.ndarray       # with the BOS/EOS
+    keep: np.ndarray              # sentences short enough for the model and the batch size
+
+    @classmethod
+    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> "Split":
+        s, t = Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
+        sl, tl = s.lengths + 1, t.lengths + 1
+        keep = np.flatnonzero((sl <= limit) & (tl <= limit))
+        return cls(s, t, sl, tl, keep)
+
+    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+        """Sentence indices of every batch of the epoch, in its shuffled order."""
+        groups = make_batches(self.src_lengths[self.keep], self.tgt_lengths[self.keep],
+                              max_tokens, seed, epoch)
+        return [self.keep[g] for g in groups]
+
+
+def training_share(batches: list[np.ndarray], rank: int, world: int) -> list[np.ndarray]:
+    """This rank's batches: every world-th one, the same number on every rank (so that every
+    update has a batch from each rank; the few left over are dropped)."""
+    usable = len(batches) // world * world
+    return batches[rank:usable:world]
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor             # (B, S) source ids + EOS, padded
+    tgt_in: torch.Tensor          # (B, T) BOS + target ids, padded
+    positions: torch.Tensor       # (N,) where the real target tokens are in the flat (B*T)
+    targets: torch.Tensor         # (N,) those tokens
+    tokens: int                   # N
+
+
+def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.device) -> Batch:
+    """A collated (src, tgt_in, tgt_out) as a Batch on `device`. On a GPU the arrays go through
+    pinned memory, so the copies are queued behind the running work instead of waiting for it."""
+    src, tgt_in, tgt_out = arrays
+    flat = tgt_out.reshape(-1)
+    positions = np.flatnonzero(flat != PAD)
+    tensors = [torch.from_numpy(a) for a in (src, tgt_in, positions, flat[positions])]
+    if device.type == "cuda":
+        tensors = [t.pin_memory() for t in tensors]
+    src_t, tgt_in_t, positions_t, targets_t = (t.to(device, non_blocking=True) for t in tensors)
+    return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
+
+
+def on_device(split: Split, groups: Iterable[list[np.ndarray]],
+              device: torch.device) -> Iterator[list[Batch]]:
+    """Each group of batches (the batches of one update) collated and copied to `device`.
+
+    Lazily: the next group is collated while the device still runs the updates queued before
+    it, which is all the prefetching a training loop without host syncs needs."""
+    for group in groups:
+        yield [to_device(collate(split.src, split.tgt, indices), device) for indices in group]

@@ -1,0 +1,29 @@
+"""Which device and number format a command runs in, from its --device and --precision."""
+
+from __future__ import annotations
+
+import torch
+
+from nmt_cli.errors import NmtError
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device, gpu_default: str = "bf16") -> str:
+    if precision == "auto":
+        return gpu_default if device.type == "cuda" else "fp32"
+    if precision == "fp16" and device.type != "cuda":
+        raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
+    return precision
+
+
+def dtype_of(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a precision; None for fp32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
