@@ -9,6 +9,7 @@ import time
 SHAPES = {
     "tiny": dict(layers=3, d=256, ffn=1024, heads=4, vocab=8000),
     "base": dict(layers=6, d=512, ffn=2048, heads=8, vocab=32000),
+    "big": dict(layers=6, d=1024, ffn=4096, heads=16, vocab=32000),
 }
 
 

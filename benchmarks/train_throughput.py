@@ -1,11 +1,21 @@
-"""Benchmark a training step: nmt against fairseq 0.12.2, same shape, same batch, one run.
+"""Benchmark a training step: nmt against fairseq 0.12.2 on the CPU, or nmt alone on a GPU.
 
     python benchmarks/train_throughput.py [--shapes tiny base] [--fairseq-python PATH]
+    python benchmarks/train_throughput.py --device cuda [--shapes base big] [--loop RUN_DIR]
+    python benchmarks/train_throughput.py --loop RUN_DIR --loop-size small --loop-tokens 1024
 
-A step is forward + label-smoothed loss + backward + Adam on 4096 source and 4096 target tokens
-without padding, timed through nmt's own `train_step` (the trainer's code path). fairseq runs
-in its own venv (benchmarks/peers/install_fairseq.sh). Also reports the matmul ceilings measured
-in the same run, achieved model GFLOP/s, and the padding share of real Multi30k batches.
+CPU: a step is forward + label-smoothed loss + backward + Adam on 4096 source and 4096 target
+tokens without padding, timed through nmt's own `train_step` (the trainer's code path). fairseq
+runs in its own venv (benchmarks/peers/install_fairseq.sh). Also reports the matmul ceilings
+measured in the same run, achieved model GFLOP/s, and the padding share of real Multi30k batches.
+
+GPU (`--device cuda`): each shape in bf16 on 16384 source and 16384 target tokens, eager and
+`torch.compile`d, with model FLOPs utilisation against the bf16 matmul ceiling of the same GPU
+measured in the same run (an 8192^3 product).
+
+`--loop RUN_DIR` (any device): the trainer's whole loop (data, collation, copies to the device,
+logging) against the bare `train_step` on the same real batches of RUN_DIR's training data (a
+prepared and binarized run, e.g. Multi30k), and the time one checkpoint takes.
 """
 
 from __future__ import annotations
@@ -13,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,34 +35,133 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, batch, cpu_name, matmul_ceiling, time_steps, train_flops  # noqa: E402
 
 from nmt_cli.engine import distributed  # noqa: E402
+from nmt_cli.engine.data import Batch, to_device  # noqa: E402
 from nmt_cli.engine.model import ModelConfig, Transformer  # noqa: E402
 from nmt_cli.engine.trainer import train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def nmt_step(shape_name: str, precision: str, repeats: int) -> dict:
+def model_of(shape_name: str, device: torch.device) -> Transformer:
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=shape["vocab"], num_encoder_layers=shape["layers"],
                          num_decoder_layers=shape["layers"], d_model=shape["d"],
                          ffn=shape["ffn"], heads=shape["heads"])
-    model = Transformer(config)
+    return Transformer(config).to(device)
+
+
+def device_batch(vocab: int, device: torch.device, sentences: int = 128) -> Batch:
+    src, tgt_in, tgt_out = batch(vocab, sentences)
+    return to_device((src.numpy(), tgt_in.numpy(), tgt_out.numpy()), device)
+
+
+def nmt_step(shape_name: str, precision: str, repeats: int, device=torch.device("cpu"),
+             compile: bool = False, sentences: int = 128) -> dict:
+    shape = SHAPES[shape_name]
+    model = model_of(shape_name, device)
+    forward = torch.compile(model) if compile else model
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 foreach=True)
+                                 fused=True)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    batches = [list(batch(shape["vocab"]))]
+    batches = [device_batch(shape["vocab"], device, sentences)]
     dtype = torch.bfloat16 if precision == "bf16" else None
 
     def autocast():
-        return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
     group = distributed.Group()
-    seconds = time_steps(lambda: train_step(model, model, optimizer, scaler, batches,
-                                            label_smoothing=0.1, clip_norm=0.0, lr=1e-4,
-                                            autocast=autocast, group=group), 2, repeats)
-    return {"system": "nmt", "shape": shape_name, "precision": precision, "seconds": seconds,
-            "tgt_tokens_per_s": batches[0][2].numel() / seconds}
+
+    def step():
+        train_step(model, forward, optimizer, scaler, batches, label_smoothing=0.1,
+                   clip_norm=0.0, lr=1e-4, autocast=autocast, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    seconds = time_steps(step, 5 if compile else 2, repeats)
+    return {"system": "nmt", "shape": shape_name, "precision": precision, "compile": compile,
+            "seconds": seconds, "tgt_tokens_per_s": batches[0].tokens / seconds}
+
+
+def gpu_matmul_ceiling(dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -> float:
+    """TFLOP/s of an n^3 matrix product on this GPU now."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+
+    def product():
+        a @ b
+        torch.cuda.synchronize()
+
+    return 2 * n ** 3 / time_steps(product, 3, repeats) / 1e12
+
+
+def gpu_main(args) -> dict:
+    device = torch.device("cuda")
+    ceiling = gpu_matmul_ceiling()
+    results = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "cuda": torch.version.cuda, "bf16_matmul_tflops": ceiling, "runs": []}
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    sentences = 512  # 16384 source and 16384 target tokens a step
+    for shape in args.shapes:
+        flops = train_flops(SHAPES[shape], 32 * sentences, 32 * sentences, 32, 32)
+        for compile in (False, True):
+            ours = nmt_step(shape, "bf16", args.repeats, device, compile, sentences)
+            tflops = flops / ours["seconds"] / 1e12
+            row = {**ours, "model_tflops": tflops, "mfu": tflops / ceiling,
+                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+            torch.cuda.reset_peak_memory_stats()
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def loop_against_bare(run_dir: Path, size: str, max_tokens: int, device: str, precision: str,
+                      steps: int = 200) -> dict:
+    """Target tokens/s of the trainer's loop and of bare train_step on the same batches."""
+    import shutil
+    import tempfile
+
+    from nmt_cli.config import TrainConfig
+    from nmt_cli.engine import trainer
+    from nmt_cli.engine.data import on_device
+    from nmt_cli.rundir import RunDir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl",
+                                                                      "averaged.*", "train.json"))
+        config = TrainConfig(size=size, max_tokens=max_tokens, device=device, precision=precision,
+                             max_steps=steps, eval_every=10 ** 6, save_every=10 ** 6, warmup=100)
+        t = trainer.Trainer(config, RunDir(run), trainer._Quiet())
+        groups = [[b] for b in t.epoch_batches(0)[:steps]]
+        updates = list(on_device(t.train_data, groups, t.device))  # collated and copied first
+
+        def sync():
+            if t.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        step = dict(label_smoothing=0.1, clip_norm=0.0, lr=1e-4, autocast=t.autocast,
+                    group=t.dist)
+        for batches in updates[:5]:  # warm-up
+            train_step(t.model, t.forward, t.optimizer, t.scaler, batches, **step)
+        sync()
+        start = time.perf_counter()
+        for batches in updates:
+            train_step(t.model, t.forward, t.optimizer, t.scaler, batches, **step)
+        sync()
+        bare = sum(b[0].tokens for b in updates) / (time.perf_counter() - start)
+        del t, updates
+        loop = trainer.Trainer(config, RunDir(run), trainer._Quiet())
+        loop.train()  # logs tokens/s per window, leaving out validation and checkpoints
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        windows = [r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 20]
+        looped = statistics.median(windows)
+        start = time.perf_counter()
+        loop.save()
+        save_seconds = time.perf_counter() - start
+    return {"size": size, "max_tokens": max_tokens, "device": device, "precision": precision,
+            "steps": steps, "bare_tgt_tokens_per_s": bare, "loop_tgt_tokens_per_s": looped,
+            "loop_over_bare": looped / bare, "checkpoint_seconds": save_seconds}
 
 
 def padding_share() -> float | None:
@@ -66,13 +177,39 @@ def padding_share() -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="*", default=["tiny", "base"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shapes", nargs="*")
     ap.add_argument("--precisions", nargs="*", default=["fp32", "bf16"])
     ap.add_argument("--fairseq-python", default=str(ROOT.parent / "peers" / "fairseq" / "bin" / "python"))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "train_throughput.json")
+    ap.add_argument("--loop", type=Path, metavar="RUN_DIR",
+                    help="also time the trainer's loop against the bare step on this run's data")
+    ap.add_argument("--loop-size", default=None, help="preset of the loop measurement "
+                    "(default: base on a GPU, small on the CPU)")
+    ap.add_argument("--loop-tokens", type=int, default=None,
+                    help="--max-tokens of the loop measurement (default: 8192 GPU, 1024 CPU)")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    gpu = args.device == "cuda"
+    out = args.out or ROOT / "benchmarks" / "out" / f"train_throughput{'_gpu' if gpu else ''}.json"
+    if gpu:
+        args.shapes = args.shapes or ["base", "big"]
+        results = gpu_main(args)
+    else:
+        torch.set_num_threads(2)
+        results = cpu_main(args) if args.shapes != [] else {"cpu": cpu_name()}
+    if args.loop:
+        size = args.loop_size or ("base" if gpu else "small")
+        tokens = args.loop_tokens or (8192 if gpu else 1024)
+        results["loop"] = loop_against_bare(args.loop, size, tokens, args.device,
+                                            "bf16" if gpu else "fp32")
+        print(json.dumps(results["loop"]), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+def cpu_main(args) -> dict:
+    args.shapes = args.shapes or ["tiny", "base"]
     results = {"threads": torch.get_num_threads(), "cpu": cpu_name(),
                "ceiling_gflops": {"fp32": matmul_ceiling(torch.float32),
                                   "bf16": matmul_ceiling(torch.bfloat16)},
@@ -98,8 +235,7 @@ def main() -> None:
                 row["fairseq_gflops"] = flops / peer["seconds"] / 1e9
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    return results
 
 
 if __name__ == "__main__":

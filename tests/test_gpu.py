@@ -1,0 +1,160 @@
+"""The CUDA paths, on a real GPU. Not part of the default suite (which hides GPUs); run with
+
+    NMT_TEST_GPU=1 python -m pytest -m gpu tests/test_gpu.py
+
+(benchmarks/gpu_check.sh does). Without a visible GPU every test here is skipped.
+"""
+
+import json
+import math
+import shutil
+import warnings
+
+import pytest
+import torch
+from conftest import TINY, count_decoding_steps, run_ok
+
+from nmt_cli.engine import checkpoint, trainer
+from nmt_cli.engine.data import on_device
+from nmt_cli.rundir import RunDir
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = ["--device", "cuda"]
+NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _last(run_dir):
+    return checkpoint.load_tensors(checkpoint.listed(run_dir / "checkpoints")[-1])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_train_save_and_resume(run_copy, nmt, precision):
+    common = [*TINY, *CUDA, "--precision", precision, "--save-every", "10", "--eval-every",
+              "10", "--warmup", "10", "--lr-scale", "4"]
+    first = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "20")
+    assert first.code == 0, first.err
+    second = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "40")
+    assert second.code == 0, second.err
+    assert "resuming from step 20" in second.err
+    tensors, meta = _last(run_copy)
+    assert meta["step"] == 40 and meta["state"]["skipped"] <= 2
+    assert all(torch.isfinite(v).all() for v in tensors["model"].values())
+    assert tensors["rng_cuda"].shape[0] == 1
+    if precision == "fp16":
+        assert tensors["scaler"]["scale"] > 0  # the loss scale is saved and restored
+    valid = [r["valid_nll"] for r in _metrics(run_copy) if r["kind"] == "valid"]
+    assert len(valid) == 4 and valid[-1] < valid[0]
+
+
+def test_train_step_never_waits_for_the_gpu(run_copy):
+    """The hot path queues work only: a synchronising CUDA call raises here."""
+    from nmt_cli.config import TrainConfig
+    for precision in ("bf16", "fp16"):
+        config = TrainConfig(size="tiny", max_tokens=1024, device="cuda", precision=precision,
+                             update_freq=2)
+        t = trainer.Trainer(config, RunDir(run_copy), trainer._Quiet())
+        groups = [t.epoch_batches(0)[i:i + 2] for i in range(0, 8, 2)]
+        updates = list(on_device(t.train_data, groups, t.device))
+        assert updates[0][0].src.is_cuda
+        step = dict(label_smoothing=0.1, clip_norm=1.0, lr=1e-4, autocast=t.autocast,
+                    group=t.dist)
+        trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, updates[0], **step)
+        torch.cuda.synchronize()  # the first step initialises cuBLAS and the scaler
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            figures = [trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches,
+                                          **step) for batches in updates[1:]]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rows = torch.stack(figures).tolist()
+        assert all(math.isfinite(r[0]) and r[2] > 0 for r in rows)
+
+
+def test_the_gpus_launcher_writes_checkpoints(run_copy, nmt):
+    """`--gpus 1`: the elastic launcher and a real NCCL process group, through a checkpoint
+    (whose RNG states are gathered) and a resume."""
+    common = [*TINY, "--gpus", "1", "--save-every", "5", "--eval-every", "5"]
+    result = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "10")
+    assert result.code == 0, result.err
+    result = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "15")
+    assert result.code == 0, result.err
+    tensors, meta = _last(run_copy)
+    assert meta["step"] == 15 and meta["world"] == 1 and "rng_cuda" in tensors
+
+
+def test_compile_on_cuda(run_copy, nmt):
+    result = nmt("train", "--run-dir", run_copy, *TINY, *CUDA, "--compile", "--max-steps", "20",
+                 "--save-every", "20", "--eval-every", "20")
+    assert result.code == 0, result.err
+    assert _last(run_copy)[1]["step"] == 20
+
+
+@pytest.fixture(scope="module")
+def trained_on_cpu(tmp_path_factory, multi30k_bpe):
+    """The tiny model trained a little on the CPU, so CPU and GPU decode the same weights."""
+    run_dir = tmp_path_factory.mktemp("gpu-decode") / "run"
+    shutil.copytree(multi30k_bpe, run_dir)
+    run_ok(["train", "--run-dir", run_dir, *TINY, "--device", "cpu", "--max-steps", "200",
+            "--save-every", "200", "--eval-every", "1000", "--warmup", "50", "--lr-scale", "4"])
+    return run_dir
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
+    import gzip
+    lines = gzip.open(multi30k_dir / "test_2016_flickr.en.gz", "rt").read().splitlines()[:200]
+    stdin = ("\n".join(lines[:100] + ["", "   "] + lines[100:]) + "\n").encode()
+    gpu = nmt("translate", "--run-dir", trained_on_cpu, *CUDA, "--precision", precision,
+              stdin=stdin)
+    assert gpu.code == 0, gpu.err
+    out = gpu.out.split("\n")[:-1]
+    assert len(out) == 202 and out[100] == out[101] == ""
+    cpu = nmt("translate", "--run-dir", trained_on_cpu, "--device", "cpu", stdin=stdin)
+    same = sum(a == b for a, b in zip(out, cpu.out.split("\n")[:-1]))
+    assert same >= (190 if precision == "fp32" else 150), same
+
+
+def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
+    from nmt_cli.engine import beam
+    from nmt_cli.translate import load_model
+    path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
+    model, _ = load_model(path, torch.device("cuda"), "fp32", int8=False)
+    src = torch.randint(4, 1000, (16, 12), device="cuda")
+    src[:, -1] = 3  # EOS
+    steps = count_decoding_steps(model)
+    beam.translate(model, src, beam=4)  # warm-up
+    steps["n"] = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            beam.translate(model, src, beam=4)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert steps["n"] > 0 and len(syncs) <= 2 * steps["n"] + 4, (len(syncs), steps["n"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_equal_one_with_update_freq_two(run_copy, tmp_path, nmt):
+    single = tmp_path / "single"
+    shutil.copytree(run_copy, single)
+    common = [*TINY, *NO_DROPOUT, "--precision", "fp32", "--max-steps", "20",
+              "--save-every", "20", "--eval-every", "20"]
+    assert nmt("train", "--run-dir", single, *common, *CUDA, "--update-freq", "2").code == 0
+    result = nmt("train", "--run-dir", run_copy, *common, "--gpus", "2")
+    assert result.code == 0, result.err
+    a, _ = _last(single)
+    b, meta = _last(run_copy)
+    assert meta["world"] == 2
+    for name in a["model"]:
+        assert torch.allclose(a["model"][name], b["model"][name], rtol=1e-3, atol=1e-4), name
+    valid = [[r["valid_nll"] for r in _metrics(d) if r["kind"] == "valid"]
+             for d in (single, run_copy)]
+    assert valid[0][-1] == pytest.approx(valid[1][-1], abs=1e-3)
