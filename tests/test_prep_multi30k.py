@@ -27,7 +27,7 @@ def test_every_split_is_prepared_with_its_counts(prepared, multi30k_dir):
     assert splits["train"]["dropped"] == {"duplicate": 3}
     assert json.loads(prepared.config_path("prep").read_text())["max_ratio"] == 9.0
     assert sum(splits["train"]["dropped"].values()) == 29000 - splits["train"]["kept"]
-    for split, n in SPLITS.items():
+    for split in SPLITS:
         for lang in ("en", "de"):
             path = prepared.text(split, lang)
             expected = splits[split]["kept"]

@@ -7,7 +7,6 @@ import shutil
 import sys
 
 import pytest
-
 from conftest import MULTI30K, TINY, one_error_line
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -16,9 +15,10 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def quickstarted(tmp_path_factory, multi30k_dir):
     """A quickstart run with a miniature model in place of the recipe's (same pipeline)."""
-    from nmt_cli.cli import main
-    import io
     import contextlib
+    import io
+
+    from nmt_cli.cli import main
     run_dir = tmp_path_factory.mktemp("qs") / "run"
     err = io.StringIO()
     with pytest.raises(SystemExit) as done, contextlib.redirect_stderr(err):

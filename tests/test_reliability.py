@@ -92,7 +92,9 @@ def test_sigterm_then_resume_is_exact(run_copy, tmp_path):
     subprocess.run(ref_cmd, check=True, capture_output=True)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     metrics = run_copy / "metrics.jsonl"
+    deadline = time.monotonic() + 120
     while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

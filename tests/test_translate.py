@@ -1,8 +1,10 @@
 """`nmt translate` as a Unix filter, and `nmt score`."""
 
 import json
+import shutil
 
-from conftest import one_error_line
+import pytest
+from conftest import TINY, one_error_line, run_ok
 
 from nmt_cli.rundir import RunDir
 
@@ -128,3 +130,31 @@ def test_score_translates_the_test_set_once(trained, tmp_path, nmt):
     assert (run / "translations" / "test.de").read_text().count("\n") == 1000
     again = nmt("score", "--run-dir", run, "--beam", "1", *FAST, "--json")
     assert "reusing" in again.err and json.loads(again.out) == saved
+
+
+@pytest.fixture(scope="module")
+def trained_longer(tmp_path_factory, multi30k_bpe):
+    """The tiny model after 400 updates (seconds): some sentences end by themselves now."""
+    run_dir = tmp_path_factory.mktemp("trained-longer") / "run"
+    shutil.copytree(multi30k_bpe, run_dir)
+    run_ok(["train", "--run-dir", run_dir, *TINY, "--d-model", "32", "--ffn", "64",
+            "--max-steps", "400", "--save-every", "400", "--eval-every", "1000",
+            "--warmup", "50", "--lr-scale", "4"])
+    return run_dir
+
+
+def test_sentences_that_finish_at_different_steps_of_one_batch(trained_longer, nmt):
+    """One batch whose sentences end at different steps (by EOS, or at their own length
+    limits): each gets what it gets alone."""
+    lines = ["Dogs.", "A man in a red shirt is riding a bike down a long and dusty road .",
+             "Two children play.", "A woman with a hat sings on a stage in front of people ."]
+    for search in (["--beam", "4"], ["--beam", "1"]):
+        together = nmt("translate", "--run-dir", trained_longer, *search,
+                       stdin="\n".join(lines).encode() + b"\n")
+        assert together.code == 0, together.err
+        out = together.out.split("\n")[:-1]
+        assert len({len(x) for x in out}) > 1, out  # they did not all stop at one step
+        for line, got in zip(lines, out):
+            alone = nmt("translate", "--run-dir", trained_longer, *search,
+                        stdin=line.encode() + b"\n")
+            assert alone.out == got + "\n"

@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from nmt_cli.engine.model import (PRESETS, DecoderCache, ModelConfig, Transformer, dropout,
-                                  sinusoids)
+from nmt_cli.engine.model import PRESETS, DecoderCache, ModelConfig, Transformer, dropout, sinusoids
 from nmt_cli.shards import BOS, PAD
 
 
@@ -31,8 +30,14 @@ def test_initialisation_and_tying():
     w = m.embed.weight
     assert torch.all(w[PAD] == 0)
     assert abs(w[1:].std().item() - 512 ** -0.5) < 0.002
-    lin = m.encoder[0].ffn.inner.weight  # Xavier uniform: bound sqrt(6 / (fan_in + fan_out))
-    assert lin.abs().max().item() <= math.sqrt(6 / (512 + 2048)) + 1e-6
+    # Xavier uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)), so std a / sqrt(3). torch's
+    # own default (a = 1 / sqrt(fan_in)) also stays inside a: the spread tells them apart.
+    for lin, fan_in, fan_out in [(m.encoder[0].ffn.inner, 512, 2048),
+                                 (m.decoder[0].cross_attn.kv, 512, 1024)]:
+        a = math.sqrt(6 / (fan_in + fan_out))
+        assert a * 0.999 < lin.weight.abs().max().item() <= a
+        assert lin.weight.std().item() == pytest.approx(a / math.sqrt(3), rel=0.01)
+        assert torch.all(lin.bias == 0)
     assert all(n.norm.eps == 1e-6 for layer in m.encoder for n in (layer.res1, layer.res2))
     h = torch.randn(3, 512)
     assert torch.equal(m.logits(h), h @ w.T)  # output layer is the embedding
@@ -99,9 +104,13 @@ def test_dropout_drops_its_share_and_keeps_the_mean(p):
 
 
 def test_sinusoids():
+    # tensor2tensor's layout: sin on the first half of the channels, cos on the second, with
+    # timescales 1 to 10000 in geometric steps: for d 8, 1, 10000^(1/3), 10000^(2/3), 10000.
     table = sinusoids(10, 8)
     assert torch.allclose(table[0], torch.tensor([0.0] * 4 + [1.0] * 4))
-    assert torch.allclose(table[3, 0], torch.tensor(math.sin(3.0)))
+    by_hand = [math.sin(5.0), math.sin(5 / 21.544347), math.sin(5 / 464.15888), math.sin(5e-4),
+               math.cos(5.0), math.cos(5 / 21.544347), math.cos(5 / 464.15888), math.cos(5e-4)]
+    assert torch.allclose(table[5], torch.tensor(by_hand), atol=1e-6)
 
 
 @pytest.mark.parametrize("post_norm", [False, True])
@@ -171,3 +180,99 @@ def test_too_long_input_is_a_clear_error():
     m = tiny(max_positions=4)
     with pytest.raises(ValueError, match="max_positions"):
         m(torch.tensor([[5, 6, 7, 8, 3]]), torch.tensor([[BOS]]))
+
+
+# -- an independent implementation ---------------------------------------------------------------
+
+def _layer_norm(x, ln):
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + 1e-6) * ln.weight + ln.bias
+
+
+def _attention(x, memory, attn, allowed, heads):
+    """Section 3.2 written out: per head softmax(q k^T / sqrt(d_k)) v, heads concatenated."""
+    d = x.shape[-1]
+    q = x @ attn.q.weight.T + attn.q.bias
+    kv = memory @ attn.kv.weight.T + attn.kv.bias
+    k, v = kv[..., :d], kv[..., d:]
+    outs = []
+    for h in range(heads):
+        cols = slice(h * d // heads, (h + 1) * d // heads)
+        scores = q[..., cols] @ k[..., cols].transpose(-1, -2) / math.sqrt(d // heads)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        outs.append(torch.softmax(scores, -1) @ v[..., cols])
+    return torch.cat(outs, -1) @ attn.out.weight.T + attn.out.bias
+
+
+def _ffn(x, ffn):
+    return torch.relu(x @ ffn.inner.weight.T + ffn.inner.bias) @ ffn.outer.weight.T + ffn.outer.bias
+
+
+def _reference(m, src, tgt):
+    """The pre-norm Transformer with final LayerNorms, tied embeddings scaled by sqrt(d) and
+    t2t's sinusoids, from the definitions (no code of model.py but its weights)."""
+    c = m.config
+    d, heads = c.d_model, c.heads
+
+    def embed(ids):
+        pos = torch.arange(ids.shape[1], dtype=torch.float32)[:, None]
+        timescales = 10000 ** (torch.arange(d // 2) / (d // 2 - 1))
+        pe = torch.cat([torch.sin(pos / timescales), torch.cos(pos / timescales)], 1)
+        return m.embed.weight[ids] * math.sqrt(d) + pe
+
+    src_ok = (src != PAD)[:, None, :]                         # (B, 1, S)
+    x = embed(src)
+    for layer in m.encoder:
+        h = _layer_norm(x, layer.res1.norm)
+        x = x + _attention(h, h, layer.self_attn, src_ok, heads)
+        x = x + _ffn(_layer_norm(x, layer.res2.norm), layer.ffn)
+    memory = _layer_norm(x, m.encoder_norm)
+    t = tgt.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None]  # (1, T, T)
+    y = embed(tgt)
+    for layer in m.decoder:
+        h = _layer_norm(y, layer.res1.norm)
+        y = y + _attention(h, h, layer.self_attn, causal, heads)
+        y = y + _attention(_layer_norm(y, layer.res2.norm), memory, layer.cross_attn, src_ok, heads)
+        y = y + _ffn(_layer_norm(y, layer.res3.norm), layer.ffn)
+    return _layer_norm(y, m.decoder_norm) @ m.embed.weight.T
+
+
+def test_the_model_computes_what_the_paper_and_t2t_define():
+    m = tiny()
+    with torch.no_grad():  # weights of every kind, so that no term hides behind a zero
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    src = torch.tensor([[5, 6, 7, 8, 3], [9, 10, 3, PAD, PAD]])
+    tgt = torch.tensor([[BOS, 11, 12, 13], [BOS, 14, PAD, PAD]])
+    with torch.no_grad():
+        ours = m.logits(m(src, tgt))
+        theirs = _reference(m, src, tgt)
+    assert torch.allclose(ours[0], theirs[0], atol=1e-4)
+    assert torch.allclose(ours[1, :2], theirs[1, :2], atol=1e-4)  # where the target is real
+
+
+@pytest.mark.parametrize("which", ["dropout", "attention_dropout", "relu_dropout"])
+def test_each_dropout_acts_in_training_only(which):
+    off = dict(dropout=0.0, attention_dropout=0.0, relu_dropout=0.0)
+    src, tgt = torch.tensor([[5, 6, 7, 3]]), torch.tensor([[BOS, 8, 9]])
+    m = tiny(**off).train()
+    assert torch.allclose(m(src, tgt), m.eval()(src, tgt), atol=1e-6)  # all off: no noise
+    m = tiny(**{**off, which: 0.5}).train()
+    assert not torch.allclose(m(src, tgt), m.eval()(src, tgt), atol=1e-3)
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_residual_dropout_is_on_the_sublayer_output(post_norm):
+    from nmt_cli.engine.model import Residual
+    torch.manual_seed(0)
+    res = Residual(16, 0.5, post_norm).train()
+    x = torch.randn(4, 16)
+    double = lambda h: 2 * h  # noqa: E731
+    expected = res.norm(x + double(x)) if post_norm else x + double(res.norm(x))
+    assert not torch.allclose(res(x, double), expected, atol=1e-3)
+    assert torch.allclose(res.eval()(x, double), expected, atol=1e-6)
+    if not post_norm:  # what is dropped is the sub-layer's output: x itself always goes through
+        dropped = res.train()(x, lambda h: torch.zeros_like(h) + 1.0) - x
+        assert torch.all((dropped.abs() < 1e-5) | ((dropped - 2.0).abs() < 1e-5))

@@ -8,7 +8,7 @@ import torch
 
 from nmt_cli.engine.beam import beam_step, choose, greedy, length_penalty, search, translate
 from nmt_cli.engine.model import ModelConfig, Transformer
-from nmt_cli.shards import EOS, PAD
+from nmt_cli.shards import BOS, EOS, PAD
 
 A, B = 4, 5
 V = 6
@@ -99,8 +99,12 @@ def test_max_length_forces_eos_per_sentence():
 
 
 def test_stops_when_no_live_hypothesis_can_win():
-    # After "A EOS" (0.5) finishes, the live "B" has 0.5 * (at most 0.2 more): it cannot win.
-    table = {(): {A: 0.5, B: 0.5}, (A,): {EOS: 1.0}, (B,): {A: 0.2, B: 0.2, EOS: 0.6}}
+    # After "A EOS" (0.5) finishes, the live "B A" and "B B" have 0.1 at most: they cannot win.
+    # Without that bound the search would go on to the length limit (EOS then ranks low).
+    import itertools
+    later = {A: 0.5, B: 0.49, EOS: 0.01}
+    table = {prefix: later for n in range(2, 12) for prefix in itertools.product([A, B], repeat=n)}
+    table.update({(): {A: 0.5, B: 0.5}, (A,): {EOS: 1.0}, (B,): {A: 0.2, B: 0.2, EOS: 0.6}})
     calls = {"n": 0}
     t = Table([table], beam=3)
     real = t.step
@@ -110,9 +114,18 @@ def test_stops_when_no_live_hypothesis_can_win():
         return real(tokens)
 
     t.step = counting
-    hyps = t.run(beam=3, alpha=0.0, max_lens=[50])[0]
+    hyps = t.run(beam=3, alpha=0.0, max_lens=[12])[0]
     assert hyps[0].tokens == [A] and hyps[0].score == pytest.approx(math.log(0.5))
-    assert calls["n"] <= 3
+    assert calls["n"] == 2
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_pad_and_bos_are_never_chosen(beam):
+    table = {(): {PAD: 0.5, BOS: 0.3, A: 0.15, B: 0.05}, (A,): {BOS: 0.9, EOS: 0.1},
+             (B,): {PAD: 0.9, EOS: 0.1}}
+    hyps = Table([table], beam=beam).run(beam=beam, alpha=0.0, max_lens=[10], nbest=beam)[0]
+    assert [h.tokens for h in hyps] == [[A], [B]][:beam]
+    assert hyps[0].score == pytest.approx(math.log(0.15 * 0.1))
 
 
 def model():
@@ -138,10 +151,11 @@ def test_cached_equals_uncached(beam):
 def test_beam_one_equals_greedy():
     m = model()
     fast = translate(m, SRC, beam=1, max_len_b=12)
-    slow = translate(m, SRC, beam=1, max_len_b=12, nbest=1, use_cache=True)
+    slow = translate(m, SRC, beam=1, max_len_b=12, use_cache=False)  # the prefix rerun each step
     beam1 = translate(m, SRC, beam=1, max_len_b=12, nbest=2)  # nbest > 1 takes the beam path
     for f, s, b in zip(fast, slow, beam1):
         assert f[0].tokens == s[0].tokens == b[0].tokens
+        assert f[0].score == pytest.approx(s[0].score, abs=1e-5)
         assert f[0].score == pytest.approx(b[0].score, abs=1e-5)
 
 
