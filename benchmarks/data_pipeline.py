@@ -15,10 +15,8 @@ import gzip
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

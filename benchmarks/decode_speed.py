@@ -47,7 +47,8 @@ def sources(name: str, n: int) -> list[list[int]]:
     if not model.exists():
         sys.exit(f"{model} is missing: run benchmarks/data_pipeline.py first (it makes it)")
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    path = DATA / ("wmt14/newstest2014.en.gz" if name == "newstest2014" else "multi30k/test_2016_flickr.en.gz")
+    path = DATA / ("wmt14/newstest2014.en.gz" if name == "newstest2014"
+                   else "multi30k/test_2016_flickr.en.gz")
     lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[:n]
     return [ids[:200] for ids in sp.encode(lines)]
 

@@ -136,8 +136,10 @@ def loop_against_bare(run_dir: Path, size: str, max_tokens: int, device: str, pr
         groups = [[b] for b in t.epoch_batches(0)[:steps]]
         updates = list(on_device(t.train_data, groups, t.device))  # collated and copied first
 
+        device = t.device
+
         def sync():
-            if t.device.type == "cuda":
+            if device.type == "cuda":
                 torch.cuda.synchronize()
 
         step = dict(label_smoothing=0.1, clip_norm=0.0, lr=1e-4, autocast=t.autocast,
@@ -169,7 +171,8 @@ def padding_share() -> float | None:
     run = ROOT / "benchmarks" / "out" / "multi30k"
     if not (run / "data" / "train.en.idx").exists():
         return None
-    from nmt_cli.shards import Shard, make_batches, padding_share as share
+    from nmt_cli.shards import Shard, make_batches
+    from nmt_cli.shards import padding_share as share
     s = Shard(run / "data" / "train.en").lengths + 1
     t = Shard(run / "data" / "train.de").lengths + 1
     return share(make_batches(s, t, 4096, 1, 0), s, t)
@@ -214,14 +217,16 @@ def cpu_main(args) -> dict:
                "ceiling_gflops": {"fp32": matmul_ceiling(torch.float32),
                                   "bf16": matmul_ceiling(torch.bfloat16)},
                "padding_share_multi30k": padding_share(), "runs": []}
-    print(json.dumps({k: results[k] for k in ("cpu", "ceiling_gflops", "padding_share_multi30k")}), flush=True)
+    heading = ("cpu", "ceiling_gflops", "padding_share_multi30k")
+    print(json.dumps({k: results[k] for k in heading}), flush=True)
     for shape in args.shapes:
         flops = train_flops(SHAPES[shape], 4096, 4096, 32, 32)
         for precision in args.precisions:
             ours = nmt_step(shape, precision, args.repeats)
             peer = None
             if Path(args.fairseq_python).exists():
-                done = subprocess.run([args.fairseq_python, str(ROOT / "benchmarks" / "peers" / "fairseq_train.py"),
+                script = ROOT / "benchmarks" / "peers" / "fairseq_train.py"
+                done = subprocess.run([args.fairseq_python, str(script),
                                        "--shape", shape, "--precision", precision,
                                        "--repeats", str(args.repeats)], capture_output=True, text=True,
                                       env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -229,7 +234,8 @@ def cpu_main(args) -> dict:
                 peer = json.loads(lines[-1]) if lines else {"error": done.stderr[-500:]}
             row = {"shape": shape, "precision": precision, "nmt": ours, "fairseq": peer,
                    "nmt_gflops": flops / ours["seconds"] / 1e9,
-                   "nmt_share_of_ceiling": flops / ours["seconds"] / 1e9 / results["ceiling_gflops"][precision]}
+                   "nmt_share_of_ceiling": (flops / ours["seconds"] / 1e9
+                                            / results["ceiling_gflops"][precision])}
             if peer and "seconds" in peer:
                 row["ratio"] = peer["seconds"] / ours["seconds"]
                 row["fairseq_gflops"] = flops / peer["seconds"] / 1e9

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import random
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

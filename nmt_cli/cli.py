@@ -176,7 +176,8 @@ def train(
     max_steps: Annotated[int, typer.Option(help="Stop after this many updates (0: no limit).")] = 100_000,
     max_epochs: Annotated[int, typer.Option(help="Stop after this many epochs (0: no limit).")] = 0,
     max_time: Annotated[float, typer.Option(help="Stop after this many minutes (0: no limit).")] = 0.0,
-    precision: Annotated[str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")] = "auto",
+    precision: Annotated[str, typer.Option(
+        help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")] = "auto",
     eval_every: Annotated[int, typer.Option(help="Validate every N updates.")] = 1000,
     eval_bleu: Annotated[bool, typer.Option(help="Also log greedy BLEU on the validation set.")] = False,
     patience: Annotated[int, typer.Option(help="Stop after N validations without improvement (0: off).")] = 0,
@@ -216,7 +217,8 @@ def train(
                  lr_scale=lr_scale, warmup=warmup, beta2=beta2, label_smoothing=label_smoothing,
                  clip_norm=clip_norm, max_steps=max_steps, max_epochs=max_epochs,
                  max_time=max_time, precision=precision, eval_every=eval_every,
-                 eval_bleu=eval_bleu, patience=patience, save_every=save_every, keep_last=keep_last, seed=seed,
+                 eval_bleu=eval_bleu, patience=patience, save_every=save_every,
+                 keep_last=keep_last, seed=seed,
                  device=device, compile=compile, threads=threads, max_bad_steps=max_bad_steps)
     if gpus < 0 or procs < 1 or nnodes < 1 or max_restarts < 0:
         raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "
@@ -333,8 +335,10 @@ MaxLenB = Annotated[int, typer.Option(help="Output length <= a * source length +
 CheckpointOption = Annotated[Optional[Path], typer.Option(
     help="Model file (default: the averaged model, else the latest checkpoint).")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-PrecisionOption = Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16 (GPU).")]
-Int8Option = Annotated[bool, typer.Option("--int8", help="CPU: int8 dynamic quantisation of the linear layers.")]
+PrecisionOption = Annotated[str, typer.Option(
+    help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16 (GPU).")]
+Int8Option = Annotated[bool, typer.Option(
+    "--int8", help="CPU: int8 dynamic quantisation of the linear layers.")]
 ThreadsOption = Annotated[int, typer.Option(help="CPU threads (0: torch's default).")]
 
 
@@ -390,7 +394,8 @@ def score(
                                                      "no --ref, the run's test set).")] = None,
     ref: Annotated[Optional[Path], typer.Option(help="References, line-aligned with --hyp.")] = None,
     run_dir: RunDirOption = Path("run"),
-    split: Annotated[str, typer.Option(help="Without --ref: the run's split to translate and score.")] = "test",
+    split: Annotated[str, typer.Option(
+        help="Without --ref: the run's split to translate and score.")] = "test",
     metrics: Annotated[str, typer.Option(help="Comma-separated: bleu, chrf, ter.")] = "bleu,chrf,ter",
     tokenize: Annotated[str, typer.Option(help="sacreBLEU tokenizer for BLEU.")] = "13a",
     lowercase: Annotated[bool, typer.Option("--lowercase", help="Case-insensitive scores.")] = False,

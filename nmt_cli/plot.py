@@ -78,7 +78,8 @@ def plot(run: RunDir, out: Path | None = None) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     panels = [
         (axes[0, 0], "loss (nats per token)", [
-            (train, "nll", "training NLL (running mean)", "-"), (valid, "valid_nll", "validation NLL", "o-")]),
+            (train, "nll", "training NLL (running mean)", "-"),
+            (valid, "valid_nll", "validation NLL", "o-")]),
         (axes[0, 1], "validation BLEU (greedy)", [(valid, "valid_bleu", "BLEU", "o-")]),
         (axes[1, 0], "learning rate", [(train, "lr", "lr", "-")]),
         (axes[1, 1], "tokens per second", [(train, "tokens_per_s", "target tokens/s", "-")]),

@@ -29,8 +29,9 @@ import json
 import os
 import socket
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from nmt_cli.errors import NmtError
 

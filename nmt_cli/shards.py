@@ -8,8 +8,8 @@ dtype) followed by n+1 int64 offsets into the token array. Both are memory-mappe
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class ShardWriter:
         self.sentences += len(sentences)
         self.tokens += int(lengths.sum())
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, TextIO
+from typing import BinaryIO, TextIO
 
 import numpy as np
 import torch
@@ -19,13 +20,12 @@ import torch
 from nmt_cli import bpe, prep
 from nmt_cli.config import TranslateConfig
 from nmt_cli.engine import beam, checkpoint
-from nmt_cli.engine.model import ModelConfig, Transformer, pack_for_cpu
 from nmt_cli.engine.device import resolve_device, resolve_precision
+from nmt_cli.engine.model import ModelConfig, Transformer, pack_for_cpu
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import EOS, PAD
 from nmt_cli.textio import Damage, decode_line
-
 
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})

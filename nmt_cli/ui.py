@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -79,7 +79,7 @@ class TrainDisplay:
                              console=console, disable=not self.live)
         self._task = None
 
-    def __enter__(self) -> "TrainDisplay":
+    def __enter__(self) -> TrainDisplay:
         self._bar.__enter__()
         return self
 

@@ -15,8 +15,7 @@ from common import SHAPES  # noqa: E402
 
 
 def spec_for(shape: dict):
-    import ctranslate2
-    from ctranslate2.specs import common_spec, transformer_spec
+    from ctranslate2.specs import transformer_spec
 
     spec = transformer_spec.TransformerSpec.from_config(shape["layers"], shape["heads"],
                                                        pre_norm=True)

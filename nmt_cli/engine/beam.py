@@ -11,8 +11,8 @@ its best finished one even with the most favourable length penalty it could stil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

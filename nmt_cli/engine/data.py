@@ -7,8 +7,8 @@ many) is worked out here on the host, so that training never asks the GPU for it
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ class Split:
     keep: np.ndarray              # sentences short enough for the model and the batch size
 
     @classmethod
-    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> "Split":
+    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> Split:
         s, t = Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
         sl, tl = s.lengths + 1, t.lengths + 1
         keep = np.flatnonzero((sl <= limit) & (tl <= limit))

@@ -17,13 +17,13 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from nmt_cli.errors import NmtError
-
 
 # The backend of the default process group, by device type. NCCL takes CUDA tensors only, so a
 # CUDA run also opens a gloo group for what lives on the host (RNG states, flags, objects).

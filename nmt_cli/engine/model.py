@@ -164,7 +164,7 @@ class DecoderLayer(nn.Module):
         self.res3 = Residual(c.d_model, c.dropout, c.post_norm)
 
     def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
-                cache: "DecoderCache | None" = None, layer: int = 0) -> Tensor:
+                cache: DecoderCache | None = None, layer: int = 0) -> Tensor:
         def self_attention(h: Tensor) -> Tensor:
             if cache is None:  # training: every position at once, each sees only its past
                 return self.self_attn(h, self.self_attn.keys_values(h), causal=True)

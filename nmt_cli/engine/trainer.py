@@ -15,8 +15,9 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -133,7 +134,7 @@ def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.op
 
 
 class Reporter(Protocol):
-    def progress(self, state: "State", total_steps: int | None, metrics: dict) -> None: ...
+    def progress(self, state: State, total_steps: int | None, metrics: dict) -> None: ...
     def say(self, message: str) -> None: ...
 
 
