@@ -32,8 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, cpu_name  # noqa: E402
 
+from nmt_cli.config import ModelConfig  # noqa: E402
 from nmt_cli.engine import beam  # noqa: E402
-from nmt_cli.engine.model import ModelConfig, Transformer, pack_for_cpu  # noqa: E402
+from nmt_cli.engine.model import Transformer  # noqa: E402
+from nmt_cli.engine.packing import pack_for_cpu  # noqa: E402
 from nmt_cli.shards import EOS, PAD  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,9 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, batch, cpu_name, matmul_ceiling, time_steps, train_flops  # noqa: E402
 
+from nmt_cli.config import ModelConfig  # noqa: E402
 from nmt_cli.engine import distributed  # noqa: E402
 from nmt_cli.engine.data import Batch, to_device  # noqa: E402
-from nmt_cli.engine.model import ModelConfig, Transformer  # noqa: E402
+from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.trainer import train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

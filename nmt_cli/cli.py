@@ -147,11 +147,6 @@ def bpe(
     _done(f"binarized data in {run.root / 'data'}", f"nmt train --run-dir {run.root}")
 
 
-def _not_yet(command: str, issue: int) -> None:
-    raise NmtError(f"`nmt {command}` is not implemented yet in nmt {__version__} (tracked in "
-                   f"issue #{issue})")
-
-
 @app.command()
 def train(
     ctx: typer.Context,
@@ -316,14 +311,14 @@ def average(
 ) -> None:
     """Average the last N checkpoints into the run's model."""
     from nmt_cli import ui
-    from nmt_cli.engine import trainer
+    from nmt_cli.engine import checkpoint
     from nmt_cli.rundir import RunDir
 
     if last < 1:
         raise NmtError("--last must be at least 1")
     run = RunDir(run_dir)
     with run.lock("average"):
-        record = trainer.average(run, last, ui.say)
+        record = checkpoint.average_run(run, last, ui.say)
     ui.say(f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) into "
            f"{run.averaged}")
 

@@ -22,6 +22,42 @@ MAX_RATIO = {"multi30k-en-de": 9.0}
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_model: int = 512
+    ffn: int = 2048
+    heads: int = 8
+    dropout: float = 0.1             # on residual branches and embeddings
+    attention_dropout: float = 0.1   # on attention probabilities
+    relu_dropout: float = 0.1        # after the FFN ReLU
+    post_norm: bool = False
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+
+
+PRESETS: dict[str, dict] = {
+    # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
+    # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
+    # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to
+    # convergence, while in a 2-core CPU hour (~36 epochs at 1024-token batches) 0.2 led 0.3 by
+    # 1.7 validation BLEU at equal time (docs/benchmarks.md).
+    "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
+                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
+    "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,
+                  dropout=0.2, attention_dropout=0.1, relu_dropout=0.1),
+    "base": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512, ffn=2048, heads=8,
+                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
+    "big": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=1024, ffn=4096, heads=16,
+                dropout=0.3, attention_dropout=0.1, relu_dropout=0.1),
+}
+
+
+@dataclass(frozen=True)
 class PrepConfig:
     recipe: str
     src: str = "en"
@@ -79,7 +115,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    size: str = "base"                          # a preset of engine/model.py
+    size: str = "base"                          # one of PRESETS
     num_encoder_layers: int | None = None       # None: the preset's value
     num_decoder_layers: int | None = None
     d_model: int | None = None
@@ -114,7 +150,6 @@ class TrainConfig:
     max_bad_steps: int = 20                     # non-finite steps in a row before stopping
 
     def __post_init__(self) -> None:
-        from nmt_cli.engine.model import PRESETS
         if self.size not in PRESETS:
             raise NmtError(f"unknown --size {self.size!r}: choose one of {', '.join(PRESETS)}")
         if self.precision not in PRECISIONS:
@@ -137,7 +172,6 @@ class TrainConfig:
             raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
 
     def model_config(self, vocab_size: int, max_positions: int = 1024):
-        from nmt_cli.engine.model import PRESETS, ModelConfig
         shape = dict(PRESETS[self.size])
         for name in shape:
             if getattr(self, name, None) is not None:

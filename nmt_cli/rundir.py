@@ -35,8 +35,6 @@ from typing import IO, Any
 
 from nmt_cli.errors import NmtError
 
-DEFAULT_RUN_DIR = "run"
-
 # mkstemp creates files 0600; our outputs should get the permissions of any new file.
 _UMASK = os.umask(0)
 os.umask(_UMASK)

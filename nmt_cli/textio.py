@@ -51,13 +51,3 @@ def read_lines(path: Path, damage: Damage | None = None) -> Iterator[str]:
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise NmtError(f"{path} is truncated or corrupt after line {lineno} ({e}); "
                        "fetch it again") from None
-
-
-def count_lines(path: Path) -> int:
-    """Lines in a plain or gzip file (a last line without a newline counts)."""
-    n, last = 0, b"\n"
-    with open_binary(Path(path)) as f:
-        while chunk := f.read(1 << 20):
-            n += chunk.count(b"\n")
-            last = chunk[-1:]
-    return n + (last != b"\n")

@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from nmt_cli import bpe, prep
-from nmt_cli.config import TranslateConfig
+from nmt_cli.config import ModelConfig, TranslateConfig
 from nmt_cli.engine import beam, checkpoint
 from nmt_cli.engine.device import resolve_device, resolve_precision
-from nmt_cli.engine.model import ModelConfig, Transformer, pack_for_cpu
+from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import EOS, PAD

@@ -12,7 +12,8 @@ import torch
 from conftest import TINY, one_error_line
 
 from nmt_cli.engine import checkpoint, trainer
-from nmt_cli.engine.trainer import label_smoothed_loss, learning_rate
+from nmt_cli.engine.loss import label_smoothed_loss
+from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard, make_batches, padding_share
 

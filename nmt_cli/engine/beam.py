@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nmt_cli.engine.model import DecoderCache, Transformer
+from nmt_cli.engine.cache import DecoderCache
+from nmt_cli.engine.model import Transformer
 from nmt_cli.shards import BOS, EOS, PAD
 
 

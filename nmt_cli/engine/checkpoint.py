@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import atomic_open, atomic_write_json
+from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json, now
 
 NAME = re.compile(r"checkpoint_(\d{8})\.json$")
 
@@ -129,3 +129,19 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     for v in total.values():
         v /= len(paths)
     return total, first_meta
+
+
+def average_run(run: RunDir, last: int, say: Callable[[str], None]) -> dict:
+    """Average the last `last` checkpoints into the run's averaged model."""
+    paths = listed(run.checkpoints)
+    if not paths:
+        raise NmtError(f"no checkpoints in {run.checkpoints}: run `nmt train` first")
+    if len(paths) < last:
+        say(f"only {len(paths)} checkpoints exist; averaging all of them")
+    chosen = paths[-last:]
+    weights, meta = average(chosen)
+    newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
+    record = {**{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
+              "step": newest["step"], "averaged": [p.name for p in chosen], "saved": now()}
+    save_tensors(run.averaged, {"model": weights}, record)
+    return record

@@ -12,49 +12,17 @@ D d_model, H heads, K head size (D / H), F FFN size, V vocabulary.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmt_cli.config import ModelConfig
 from nmt_cli.shards import PAD
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
-    d_model: int = 512
-    ffn: int = 2048
-    heads: int = 8
-    dropout: float = 0.1             # on residual branches and embeddings
-    attention_dropout: float = 0.1   # on attention probabilities
-    relu_dropout: float = 0.1        # after the FFN ReLU
-    post_norm: bool = False
-    max_positions: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
-
-
-PRESETS: dict[str, dict] = {
-    # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
-    # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
-    # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to
-    # convergence, while in a 2-core CPU hour (~36 epochs at 1024-token batches) 0.2 led 0.3 by
-    # 1.7 validation BLEU at equal time (docs/benchmarks.md).
-    "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
-                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
-    "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,
-                  dropout=0.2, attention_dropout=0.1, relu_dropout=0.1),
-    "base": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512, ffn=2048, heads=8,
-                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
-    "big": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=1024, ffn=4096, heads=16,
-                dropout=0.3, attention_dropout=0.1, relu_dropout=0.1),
-}
+if TYPE_CHECKING:
+    from nmt_cli.engine.cache import DecoderCache
 
 
 def sinusoids(length: int, d: int) -> Tensor:
@@ -88,9 +56,9 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
 class Attention(nn.Module):
     """Multi-head scaled dot-product attention, section 3.2 (self- or encoder-decoder)."""
 
-    def __init__(self, d: int, heads: int, dropout: float, cross: bool):
+    def __init__(self, d: int, heads: int, dropout: float):
         super().__init__()
-        self.heads, self.dropout, self.cross = heads, dropout, cross
+        self.heads, self.dropout = heads, dropout
         self.q = nn.Linear(d, d)
         self.kv = nn.Linear(d, 2 * d)  # keys and values in one matmul
         self.out = nn.Linear(d, d)
@@ -143,7 +111,7 @@ class Residual(nn.Module):
 class EncoderLayer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout, cross=False)
+        self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout)
         self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout)
         self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
         self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
@@ -156,8 +124,8 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout, cross=False)
-        self.cross_attn = Attention(c.d_model, c.heads, c.attention_dropout, cross=True)
+        self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout)
+        self.cross_attn = Attention(c.d_model, c.heads, c.attention_dropout)
         self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout)
         self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
         self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
@@ -185,75 +153,6 @@ class DecoderLayer(nn.Module):
         return self.res3(x, self.ffn)
 
 
-class DecoderCache:
-    """What incremental decoding keeps between steps, per decoder layer: the encoder-decoder K/V,
-    computed once per sentence (B rows, shared by its beams), and the self-attention K/V of
-    earlier positions (B*beam rows), so a step computes only its new position.
-
-    Each self-attention K and V is a contiguous (rows, H, length + 1, K) tensor whose last
-    position is free for the next step, laid out in one of two buffers preallocated for
-    `max_len` positions. A reorder gathers the survivors from one buffer straight into the
-    other, already shaped for the next step; when no reorder comes (greedy, nobody finished),
-    the next append moves them likewise. On the CPU these copies, not arithmetic, are a large
-    part of a step: gathering in place would copy twice, and attention over a strided slice of
-    a max_len buffer makes scaled_dot_product_attention copy once more."""
-
-    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor, beam: int,
-                 max_len: int):
-        k0 = memory_kv[0][0]
-        b, self.heads, _, self.head_dim = k0.shape
-        self.memory_kv, self.src_mask, self.beam = memory_kv, src_mask, beam
-        size = b * beam * self.heads * max_len * self.head_dim
-        # [layer's K, layer's V, next layer's K, ...], each with its two buffers
-        self.buffers = [(k0.new_empty(size), k0.new_empty(size)) for _ in range(2 * len(memory_kv))]
-        self.current = [0] * len(self.buffers)     # which buffer each tensor lies in
-        self.tensors = [self._view(buf[0], b * beam, 1) for buf in self.buffers]
-        self.length = 0      # positions cached so far
-        self.max_len = max_len
-
-    def _view(self, buffer: Tensor, rows: int, positions: int) -> Tensor:
-        shape = (rows, self.heads, positions, self.head_dim)
-        return buffer[:math.prod(shape)].view(shape)
-
-    def _move(self, i: int, indices: Tensor | None) -> None:
-        """Tensor i's filled positions (its rows `indices`, or all) into its other buffer,
-        with one free position after them."""
-        n, src = self.length, self.tensors[i]
-        if n + 1 > self.max_len:
-            raise ValueError(f"decoding past the cache's max_len {self.max_len}")
-        self.current[i] ^= 1
-        rows = src.shape[0] if indices is None else len(indices)
-        dst = self._view(self.buffers[i][self.current[i]], rows, n + 1)
-        if indices is None:
-            dst[:, :, :n] = src[:, :, :n]
-        else:
-            torch.index_select(src[:, :, :n], 0, indices, out=dst[:, :, :n])
-        self.tensors[i] = dst
-
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store one new position's K/V of `layer`; returns all cached K/V of that layer."""
-        n = self.length
-        for i, new in ((2 * layer, k), (2 * layer + 1, v)):
-            if self.tensors[i].shape[2] == n:  # no reorder since the last step: make room
-                self._move(i, None)
-            self.tensors[i][:, :, n:n + 1] = new
-        return self.tensors[2 * layer], self.tensors[2 * layer + 1]
-
-    def advance(self) -> None:
-        self.length += 1
-
-    def reorder(self, indices: Tensor) -> None:
-        """Keep rows `indices` (B'*beam of them, each sentence's beams together, sentences in
-        their old order): beam search's survivors, and only the sentences still running."""
-        for i in range(len(self.tensors)):
-            self._move(i, indices)
-        sentences = indices[::self.beam] // self.beam
-        if len(sentences) != self.src_mask.shape[0]:  # some sentences finished
-            self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
-                              for k, v in self.memory_kv]
-            self.src_mask = self.src_mask.index_select(0, sentences)
-
-
 class Transformer(nn.Module):
     """Encoder-decoder with source, target and output embeddings tied (section 3.4)."""
 
@@ -267,7 +166,8 @@ class Transformer(nn.Module):
         # Pre-norm leaves the last residual sum unnormalised: tensor2tensor adds a final LayerNorm.
         self.encoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
-        self.packed_output: Tensor | None = None  # see pack_for_cpu
+        # A faster copy of the output projection for decoding, set by packing.pack_for_cpu.
+        self.packed_output: nn.Module | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -316,66 +216,10 @@ class Transformer(nn.Module):
     def logits(self, h: Tensor) -> Tensor:
         """(..., D) decoder states -> (..., V) scores through the tied embedding."""
         if self.packed_output is not None:
-            return _packed_linear(h, self.packed_output, None)
+            return self.packed_output(h)
         return F.linear(h, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, self.memory_keys_values(memory), src_mask)
-
-
-def build(config: ModelConfig) -> Transformer:
-    return Transformer(config)
-
-
-# Decoding on the CPU. A step multiplies a few hundred rows at most by each weight, and there
-# torch's F.linear (MKL) ran at 60-110 GFLOP/s, while oneDNN's GEMM on a weight reordered once
-# into its own blocked layout ran at 120-135 (2 threads; base's 512 x 32000 output projection:
-# 71 -> 36 ms at 128 rows, 22 -> 8.5 ms at 12; docs/benchmarks.md). On small weights the call
-# costs more than it saves (d 128's 256 x 128 FFN: 0.12 -> 0.15 ms), hence PACK_MIN.
-PACK_MIN = 2 ** 17  # weight elements
-
-
-def _pack(weight: Tensor) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-
-def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-class PackedLinear(nn.Module):
-    """A frozen nn.Linear whose weight lives in oneDNN's blocked layout: for decoding only."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.packed = _pack(linear.weight)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return _packed_linear(x, self.packed, self.bias)
-
-
-def can_pack(model: Transformer) -> bool:
-    p = model.embed.weight
-    return (p.device.type == "cpu" and p.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def pack_for_cpu(model: Transformer) -> Transformer:
-    """Make an fp32 CPU model faster to decode with: its linear layers of PACK_MIN elements or
-    more, and the output projection, multiply by copies of their weights packed for oneDNN.
-    In place; the model can no longer be trained (the packed copies are snapshots without
-    gradients). Returns the model unchanged where oneDNN is not available."""
-    if not can_pack(model):
-        return model
-    model.eval().requires_grad_(False)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.numel() >= PACK_MIN:
-                setattr(module, name, PackedLinear(child))
-    if model.embed.weight.numel() >= PACK_MIN:
-        model.packed_output = _pack(model.embed.weight)
-    return model

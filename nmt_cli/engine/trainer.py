@@ -15,64 +15,22 @@ import json
 import math
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from nmt_cli.config import TrainConfig
+from nmt_cli.config import ModelConfig, TrainConfig
 from nmt_cli.engine import beam, checkpoint, distributed
 from nmt_cli.engine.data import Batch, Split, on_device, to_device, training_share
 from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
-from nmt_cli.engine.model import ModelConfig, Transformer
+from nmt_cli.engine.loss import label_smoothed_loss
+from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
 from nmt_cli.shards import collate, padding_share
-
-
-def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
-    """Section 5.3: d^-0.5 * min(step^-0.5, step * warmup^-1.5), times `scale`."""
-    step = max(step, 1)
-    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-
-
-class _SmoothedCrossEntropy(torch.autograd.Function):
-    """Label-smoothed cross-entropy with a hand-written backward: the gradient is
-    softmax - (1 - epsilon) * onehot - epsilon / V, computed in place from the saved
-    log-probabilities. Autograd's version materialises three more (N, V) tensors."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, epsilon: float):
-        lprobs = F.log_softmax(logits.float(), dim=-1)                       # (N, V)
-        nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)                # (N,)
-        uniform = -lprobs.sum(dim=-1) / lprobs.shape[-1]                     # (N,)
-        ctx.save_for_backward(lprobs, target)
-        ctx.epsilon, ctx.dtype = epsilon, logits.dtype
-        return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor, grad_nll: torch.Tensor | None):
-        lprobs, target = ctx.saved_tensors
-        eps, v = ctx.epsilon, lprobs.shape[-1]
-        g_loss = grad_loss.float()
-        g_nll = grad_nll.float() if grad_nll is not None else torch.zeros_like(g_loss)
-        grad = lprobs.exp_().mul_(g_loss + g_nll).sub_(g_loss * eps / v)    # softmax, in place
-        grad.scatter_add_(-1, target[:, None],
-                          (-(g_loss * (1.0 - eps) + g_nll)).expand(len(target), 1).contiguous())
-        return grad.to(ctx.dtype), None, None
-
-
-def label_smoothed_loss(logits: torch.Tensor, target: torch.Tensor,
-                        epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed smoothed loss and summed NLL of (N, V) scores against (N,) targets.
-
-    The smoothing mass epsilon is spread uniformly over the vocabulary (section 5.4).
-    """
-    return _SmoothedCrossEntropy.apply(logits, target, epsilon)
 
 
 def batch_loss(model: Transformer, forward: torch.nn.Module, batch: Batch,
@@ -559,19 +517,3 @@ class Trainer:
 
 def train(config: TrainConfig, run: RunDir, reporter: Reporter) -> dict:
     return Trainer(config, run, reporter).train()
-
-
-def average(run: RunDir, last: int, say: Callable[[str], None]) -> dict:
-    """Average the last `last` checkpoints into the run's averaged model."""
-    paths = checkpoint.listed(run.checkpoints)
-    if not paths:
-        raise NmtError(f"no checkpoints in {run.checkpoints}: run `nmt train` first")
-    if len(paths) < last:
-        say(f"only {len(paths)} checkpoints exist; averaging all of them")
-    chosen = paths[-last:]
-    weights, meta = checkpoint.average(chosen)
-    newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
-    record = {**{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
-              "step": newest["step"], "averaged": [p.name for p in chosen], "saved": now()}
-    checkpoint.save_tensors(run.averaged, {"model": weights}, record)
-    return record

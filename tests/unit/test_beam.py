@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
+from nmt_cli.config import ModelConfig
 from nmt_cli.engine.beam import beam_step, choose, greedy, length_penalty, search, translate
-from nmt_cli.engine.model import ModelConfig, Transformer
+from nmt_cli.engine.model import Transformer
 from nmt_cli.shards import BOS, EOS, PAD
 
 A, B = 4, 5

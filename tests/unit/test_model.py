@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
-from nmt_cli.engine.model import PRESETS, DecoderCache, ModelConfig, Transformer, dropout, sinusoids
+from nmt_cli.config import PRESETS, ModelConfig
+from nmt_cli.engine.cache import DecoderCache
+from nmt_cli.engine.model import Transformer, dropout, sinusoids
 from nmt_cli.shards import BOS, PAD
 
 
@@ -47,7 +49,7 @@ def test_initialisation_and_tying():
 
 def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
     from nmt_cli.engine import beam
-    from nmt_cli.engine.model import PackedLinear, pack_for_cpu
+    from nmt_cli.engine.packing import PackedLinear, pack_for_cpu
     m = tiny()
     src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
     tgt = torch.tensor([[BOS, 11, 12], [BOS, 13, PAD]])
@@ -55,12 +57,13 @@ def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
         states = m(src, tgt)
         logits = m.logits(states)
     hyps = beam.translate(m, src, beam=3, max_len_b=10, nbest=2)
-    monkeypatch.setattr("nmt_cli.engine.model.PACK_MIN", 0)  # pack even this model's weights
+    monkeypatch.setattr("nmt_cli.engine.packing.PACK_MIN", 0)  # pack even this model's weights
     packed = pack_for_cpu(m)
     assert packed is m and not any(p.requires_grad for p in m.parameters())
     assert not any(isinstance(x, torch.nn.Linear) for x in m.modules())
-    # per encoder layer q, kv, out and the FFN's two; per decoder layer those and cross q, kv, out
-    assert sum(isinstance(x, PackedLinear) for x in m.modules()) == 2 * 5 + 2 * 8
+    # per encoder layer q, kv, out and the FFN's two; per decoder layer those and cross q, kv,
+    # out; and the output projection
+    assert sum(isinstance(x, PackedLinear) for x in m.modules()) == 2 * 5 + 2 * 8 + 1
     with torch.no_grad():
         torch.testing.assert_close(m(src, tgt), states, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m.logits(states), logits, rtol=1e-5, atol=1e-5)
@@ -70,7 +73,7 @@ def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
 
 
 def test_packing_leaves_small_weights_to_f_linear():
-    from nmt_cli.engine.model import PACK_MIN, PackedLinear, pack_for_cpu
+    from nmt_cli.engine.packing import PACK_MIN, PackedLinear, pack_for_cpu
     torch.manual_seed(0)
     m = pack_for_cpu(Transformer(ModelConfig(vocab_size=1000, num_encoder_layers=1,
                                              num_decoder_layers=1, d_model=128, ffn=1024,

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nmt_cli.config import ModelConfig
 from nmt_cli.engine import distributed
 from nmt_cli.engine.data import to_device
-from nmt_cli.engine.model import ModelConfig, Transformer
+from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.trainer import train_step
 from nmt_cli.shards import BOS, EOS, PAD
 
