@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmt_cli import prep, ui
+from nmt_cli import ui
 from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
@@ -55,7 +55,7 @@ def sample_lines(paths: list[Path], k: int, seed: int) -> list[str]:
 def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int) -> None:
     import sentencepiece as spm
 
-    sample = sample_lines([run.text(prep.TRAIN, src), run.text(prep.TRAIN, tgt)],
+    sample = sample_lines([run.text("train", src), run.text("train", tgt)],
                           config.sample_lines, config.seed)
     ui.say(f"learning a joint BPE model of {vocab_size} pieces from {len(sample):,} sentences")
     run.spm_model.parent.mkdir(parents=True, exist_ok=True)
@@ -113,13 +113,13 @@ def encode_file(sp, text: Path, prefix: Path, threads: int, bar, task) -> dict:
 
 def run_bpe(config: BpeConfig, run: RunDir) -> dict:
     """Learn the BPE model and binarize every split; returns per-file token statistics."""
-    splits = prep.splits_of(run)
+    splits = run.splits()
     manifest = run.load_manifest()["prep"]
     src, tgt = manifest["src"], manifest["tgt"]
     for split in splits:
         for lang in (src, tgt):
             run.require(run.text(split, lang), "prep")
-    vocab_size = config.vocab_size or auto_vocab_size(manifest["splits"][prep.TRAIN]["kept"])
+    vocab_size = config.vocab_size or auto_vocab_size(manifest["splits"]["train"]["kept"])
     learn(config, run, src, tgt, vocab_size)
     sp = load(run)
     stats: dict = {}

@@ -239,7 +239,11 @@ def train(
             run.save_config("train", config)
         with ui.TrainDisplay() as display:
             try:
-                result = trainer.train(config, run, display)
+                bleu_of = None
+                if config.eval_bleu:
+                    from nmt_cli.score import bleu_of_ids
+                    bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+                result = trainer.train(config, run, display, bleu_of)
             except trainer.Interrupted as e:
                 ui.say(str(e))
                 raise typer.Exit(128 + e.signum) from None

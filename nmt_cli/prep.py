@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import os
 import re
-import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from nmt_cli import fetch, ui
 from nmt_cli.config import PrepConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.fetch import Source
+from nmt_cli.normalize import normalize
 from nmt_cli.rundir import RunDir, atomic_open
 from nmt_cli.textio import Damage, read_lines
 
@@ -120,22 +120,6 @@ def recipe_for(config: PrepConfig) -> Recipe:
 
 
 # -- cleaning ----------------------------------------------------------------------------------
-
-_normalizers: dict = {}
-
-
-def normalize(line: str, lang: str) -> str:
-    """Moses punctuation normalisation, non-printing characters to spaces, single spaces."""
-    normalizer = _normalizers.get(lang)
-    if normalizer is None:
-        from sacremoses import MosesPunctNormalizer
-        normalizer = _normalizers[lang] = MosesPunctNormalizer(lang=lang)
-    line = normalizer.normalize(line)
-    if not line.isprintable():  # fast path: most lines have nothing to remove
-        # As Moses' remove-non-printing-char.perl: every \p{C} code point becomes a space.
-        line = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in line)
-    return " ".join(line.split())
-
 
 def _normalize_chunk(langs: tuple[str, str], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     a, b = langs
@@ -363,13 +347,3 @@ def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict
                    "not_utf8": st.not_utf8} for s, st in all_stats.items()}
     run.record("prep", produced, splits=summary, src=config.src, tgt=config.tgt)
     return summary
-
-
-def splits_of(run: RunDir) -> list[str]:
-    """The splits `nmt prep` produced, train first."""
-    entry = run.load_manifest().get("prep")
-    if not entry:
-        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first "
-                       f"(with --run-dir {run.root})")
-    return list(entry["splits"])
-

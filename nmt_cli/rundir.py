@@ -186,6 +186,14 @@ class RunDir:
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config_path(step), to_json(config))
 
+    def splits(self) -> list[str]:
+        """The splits `nmt prep` produced, train first."""
+        entry = self.load_manifest().get("prep")
+        if not entry:
+            raise NmtError(f"{self.root} has no prepared data: run `nmt prep` first "
+                           f"(with --run-dir {self.root})")
+        return list(entry["splits"])
+
     def load_manifest(self) -> dict:
         if not self.manifest_path.exists():
             return {}

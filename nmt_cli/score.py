@@ -7,6 +7,7 @@ tokenisation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nmt_cli.errors import NmtError
@@ -79,3 +80,19 @@ def compare(hyps: list[str], other: list[str], refs: list[str], metrics: list[st
                   "p_value": float(system.p_value), "system_mean": float(system.mean),
                   "system_ci": float(system.ci)}
     return out
+
+
+def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
+    """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
+    token ids of the validation set, against its references as released."""
+    from nmt_cli import bpe
+    path = run.text("valid", tgt_lang, raw=True)
+    if not path.exists():
+        path = run.text("valid", tgt_lang)
+    refs = path.read_text(encoding="utf-8").splitlines()
+    sp = bpe.load(run)
+
+    def bleu(ids: list[list[int]]) -> float:
+        return score(sp.decode(ids)[:len(refs)], refs[:len(ids)], ["bleu"])[0].score
+
+    return bleu

@@ -17,13 +17,14 @@ from typing import BinaryIO, TextIO
 import numpy as np
 import torch
 
-from nmt_cli import bpe, prep
+from nmt_cli import bpe
 from nmt_cli.config import ModelConfig, TranslateConfig
 from nmt_cli.engine import beam, checkpoint
 from nmt_cli.engine.device import resolve_device, resolve_precision
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
+from nmt_cli.normalize import normalize
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import EOS, PAD
 from nmt_cli.textio import Damage, decode_line
@@ -101,7 +102,7 @@ class Translator:
         self.counts = Counts()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
-        cleaned = [prep.normalize(line, self.src_lang) for line in lines]
+        cleaned = [normalize(line, self.src_lang) for line in lines]
         ids = self.sp.encode(cleaned, out_type=int)
         for i, x in enumerate(ids):
             if len(x) > self.max_src:

@@ -5,7 +5,8 @@ import gzip
 import pytest
 from conftest import one_error_line
 
-from nmt_cli.prep import SeenPairs, normalize
+from nmt_cli.normalize import normalize
+from nmt_cli.prep import SeenPairs
 from nmt_cli.rundir import RunDir
 
 

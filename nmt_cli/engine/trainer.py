@@ -15,6 +15,7 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -133,8 +134,12 @@ LOG_EVERY = 10
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, run: RunDir, reporter: Reporter):
+    def __init__(self, config: TrainConfig, run: RunDir, reporter: Reporter,
+                 bleu_of: Callable[[list[list[int]]], float] | None = None):
+        """`bleu_of` scores greedy translations of the validation set, given as token ids
+        (for --eval-bleu; score.bleu_of_ids makes one)."""
         self.config, self.run, self.reporter = config, run, reporter
+        self.bleu_of = bleu_of
         prep = run.load_manifest().get("prep")
         bpe = run.load_manifest().get("bpe")
         if not prep or not bpe:
@@ -177,8 +182,6 @@ class Trainer:
         self.last: dict = {}                   # the figures of the last read
         self.saved_at = -1
         self._signal: int | None = None
-        self._valid_refs: list[str] | None = None  # loaded at the first --eval-bleu
-        self._sp = None
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches of `epoch`."""
@@ -359,7 +362,7 @@ class Trainer:
         nll_sum, tokens = self.dist.all_reduce(sums).tolist()
         nll = nll_sum / max(tokens, 1)
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
-        if self.config.eval_bleu:
+        if self.config.eval_bleu and self.bleu_of is not None:
             bleu = self.valid_bleu()
             if bleu is not None:
                 metrics["valid_bleu"] = bleu
@@ -367,11 +370,9 @@ class Trainer:
 
     @torch.no_grad()
     def valid_bleu(self, batch_size: int = 64) -> float | None:
-        """sacreBLEU of greedy translations of the validation set against its references as
-        released: a cheap stand-in for the test score while training. Each rank translates its
-        share; rank 0 scores (and returns None on the others)."""
-        from nmt_cli import bpe
-        from nmt_cli.score import score
+        """BLEU of greedy translations of the validation set (a cheap stand-in for the test
+        score while training), by the scorer the trainer was given. Each rank translates its
+        share; rank 0 scores (and the others return None)."""
         data = self.valid_data
         order = data.keep[np.argsort(-data.src_lengths[data.keep], kind="stable")]
         starts = list(range(0, len(order), batch_size))[self.dist.rank::self.dist.world]
@@ -385,18 +386,11 @@ class Trainer:
         shares = self.dist.gather_objects(mine)
         if not self.dist.is_main:
             return None
-        if self._valid_refs is None:
-            path = self.run.text("valid", self.tgt_lang, raw=True)
-            if not path.exists():
-                path = self.run.text("valid", self.tgt_lang)
-            self._valid_refs = path.read_text(encoding="utf-8").splitlines()[:len(data.src)]
-            self._sp = bpe.load(self.run)
         ids: list[list[int]] = [[] for _ in range(len(data.src))]
         for share in shares:
             for i, tokens in share.items():
                 ids[i] = tokens
-        texts = self._sp.decode(ids)
-        return score(texts[:len(self._valid_refs)], self._valid_refs, ["bleu"])[0].score
+        return self.bleu_of(ids)
 
     def evaluate(self) -> None:
         metrics = self.validate()
@@ -515,5 +509,6 @@ class Trainer:
             self.dist.close()
 
 
-def train(config: TrainConfig, run: RunDir, reporter: Reporter) -> dict:
-    return Trainer(config, run, reporter).train()
+def train(config: TrainConfig, run: RunDir, reporter: Reporter,
+          bleu_of: Callable[[list[list[int]]], float] | None = None) -> dict:
+    return Trainer(config, run, reporter, bleu_of).train()
