@@ -34,7 +34,6 @@ app = typer.Typer(
 )
 
 _debug = bool(os.environ.get("NMT_DEBUG"))
-_argv: list[str] = []  # the raw arguments, for forwarding to distributed workers
 
 RunDirOption = Annotated[Path, typer.Option(
     "--run-dir", envvar="NMT_RUN_DIR",
@@ -197,108 +196,36 @@ def train(
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
 
-    from nmt_cli import ui
-    from nmt_cli.config import TrainConfig, from_json
-    from nmt_cli.engine import checkpoint, trainer
+    from nmt_cli import training, ui
+    from nmt_cli.config import TrainConfig
+    from nmt_cli.engine import distributed, trainer
     from nmt_cli.rundir import RunDir
 
     run = RunDir(run_dir)
     if not run.root.is_dir():
         raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
-    given = dict(size=size, num_encoder_layers=num_encoder_layers,
-                 num_decoder_layers=num_decoder_layers, d_model=d_model, ffn=ffn, heads=heads,
-                 dropout=dropout, attention_dropout=attention_dropout, relu_dropout=relu_dropout,
-                 post_norm=post_norm, max_tokens=max_tokens, update_freq=update_freq,
-                 lr_scale=lr_scale, warmup=warmup, beta2=beta2, label_smoothing=label_smoothing,
-                 clip_norm=clip_norm, max_steps=max_steps, max_epochs=max_epochs,
-                 max_time=max_time, precision=precision, eval_every=eval_every,
-                 eval_bleu=eval_bleu, patience=patience, save_every=save_every,
-                 keep_last=keep_last, seed=seed,
-                 device=device, compile=compile, threads=threads, max_bad_steps=max_bad_steps)
-    if gpus < 0 or procs < 1 or nnodes < 1 or max_restarts < 0:
-        raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "
-                       "must be at least 1")
-    if gpus or procs > 1 or nnodes > 1:
-        _launch(run, gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts, device,
-                max_tokens, update_freq)
+    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TrainConfig)
+             if f.name in ctx.params}
+    explicit = {name for name in given if _given(ctx, name)}
+    how = training.Launch(gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    if how.needed:
+        how.check(device)
+        with run.lock("train") if node_rank == 0 else contextlib.nullcontext():
+            config = training.settings(run, given, explicit)
+        training.launch(run, config, how)
         return
-    # Under a launcher the parent holds the lock; under torchrun/SLURM rank 0 takes it.
-    from nmt_cli.engine import distributed
+    # Under torchrun or SLURM, rank 0 takes the lock.
     rank = distributed.from_environment()[0]
-    lock = contextlib.nullcontext() if os.environ.get("NMT_LOCK_HELD") or rank else run.lock("train")
-    with lock:
-        if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
-            # A resume keeps the saved settings; options given now override them.
-            saved = from_json(TrainConfig, run.config_path("train").read_text(),
-                              str(run.config_path("train")))
-            explicit = {k: v for k, v in given.items() if _given(ctx, k)}
-            config = dataclasses.replace(saved, **explicit)
-        else:
-            config = TrainConfig(**given)
-        if rank == 0:
-            run.save_config("train", config)
-        with ui.TrainDisplay() as display:
-            try:
-                bleu_of = None
-                if config.eval_bleu:
-                    from nmt_cli.score import bleu_of_ids
-                    bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
-                result = trainer.train(config, run, display, bleu_of)
-            except trainer.Interrupted as e:
-                ui.say(str(e))
-                raise typer.Exit(128 + e.signum) from None
+    with run.lock("train") if rank == 0 else contextlib.nullcontext():
+        config = training.settings(run, given, explicit)
+        try:
+            result = training.train_here(run, config, rank)
+        except trainer.Interrupted as e:
+            ui.say(str(e))
+            raise typer.Exit(128 + e.signum) from None
     if rank == 0:
         ui.done(f"step {result['step']}: checkpoints in {run.checkpoints}",
                 f"nmt average --run-dir {run.root}")
-
-
-LAUNCH_OPTIONS = ("--gpus", "--procs", "--nnodes", "--node-rank", "--rdzv-endpoint",
-                  "--max-restarts")
-
-
-def _launch(run, gpus: int, procs: int, nnodes: int, node_rank: int, rdzv_endpoint: str,
-            max_restarts: int, device: str, max_tokens: int, update_freq: int) -> None:
-    """Start this node's workers, each running `nmt train` with the same options."""
-    from nmt_cli import ui
-    from nmt_cli.engine import distributed
-
-    if gpus and procs > 1:
-        raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
-    if gpus:
-        if device == "cpu":
-            raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N instead")
-        distributed.check_gpus(gpus)
-    elif device.startswith("cuda"):
-        raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
-    args = _argv[_argv.index("train") + 1:]
-    forwarded: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        if a in LAUNCH_OPTIONS:
-            skip = True
-            continue
-        if a.split("=")[0] in LAUNCH_OPTIONS:
-            continue
-        forwarded.append(a)
-    if not gpus and device == "auto":
-        forwarded += ["--device", "cpu"]
-    workers = gpus or procs
-    ui.say(f"starting {workers} worker{'s' if workers > 1 else ''} on node {node_rank} "
-           f"({'NCCL, one GPU each' if gpus else 'gloo, CPU'}); effective batch: {max_tokens} "
-           f"tokens x {workers * nnodes} ranks x {update_freq} = "
-           f"{max_tokens * workers * nnodes * update_freq:,} tokens per update")
-    # Node 0 holds the run directory's lock for the whole job; the other nodes share that
-    # directory (or it is their own copy, whose checkpoints the ranks then compare on resume).
-    with run.lock("train") if node_rank == 0 else contextlib.nullcontext():
-        os.environ["NMT_LOCK_HELD"] = "1"
-        try:
-            distributed.launch(workers, forwarded, nnodes, node_rank, rdzv_endpoint, max_restarts,
-                               ui.say)
-        finally:
-            os.environ.pop("NMT_LOCK_HELD", None)
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -555,7 +482,6 @@ def quickstart(
 
     Further options go to `nmt train` and override the recipe's, e.g. `--size tiny`.
     """
-    global _argv
     import time
 
     from nmt_cli import ui
@@ -593,8 +519,6 @@ def quickstart(
             if args[0] in prepared:
                 ui.say(f"{run.root} already has this step's output (manifest.json): kept")
                 continue
-            if args[0] == "train":
-                _argv = args  # what a worker would be given
             if args[0] == "score":
                 report = _json_of(command, args)
                 continue
@@ -678,23 +602,19 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def _error(message: str) -> None:
-    # One line, whatever the message contains. A worker under our launcher labels its line
-    # with its rank and hands the error to the launcher, which prints the job's one error line.
+    # One line, whatever the message contains. A rank that torchrun started also hands it to
+    # torchrun through its error file.
     message = ' '.join(str(message).split())
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a worker of torch's launcher (or ours)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from nmt_cli.engine.distributed import record_worker_error
         record_worker_error(message)
-    if os.environ.get("NMT_LOCK_HELD"):
-        print(f"nmt: rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
-    else:
-        print(f"nmt: error: {message}", file=sys.stderr, flush=True)
+    print(f"nmt: error: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: runs the app and turns every failure into one line on stderr and an exit code."""
-    global _debug, _argv
+    global _debug
     args = list(sys.argv[1:] if argv is None else argv)
-    _argv = args
     if "--debug" in args:  # accepted anywhere, not only before the command
         _debug = True
         args = [a for a in args if a != "--debug"]
@@ -725,11 +645,4 @@ def main(argv: Optional[list[str]] = None) -> None:
         _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback, "
                "and please report it)")
         code = 1
-    if os.environ.get("NMT_LOCK_HELD"):
-        # A worker of our launcher: its run is saved and its output flushed. Skipping the
-        # interpreter's teardown keeps a late C++ abort in torch.distributed from turning a
-        # finished job into a failed one.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     sys.exit(code)

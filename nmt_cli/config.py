@@ -170,6 +170,7 @@ class TrainConfig:
             raise NmtError("--lr-scale must be positive")
         if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):
             raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        self.model_config(vocab_size=1)  # the shape, checked before any work starts
 
     def model_config(self, vocab_size: int, max_positions: int = 1024):
         shape = dict(PRESETS[self.size])

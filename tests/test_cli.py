@@ -41,3 +41,22 @@ def test_the_suite_runs_without_a_gpu_unless_asked():
     import torch
     if os.environ.get("NMT_TEST_GPU") != "1":
         assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_train_options_are_the_config_fields_with_the_same_defaults():
+    """`nmt train`'s options and TrainConfig are written twice (declaration and dataclass):
+    they must agree, name for name and default for default."""
+    import dataclasses
+
+    import typer
+
+    from nmt_cli.cli import app
+    from nmt_cli.config import TrainConfig
+    params = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
+    launch = {"ctx", "run_dir", "gpus", "procs", "nnodes", "node_rank", "rdzv_endpoint",
+              "max_restarts"}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    hidden = {"beta1", "adam_eps"}  # the paper's values, not options
+    assert set(params) - launch == set(fields) - hidden
+    for name in set(fields) - hidden:
+        assert params[name].default == fields[name].default, name

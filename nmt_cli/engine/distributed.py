@@ -215,11 +215,11 @@ class Failure:
     restartable: bool  # a crash or a lost rank, which a resume can get past
 
 
-def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
+def launch(nprocs: int, command: list[str], nnodes: int = 1, node_rank: int = 0,
            rdzv_endpoint: str = "", max_restarts: int = 0,
            say: Callable[[str], None] = print) -> None:
-    """Run `python -m nmt_cli train ARGV` in `nprocs` workers through torch's elastic launcher
-    (what torchrun runs); returns when all finished, raises NmtError if one failed.
+    """Run `python COMMAND` in `nprocs` workers through torch's elastic launcher (what
+    torchrun runs); returns when all finished, raises NmtError if one failed.
 
     On one node a failed job is restarted up to `max_restarts` times, each time as a fresh
     launch (new rendezvous, new port) whose workers resume from the last checkpoint: the
@@ -230,7 +230,7 @@ def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
     """
     attempts = 1 + (max_restarts if nnodes == 1 else 0)
     for attempt in range(1, attempts + 1):
-        failure = _launch_once(nprocs, argv, nnodes, node_rank, rdzv_endpoint,
+        failure = _launch_once(nprocs, command, nnodes, node_rank, rdzv_endpoint,
                                max_restarts if nnodes > 1 else 0)
         if failure is None:
             return
@@ -244,7 +244,7 @@ def launch(nprocs: int, argv: list[str], nnodes: int = 1, node_rank: int = 0,
             f"(restart {attempt} of {max_restarts})")
 
 
-def _launch_once(nprocs: int, argv: list[str], nnodes: int, node_rank: int,
+def _launch_once(nprocs: int, command: list[str], nnodes: int, node_rank: int,
                  rdzv_endpoint: str, max_restarts: int) -> Failure | None:
     """One launch; what failed, or None if every worker finished."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -265,7 +265,7 @@ def _launch_once(nprocs: int, argv: list[str], nnodes: int, node_rank: int,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
         max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "nmt_cli", "train", *argv)
+        elastic_launch(config, sys.executable)("-u", *command)
         return None
     except ChildFailedError as e:
         return root_cause({rank: (f.exitcode, f.timestamp, f.message if isinstance(f.message, str)

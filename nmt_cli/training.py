@@ -1,0 +1,120 @@
+"""`nmt train` below the CLI: the settings of a run, training in this process, launching
+workers, and the worker that a launch starts.
+
+A launched worker is given its run directory, not a command line: it reads the settings the
+launcher saved there (train.json) and trains with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+
+from nmt_cli import ui
+from nmt_cli.config import TrainConfig, from_json
+from nmt_cli.engine import checkpoint, distributed, trainer
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import RunDir
+
+
+def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
+    """The run's TrainConfig: a resume keeps the saved settings, and the options set on the
+    command line (`explicit`) override them; a new run takes `given` whole."""
+    if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
+        saved = from_json(TrainConfig, run.config_path("train").read_text(),
+                          str(run.config_path("train")))
+        return dataclasses.replace(saved, **{k: given[k] for k in explicit})
+    return TrainConfig(**given)
+
+
+def train_here(run: RunDir, config: TrainConfig, rank: int) -> dict:
+    """Train in this process (alone, or as one rank that torchrun or SLURM started)."""
+    if rank == 0:
+        run.save_config("train", config)
+    with ui.TrainDisplay() as display:
+        return trainer.train(config, run, display, _bleu_of(run, config))
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    gpus: int = 0                 # one NCCL worker per GPU
+    procs: int = 1                # or this many CPU (gloo) workers
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = ""
+    max_restarts: int = 0
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.gpus) or self.procs > 1 or self.nnodes > 1
+
+    def check(self, device: str) -> None:
+        if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0:
+            raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "
+                           "must be at least 1")
+        if self.gpus and self.procs > 1:
+            raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), "
+                           "not both")
+        if self.gpus:
+            if device == "cpu":
+                raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N "
+                               "instead")
+            distributed.check_gpus(self.gpus)
+        elif device.startswith("cuda"):
+            raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
+
+
+def launch(run: RunDir, config: TrainConfig, how: Launch) -> None:
+    """Start this node's workers on `config`; returns when the job has finished."""
+    how.check(config.device)
+    if not how.gpus and config.device == "auto":
+        config = dataclasses.replace(config, device="cpu")
+    workers = how.gpus or how.procs
+    ui.say(f"starting {workers} worker{'s' if workers > 1 else ''} on node {how.node_rank} "
+           f"({'NCCL, one GPU each' if how.gpus else 'gloo, CPU'}); effective batch: "
+           f"{config.max_tokens} tokens x {workers * how.nnodes} ranks x {config.update_freq} = "
+           f"{config.max_tokens * workers * how.nnodes * config.update_freq:,} tokens per update")
+    # Node 0 holds the run directory's lock for the whole job; the other nodes share that
+    # directory (or it is their own copy, whose checkpoints the ranks then compare on resume).
+    with run.lock("train") if how.node_rank == 0 else contextlib.nullcontext():
+        run.save_config("train", config)
+        distributed.launch(workers, ["-m", "nmt_cli.training", str(run.root)], how.nnodes,
+                           how.node_rank, how.rdzv_endpoint, how.max_restarts, ui.say)
+
+
+def worker(run_dir: str) -> int:
+    """A launched worker: train on the saved settings; the exit status."""
+    run = RunDir(run_dir)
+    try:
+        config = from_json(TrainConfig, run.config_path("train").read_text(),
+                           str(run.config_path("train")))
+        with ui.TrainDisplay() as display:
+            trainer.train(config, run, display, _bleu_of(run, config))
+        return 0
+    except trainer.Interrupted as e:
+        ui.say(str(e))
+        return 128 + e.signum
+    except Exception as e:  # noqa: BLE001 - every failure becomes the job's one error line
+        message = " ".join(str(e).split()) if isinstance(e, NmtError) else \
+            f"internal error: {type(e).__name__}: {e}"
+        distributed.record_worker_error(message)
+        print(f"nmt: rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _bleu_of(run: RunDir, config: TrainConfig):
+    if not config.eval_bleu:
+        return None
+    from nmt_cli.score import bleu_of_ids
+    return bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+
+
+if __name__ == "__main__":
+    code = worker(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skipping the interpreter's teardown keeps a late C++ abort in torch.distributed from
+    # turning a finished job into a failed one.
+    os._exit(code)
