@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import random
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import BOS, EOS, PAD, UNK, ShardWriter, dtype_for
-from nmt_cli.textio import read_lines
+from nmt_cli.textio import chunks, read_lines
 
 ENCODE_CHUNK = 20_000
 
@@ -86,18 +85,13 @@ def load(run: RunDir):
     return spm.SentencePieceProcessor(model_file=str(run.spm_model))
 
 
-def _chunks(lines: Iterator[str], size: int) -> Iterator[list[str]]:
-    while chunk := list(itertools.islice(lines, size)):
-        yield chunk
-
-
 def encode_file(sp, text: Path, prefix: Path, threads: int, bar, task) -> dict:
     """Encode a text file into a shard; returns its token statistics."""
     vocab = sp.get_piece_size()
     is_byte = np.array([sp.is_byte(i) for i in range(vocab)], dtype=bool)
     unk = bytes_ = longest = 0
     with ShardWriter(prefix, vocab) as writer:
-        for chunk in _chunks(read_lines(text), ENCODE_CHUNK):
+        for chunk in chunks(read_lines(text), ENCODE_CHUNK):
             ids = sp.encode(chunk, out_type=int, num_threads=threads)
             writer.add(ids)
             flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)

@@ -6,7 +6,6 @@ From the file on, a mirror and the network take the same path: verify, then extr
 from __future__ import annotations
 
 import gzip
-import hashlib
 import http.client
 import os
 import posixpath
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from nmt_cli import __version__, ui
 from nmt_cli.errors import NmtError
+from nmt_cli.rundir import sha256_file
 
 CHUNK = 1 << 20
 
@@ -57,14 +57,9 @@ def fetch(source: Source, downloads: Path, mirror: Path | None = None,
 
 
 def sha256_of(path: Path, label: str | None = None) -> str:
-    digest = hashlib.sha256()
-    size = path.stat().st_size
-    with ui.progress("bytes") as bar, open(path, "rb") as f:
-        task = bar.add_task(label or f"verify {path.name}", total=size)
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-            bar.advance(task, len(chunk))
-    return digest.hexdigest()
+    with ui.progress("bytes") as bar:
+        task = bar.add_task(label or f"verify {path.name}", total=path.stat().st_size)
+        return sha256_file(path, lambda chunk: bar.advance(task, len(chunk)))
 
 
 def verify(path: Path, source: Source, keep_aside: bool) -> None:

@@ -8,7 +8,6 @@ learning rate, and tokens per second. matplotlib is an optional extra (`pip inst
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +16,10 @@ from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 
 
-def read_metrics(path: Path) -> dict[str, list[dict]]:
-    """The metrics file's records grouped by kind; lines cut short by a kill are skipped."""
+def by_kind(records: list[dict]) -> dict[str, list[dict]]:
     rows: dict[str, list[dict]] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-            rows.setdefault(record["kind"], []).append(record)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
+    for record in records:
+        rows.setdefault(record["kind"], []).append(record)
     return rows
 
 
@@ -66,7 +60,7 @@ def plot(run: RunDir, out: Path | None = None) -> Path:
                        "(or pip install matplotlib)") from None
     if not run.metrics.exists():
         raise NmtError(f"{run.metrics} not found: run `nmt train` first")
-    rows = read_metrics(run.metrics)
+    rows = by_kind(run.metric_records())
     train, valid = rows.get("train", []), rows.get("valid", [])
     if not train:
         raise NmtError(f"{run.metrics} has no training figures yet")

@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from nmt_cli.errors import NmtError
 from nmt_cli.fetch import Source
 from nmt_cli.normalize import normalize
 from nmt_cli.rundir import RunDir, atomic_open
-from nmt_cli.textio import Damage, read_lines
+from nmt_cli.textio import Damage, chunks, read_lines
 
 TRAIN = "train"
 
@@ -184,17 +184,6 @@ def _pairs(corpus: Corpus, paths: dict[str, Path], src: str, tgt: str,
         yield x, y
 
 
-def _chunks(pairs: Iterable[tuple[str, str]], size: int) -> Iterator[list[tuple[str, str]]]:
-    chunk: list[tuple[str, str]] = []
-    for pair in pairs:
-        chunk.append(pair)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
 def _normalized(chunks: Iterator[list], langs: tuple[str, str], workers: int) -> Iterator[list]:
     """Normalise chunks in worker processes, in order, with a bounded number in flight."""
     if workers <= 1:
@@ -243,7 +232,7 @@ def clean_split(split: str, corpora: list[Corpus], paths: list[dict[str, Path]],
 
         for corpus, corpus_paths in zip(corpora, paths):
             pairs = _pairs(corpus, corpus_paths, src, tgt, damage)
-            for raw_chunk, chunk in _normalized(_chunks(pairs, 2000), (src, tgt), workers):
+            for raw_chunk, chunk in _normalized(chunks(pairs, 2000), (src, tgt), workers):
                 stats[split].read += len(chunk)
                 bar.advance(task, len(chunk))
                 for raw, (a, b) in zip(raw_chunk, chunk):

@@ -24,20 +24,29 @@ import contextlib
 import datetime as _dt
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from nmt_cli.errors import NmtError
 
-# mkstemp creates files 0600; our outputs should get the permissions of any new file.
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+
+@functools.cache
+def _umask() -> int:
+    """The process's umask: mkstemp creates files 0600, and our outputs should get the
+    permissions of any new file. Linux says it in /proc; elsewhere reading it means setting it."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def now() -> str:
@@ -55,7 +64,7 @@ def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     binary = "b" in mode
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode, encoding=None if binary else encoding,
                        newline=None if binary else "\n") as f:
             yield f
@@ -88,17 +97,27 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def file_stats(path: Path) -> dict:
-    """Size, sha256 and (for text) line count of a file, in one streaming pass."""
+def sha256_file(path: Path, each: Callable[[bytes], None] | None = None) -> str:
+    """The sha256 of a file, read in 1 MiB pieces, each also handed to `each`."""
     digest = hashlib.sha256()
-    lines = 0
-    size = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-            lines += chunk.count(b"\n")
-            size += len(chunk)
-    return {"bytes": size, "sha256": digest.hexdigest(), "lines": lines}
+            if each is not None:
+                each(chunk)
+    return digest.hexdigest()
+
+
+def file_stats(path: Path) -> dict:
+    """Size, sha256 and (for text) line count of a file, in one streaming pass."""
+    counts = {"bytes": 0, "lines": 0}
+
+    def count(chunk: bytes) -> None:
+        counts["bytes"] += len(chunk)
+        counts["lines"] += chunk.count(b"\n")
+
+    digest = sha256_file(path, count)
+    return {"bytes": counts["bytes"], "sha256": digest, "lines": counts["lines"]}
 
 
 class RunDir:
@@ -193,6 +212,20 @@ class RunDir:
             raise NmtError(f"{self.root} has no prepared data: run `nmt prep` first "
                            f"(with --run-dir {self.root})")
         return list(entry["splits"])
+
+    def metric_records(self) -> list[dict]:
+        """The records of metrics.jsonl, oldest first; a line cut short by a kill is left out."""
+        if not self.metrics.exists():
+            return []
+        records = []
+        for line in self.metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "kind" in record and "step" in record:
+                records.append(record)
+        return records
 
     def load_manifest(self) -> dict:
         if not self.manifest_path.exists():

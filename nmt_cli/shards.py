@@ -134,20 +134,24 @@ def padding_share(batches: list[np.ndarray], src_lengths: np.ndarray,
     return 1 - real / padded if padded else 0.0
 
 
-def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
-    xs = [src[int(i)] for i in indices]
-    ys = [tgt[int(i)] for i in indices]
-    s_len = max(len(x) for x in xs) + 1
-    t_len = max(len(y) for y in ys) + 1
-    source = np.full((len(xs), s_len), PAD, dtype=np.int64)
-    tgt_in = np.full((len(ys), t_len), PAD, dtype=np.int64)
-    tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
-    for row, (x, y) in enumerate(zip(xs, ys)):
+def pad_sources(sentences: Sequence[Sequence[int]]) -> np.ndarray:
+    """(B, S): each sentence's ids and its EOS, then PAD."""
+    source = np.full((len(sentences), max(len(x) for x in sentences) + 1), PAD, dtype=np.int64)
+    for row, x in enumerate(sentences):
         source[row, :len(x)] = x
         source[row, len(x)] = EOS
+    return source
+
+
+def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
+    ys = [tgt[int(i)] for i in indices]
+    t_len = max(len(y) for y in ys) + 1
+    tgt_in = np.full((len(ys), t_len), PAD, dtype=np.int64)
+    tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
+    for row, y in enumerate(ys):
         tgt_in[row, 0] = BOS
         tgt_in[row, 1:len(y) + 1] = y
         tgt_out[row, :len(y)] = y
         tgt_out[row, len(y)] = EOS
-    return source, tgt_in, tgt_out
+    return pad_sources([src[int(i)] for i in indices]), tgt_in, tgt_out

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from nmt_cli.errors import NmtError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,3 +54,10 @@ def read_lines(path: Path, damage: Damage | None = None) -> Iterator[str]:
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise NmtError(f"{path} is truncated or corrupt after line {lineno} ({e}); "
                        "fetch it again") from None
+
+
+def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """`items` in lists of `size` (the last one shorter), read lazily."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk

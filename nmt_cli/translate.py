@@ -8,13 +8,11 @@ line gives exactly one output line (nbest > 1: `nbest` lines of line-number, sco
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-import numpy as np
 import torch
 
 from nmt_cli import bpe
@@ -26,8 +24,8 @@ from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
 from nmt_cli.normalize import normalize
 from nmt_cli.rundir import RunDir
-from nmt_cli.shards import EOS, PAD
-from nmt_cli.textio import Damage, decode_line
+from nmt_cli.shards import pad_sources
+from nmt_cli.textio import Damage, chunks, decode_line
 
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
@@ -131,11 +129,7 @@ class Translator:
                                             for _ in lines]
         c = self.config
         for batch in self.batches(ids):
-            width = max(len(ids[i]) for i in batch) + 1
-            src = np.full((len(batch), width), PAD, dtype=np.int64)
-            for row, i in enumerate(batch):
-                src[row, :len(ids[i])] = ids[i]
-                src[row, len(ids[i])] = EOS
+            src = pad_sources([ids[i] for i in batch])
             hyps = beam.translate(self.model, torch.from_numpy(src).to(self.device), beam=c.beam,
                                   alpha=c.alpha, max_len_a=c.max_len_a, max_len_b=c.max_len_b,
                                   nbest=c.nbest)
@@ -155,8 +149,7 @@ class Translator:
 
     def stream(self, source: BinaryIO, sink: TextIO, advance: Callable[[int], None]) -> Counts:
         """Translate `source` line by line into `sink`, chunk by chunk, in input order."""
-        raw_lines = iter(source)
-        while chunk := list(itertools.islice(raw_lines, self.config.chunk)):
+        for chunk in chunks(source, self.config.chunk):
             lines = [decode_line(raw, self.counts.lines + i + 1, self.counts.damage)
                      for i, raw in enumerate(chunk)]
             for text in self.translate(lines):

@@ -14,7 +14,7 @@ from conftest import TINY, one_error_line
 from nmt_cli.engine import checkpoint, trainer
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.schedule import learning_rate
-from nmt_cli.rundir import RunDir
+from nmt_cli.rundir import RunDir, sha256_file
 from nmt_cli.shards import Shard, make_batches, padding_share
 
 
@@ -228,7 +228,7 @@ def test_pickle_payload_is_never_executed(tmp_path):
 
     path = tmp_path / "checkpoint_00000001.pt"
     torch.save({"model": Evil()}, path)
-    meta = {"step": 1, "sha256": checkpoint._sha256(path)}
+    meta = {"step": 1, "sha256": sha256_file(path)}
     path.with_suffix(".json").write_text(json.dumps(meta))
     from nmt_cli.errors import NmtError
     with pytest.raises(NmtError, match="refusing to load"):

@@ -10,7 +10,6 @@ warning in favour of the one before it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pickle
@@ -22,17 +21,9 @@ from typing import Any
 import torch
 
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json, now
+from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json, now, sha256_file
 
 NAME = re.compile(r"checkpoint_(\d{8})\.json$")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_tensors(path: Path, tensors: dict[str, Any], meta: dict) -> None:
@@ -40,7 +31,7 @@ def save_tensors(path: Path, tensors: dict[str, Any], meta: dict) -> None:
     with atomic_open(path, "wb") as f:
         torch.save(tensors, f)
     atomic_write_json(path.with_suffix(".json"),
-                      {**meta, "file": path.name, "sha256": _sha256(path),
+                      {**meta, "file": path.name, "sha256": sha256_file(path),
                        "bytes": path.stat().st_size})
 
 
@@ -53,7 +44,7 @@ def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]
         meta = json.loads(record_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise NmtError(f"{record_path} is not valid JSON ({e})") from None
-    if verify and _sha256(path) != meta.get("sha256"):
+    if verify and sha256_file(path) != meta.get("sha256"):
         raise NmtError(f"{path} does not match the sha256 in {record_path.name}: it is corrupt "
                        "or half-written")
     try:

@@ -263,14 +263,8 @@ class Trainer:
         """Drop figures logged after the checkpoint we resume from: those steps are redone."""
         if not self.run.metrics.exists():
             return
-        kept = []
-        for line in self.run.metrics.read_text(encoding="utf-8").splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by a kill
-        atomic_write_text(self.run.metrics, "".join(f"{line}\n" for line in kept))
+        kept = [r for r in self.run.metric_records() if r["step"] <= step]
+        atomic_write_text(self.run.metrics, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
         if not self.dist.is_main:
