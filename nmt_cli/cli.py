@@ -286,7 +286,7 @@ def translate(
     threads: ThreadsOption = 0,
 ) -> None:
     """Translate stdin to stdout, one line per line, with cached beam search."""
-    from nmt_cli import ui
+    from nmt_cli import scoring, ui
     from nmt_cli.config import TranslateConfig
     from nmt_cli.rundir import RunDir
     from nmt_cli.translate import Translator
@@ -301,17 +301,7 @@ def translate(
         task = bar.add_task("translate", total=None)
         counts = translator.stream(sys.stdin.buffer, sys.stdout,
                                    lambda n: bar.advance(task, n))
-    _report_counts(counts, translator.max_src)
-
-
-def _report_counts(counts, max_src: int) -> None:
-    from nmt_cli import ui
-    if counts.truncated:
-        ui.warn(f"{counts.truncated} lines were longer than {max_src} tokens and were "
-                "truncated before translating")
-    if counts.damage.not_utf8:
-        ui.warn(f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
-                f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD")
+    scoring.report_counts(counts, translator.max_src)
 
 
 @app.command()
@@ -346,58 +336,40 @@ def score(
     """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
     import json
 
-    from nmt_cli import score as score_mod
+    from nmt_cli import scoring
+    from nmt_cli.config import TranslateConfig
     from nmt_cli.rundir import RunDir, atomic_write_json
     from nmt_cli.textio import read_lines
 
-    names = [m.strip().lower() for m in metrics.split(",") if m.strip()]
-    for m in names:
-        if m not in score_mod.METRICS:
-            raise NmtError(f"unknown metric {m!r} in --metrics: choose from "
-                           f"{', '.join(score_mod.METRICS)}")
+    metric_names = scoring.parse_metrics(metrics)
     run = RunDir(run_dir)
-    saved_to = None
     if ref is None:
         if hyp is not None:
             raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
-        from nmt_cli.config import TranslateConfig
         config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
                                  alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                                  device=device, precision=precision, int8=int8, threads=threads)
-        hyp_path, ref_path = _translate_split(run, split, config)
+        hyp_path, ref_path = scoring.translate_split(run, split, config)
         hyps, refs = list(read_lines(hyp_path)), list(read_lines(ref_path))
-        hyp_name, ref_name = str(hyp_path), str(ref_path)
-        saved_to = run.scores(split)
+        names = (str(hyp_path), str(ref_path))
     else:
         refs = list(read_lines(ref))
         hyps = list(read_lines(hyp)) if hyp is not None else _stdin_lines()
-        hyp_name, ref_name = str(hyp) if hyp else "stdin", str(ref)
-    score_mod.check_lengths(hyps, refs, hyp_name, ref_name)
-    other = None
-    if compare is not None:
-        other = list(read_lines(compare))
-        score_mod.check_lengths(other, refs, str(compare), ref_name)
-    if moses_lc:
-        target = lang
-        if target is None:  # the run's target language, if there is a run
-            prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
-            target = prepped.get("tgt", "en")
-        hyps, refs = score_mod.moses_lc(hyps, target), score_mod.moses_lc(refs, target)
-        other = score_mod.moses_lc(other, target) if other is not None else None
-        tokenize = "none"
-    results = score_mod.score(hyps, refs, names, tokenize=tokenize, lowercase=lowercase)
-    report = {"hyp": hyp_name, "ref": ref_name, "lines": len(hyps), "moses_lc": moses_lc,
-              "scores": [r.as_dict() for r in results]}
-    if other is not None:
-        report["compare"] = {"baseline": str(compare),
-                             **score_mod.compare(hyps, other, refs, names, tokenize, lowercase)}
-    if saved_to is not None:
-        atomic_write_json(saved_to, report)
+        names = (str(hyp) if hyp else "stdin", str(ref))
+    if moses_lc and lang is None:  # the run's target language, if there is a run
+        prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
+        lang = prepped.get("tgt", "en")
+    report = scoring.report(
+        hyps, refs, names, metric_names, tokenize=tokenize,
+        lowercase=lowercase, moses_lc_lang=lang if moses_lc else None,
+        baseline=(str(compare), list(read_lines(compare))) if compare is not None else None)
+    if ref is None:
+        atomic_write_json(run.scores(split), report)
     if json_out:
         print(json.dumps(report, indent=2))
         return
-    for r in results:
-        print(f"{r.text}\t{r.signature}")
+    for r in report["scores"]:
+        print(f"{r['text']}\t{r['signature']}")
     for m, c in report.get("compare", {}).items():
         if m != "baseline":
             print(f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
@@ -408,41 +380,6 @@ def _stdin_lines() -> list[str]:
     from nmt_cli.textio import Damage, decode_line
     damage = Damage()
     return [decode_line(raw, i, damage) for i, raw in enumerate(sys.stdin.buffer, 1)]
-
-
-def _translate_split(run, split: str, config) -> tuple[Path, Path]:
-    """Translate the run's split unless a translation by the same model and settings exists."""
-    import dataclasses
-    import json
-
-    from nmt_cli import ui
-    from nmt_cli.rundir import atomic_open, atomic_write_json
-    from nmt_cli.translate import Translator, model_path
-
-    manifest = run.load_manifest().get("prep")
-    if not manifest:
-        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
-    if split not in manifest["splits"]:
-        raise NmtError(f"split {split!r} is not in {run.root} (it has "
-                       f"{', '.join(manifest['splits'])})")
-    src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
-    ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
-    out = run.translation(split, manifest["tgt"])
-    model = model_path(run, config.checkpoint)
-    record = model.with_suffix(".json")
-    key = {"model": str(model), "model_sha256": json.loads(record.read_text()).get("sha256")
-           if record.exists() else None, "settings": dataclasses.asdict(config)}
-    key_path = out.with_suffix(out.suffix + ".json")
-    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
-        ui.say(f"reusing {out} (same model and settings)")
-        return out, ref_path
-    translator = Translator(run, config)
-    with ui.progress() as bar, open(src_path, "rb") as source, atomic_open(out) as sink:
-        task = bar.add_task(f"translate {split}", total=manifest["splits"][split]["kept"])
-        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
-    atomic_write_json(key_path, key)
-    _report_counts(counts, translator.max_src)
-    return out, ref_path
 
 
 @app.command()

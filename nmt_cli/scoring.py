@@ -1,0 +1,86 @@
+"""`nmt score` below the CLI: translating a run's split once per model and settings, and the
+report of scores (sacreBLEU, optionally as the Multi30k literature computes them, with a paired
+bootstrap against another system)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from nmt_cli import score, ui
+from nmt_cli.config import TranslateConfig
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json
+from nmt_cli.translate import Counts, Translator, model_path
+
+
+def parse_metrics(text: str) -> list[str]:
+    names = [m.strip().lower() for m in text.split(",") if m.strip()]
+    for m in names:
+        if m not in score.METRICS:
+            raise NmtError(f"unknown metric {m!r} in --metrics: choose from "
+                           f"{', '.join(score.METRICS)}")
+    return names
+
+
+def report(hyps: list[str], refs: list[str], names: tuple[str, str], metrics: list[str], *,
+           tokenize: str = "13a", lowercase: bool = False, moses_lc_lang: str | None = None,
+           baseline: tuple[str, list[str]] | None = None) -> dict:
+    """The scores of `hyps` (and the comparison with a baseline's lines) as `nmt score` reports
+    them. `names` are the hypotheses' and references' sources; `moses_lc_lang` lowercases and
+    Moses-tokenizes both sides in that language first (and BLEU then tokenizes nothing)."""
+    score.check_lengths(hyps, refs, *names)
+    other = None
+    if baseline is not None:
+        other = baseline[1]
+        score.check_lengths(other, refs, baseline[0], names[1])
+    if moses_lc_lang is not None:
+        hyps, refs = score.moses_lc(hyps, moses_lc_lang), score.moses_lc(refs, moses_lc_lang)
+        other = score.moses_lc(other, moses_lc_lang) if other is not None else None
+        tokenize = "none"
+    results = score.score(hyps, refs, metrics, tokenize=tokenize, lowercase=lowercase)
+    out = {"hyp": names[0], "ref": names[1], "lines": len(hyps),
+           "moses_lc": moses_lc_lang is not None, "scores": [r.as_dict() for r in results]}
+    if other is not None:
+        out["compare"] = {"baseline": baseline[0],
+                          **score.compare(hyps, other, refs, metrics, tokenize, lowercase)}
+    return out
+
+
+def translate_split(run: RunDir, split: str, config: TranslateConfig) -> tuple[Path, Path]:
+    """Translate the run's split unless a translation by the same model and settings exists."""
+    manifest = run.load_manifest().get("prep")
+    if not manifest:
+        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
+    if split not in manifest["splits"]:
+        raise NmtError(f"split {split!r} is not in {run.root} (it has "
+                       f"{', '.join(manifest['splits'])})")
+    src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
+    ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
+    out = run.translation(split, manifest["tgt"])
+    model = model_path(run, config.checkpoint)
+    record = model.with_suffix(".json")
+    key = {"model": str(model), "model_sha256": json.loads(record.read_text()).get("sha256")
+           if record.exists() else None, "settings": dataclasses.asdict(config)}
+    key_path = out.with_suffix(out.suffix + ".json")
+    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+        ui.say(f"reusing {out} (same model and settings)")
+        return out, ref_path
+    translator = Translator(run, config)
+    with ui.progress() as bar, open(src_path, "rb") as source, atomic_open(out) as sink:
+        task = bar.add_task(f"translate {split}", total=manifest["splits"][split]["kept"])
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+    atomic_write_json(key_path, key)
+    report_counts(counts, translator.max_src)
+    return out, ref_path
+
+
+def report_counts(counts: Counts, max_src: int) -> None:
+    """Warn about the lines a translation had to change."""
+    if counts.truncated:
+        ui.warn(f"{counts.truncated} lines were longer than {max_src} tokens and were "
+                "truncated before translating")
+    if counts.damage.not_utf8:
+        ui.warn(f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
+                f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD")
