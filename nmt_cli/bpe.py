@@ -131,3 +131,12 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
     run.record("bpe", produced, vocab_size=vocab_size,
                dtype=dtype_for(vocab_size).name, stats=stats)
     return {"vocab_size": vocab_size, "stats": stats}
+
+
+def show(result: dict) -> None:
+    """The table of what `run_bpe` encoded."""
+    ui.table(f"nmt bpe: {result['vocab_size']} pieces",
+             ["file", "sentences", "tokens", "mean length", "max", "unknown", "byte fallback"],
+             [[name, f"{s['sentences']:,}", f"{s['tokens']:,}", f"{s['mean_length']:.1f}",
+               str(s["max_length"]), f"{s['unk_rate']:.3%}", f"{s['byte_fallback_rate']:.3%}"]
+              for name, s in result["stats"].items()])

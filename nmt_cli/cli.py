@@ -107,10 +107,7 @@ def prep(
     with run.lock("prep"):
         run.save_config("prep", config)
         summary = prep_mod.prepare(config, run, workers=workers)
-    _table("nmt prep", ["split", "read", "kept", "dropped", "not UTF-8"],
-           [[s, f"{v['read']:,}", f"{v['kept']:,}",
-             ", ".join(f"{n:,} {r}" for r, n in v["dropped"].items()) or "-", f"{v['not_utf8']:,}"]
-            for s, v in summary.items()])
+    prep_mod.show(summary)
     _done(f"cleaned text in {run.root / 'text'}", f"nmt bpe --run-dir {run.root}")
 
 
@@ -138,11 +135,7 @@ def bpe(
     with run.lock("bpe"):
         run.save_config("bpe", config)
         result = bpe_mod.run_bpe(config, run)
-    _table(f"nmt bpe: {result['vocab_size']} pieces",
-           ["file", "sentences", "tokens", "mean length", "max", "unknown", "byte fallback"],
-           [[name, f"{s['sentences']:,}", f"{s['tokens']:,}", f"{s['mean_length']:.1f}",
-             str(s["max_length"]), f"{s['unk_rate']:.3%}", f"{s['byte_fallback_rate']:.3%}"]
-            for name, s in result["stats"].items()])
+    bpe_mod.show(result)
     _done(f"binarized data in {run.root / 'data'}", f"nmt train --run-dir {run.root}")
 
 
@@ -390,20 +383,13 @@ def plot(
 ) -> None:
     """Draw the run's training curves (loss, validation BLEU, lr, tokens/s) into a PNG."""
     from nmt_cli import plot as plot_mod
+    from nmt_cli import ui
     from nmt_cli.rundir import RunDir
-
     path = plot_mod.plot(RunDir(run_dir), out)
-    _say(f"curves drawn into {path}")
+    ui.say(f"curves drawn into {path}")
 
 
 # The quickstart's model: the CPU recipe measured in docs/benchmarks.md (Multi30k quality).
-QUICKSTART_BPE = ["--vocab-size", "8000"]
-# Small batches: on Multi30k in a fixed CPU time, more updates beat bigger ones.
-QUICKSTART_TRAIN = ["--size", "small", "--max-tokens", "1024", "--warmup", "1000", "--eval-bleu",
-                    "--eval-every", "500", "--save-every", "250", "--keep-last", "10"]
-QUICKSTART_AVERAGE = 5
-
-
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def quickstart(
     ctx: typer.Context,
@@ -419,123 +405,36 @@ def quickstart(
 
     Further options go to `nmt train` and override the recipe's, e.g. `--size tiny`.
     """
-    import time
-
-    from nmt_cli import ui
+    from nmt_cli import quickstart as quickstart_mod
+    from nmt_cli.engine import trainer
     from nmt_cli.rundir import RunDir
 
-    # Prep, BPE, decoding the test set and scoring take about 30 s on 2 CPU cores; the rest trains.
-    reserve = 1.0
-    if minutes < reserve + 1:
-        raise NmtError(f"--minutes {minutes:g} is too short: give at least {reserve + 1:g} "
-                       "(15 shows a readable model)")
-    run = RunDir(run_dir)
-    command = typer.main.get_command(app)
-    common = ["--run-dir", str(run.root)]
     # Options meant for `nmt train` are checked now, not after prep and bpe have run.
-    command.get_command(ctx, "train").make_context("nmt train", [*common, *ctx.args])
-    threads_opt = ["--threads", str(threads)] if threads else []
-    steps = [
-        ("prep Multi30k", ["prep", "multi30k-en-de", *common]
-         + (["--mirror", str(mirror)] if mirror else [])),
-        ("learn BPE and binarize", ["bpe", *common, *QUICKSTART_BPE]),
-        (f"train for {minutes - reserve:g} minutes",
-         ["train", *common, *QUICKSTART_TRAIN, "--max-steps", "0",
-          "--max-time", f"{minutes - reserve:g}", *threads_opt, *ctx.args]),
-        ("average checkpoints", ["average", *common, "--last", str(QUICKSTART_AVERAGE)]),
-        ("translate and score test2016", ["score", *common, "--json", "--metrics", "bleu,chrf",
-                                          *threads_opt]),
-    ]
-    prepared = _prepared_for_quickstart(run)
-    started = time.monotonic()
-    report = None
-    with ui.without_next_steps():  # this pipeline runs them itself
-        for i, (title, args) in enumerate(steps, 1):
-            ui.console.rule(f"[bold]{i}/{len(steps) + 1}: {title}")
-            # A rerun must not re-learn the BPE its checkpoints were trained on.
-            if args[0] in prepared:
-                ui.say(f"{run.root} already has this step's output (manifest.json): kept")
-                continue
-            if args[0] == "score":
-                report = _json_of(command, args)
-                continue
-            code = command.main(args=args, prog_name="nmt", standalone_mode=False)
-            if code:  # e.g. training interrupted (its checkpoint is saved): stop here, rerun resumes
-                raise typer.Exit(code)
-    ui.console.rule(f"[bold]{len(steps) + 1}/{len(steps) + 1}: plot")
-    from nmt_cli import plot as plot_mod
+    train_ctx = typer.main.get_command(app).get_command(ctx, "train").make_context(
+        "nmt train", list(ctx.args))
+    import dataclasses
+
+    from nmt_cli.config import TrainConfig
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    overrides = {name: value for name, value in train_ctx.params.items()
+                 if _given(train_ctx, name)}
+    for name in set(overrides) - fields:
+        raise NmtError(f"--{name.replace('_', '-')} is not for `nmt quickstart`, which trains "
+                       "in this process: run the steps one by one to use it")
     try:
-        picture = str(plot_mod.plot(run))
-    except NmtError as e:
-        picture = f"not drawn: {e}"
-    lc = _json_of(command, ["score", "--hyp", report["hyp"], "--ref", report["ref"],
-                            "--moses-lc", "--lang", "de", "--metrics", "bleu", "--json"])["scores"][0]
-    named = [("BLEU" if s["metric"] == "bleu" else "chrF", s["score"], s["signature"])
-             for s in report["scores"]]
-    named.append(("BLEU, lowercased + Moses-tokenized", lc["score"], lc["signature"]))
-    _table(f"nmt quickstart: Multi30k test2016 en-de, {(time.monotonic() - started) / 60:.1f} "
-           "minutes", ["score", "test2016"], [[name, f"{value:.2f}"] for name, value, _ in named])
-    for name, _, signature in named:
-        _say(f"{name}: {signature}")
-    # Paths as plain lines, not table cells: a narrow terminal must not fold them.
-    for what, where in [("run directory", str(run.root)), ("model (averaged)", str(run.averaged)),
-                        ("test translations", report["hyp"]), ("scores", str(run.scores("test"))),
-                        ("training figures", str(run.metrics)), ("curves", picture)]:
-        _say(f"{what}: {where}")
-    _say(f"translate your own text: echo 'A man is riding a bike.' | nmt translate --run-dir "
-         f"{run.root}")
-
-
-def _json_of(command, args: list[str]) -> dict:
-    """Run an `nmt ... --json` command in this process; what it printed, parsed."""
-    import contextlib
-    import io
-    import json
-    captured = io.StringIO()
-    with contextlib.redirect_stdout(captured):
-        code = command.main(args=args, prog_name="nmt", standalone_mode=False)
-    if code:
-        raise typer.Exit(code)
-    return json.loads(captured.getvalue())
-
-
-def _prepared_for_quickstart(run) -> set[str]:
-    """The data steps a quickstart run directory already has: none, prep, or prep and bpe."""
-    import json
-    if not run.manifest_path.exists():
-        return set()
-    manifest = run.load_manifest()
-    prep_config = run.config_path("prep")
-    recipe = json.loads(prep_config.read_text()).get("recipe") if prep_config.exists() else None
-    if "prep" in manifest and (recipe != "multi30k-en-de" or manifest["prep"].get("src") != "en"):
-        raise NmtError(f"{run.root} holds another corpus or direction ({recipe}): give "
-                       "`nmt quickstart` a new --run-dir")
-    done = {step for step in ("prep", "bpe") if step in manifest}
-    return done if "prep" in done else set()
+        quickstart_mod.run(RunDir(run_dir), minutes, str(mirror) if mirror else None, threads,
+                           overrides)
+    except trainer.Interrupted as e:  # its checkpoint is saved: a rerun resumes
+        from nmt_cli import ui
+        ui.say(str(e))
+        raise typer.Exit(128 + e.signum) from None
 
 
 # -- output helpers -----------------------------------------------------------------------------
 
-def _say(message: str) -> None:
-    from nmt_cli import ui
-    ui.say(message)
-
-
 def _done(message: str, next_command: str) -> None:
     from nmt_cli import ui
     ui.done(message, next_command)
-
-
-def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    from rich.table import Table
-
-    from nmt_cli import ui
-    table = Table(title=title, title_justify="left")
-    for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    ui.console.print(table)
 
 
 def _error(message: str) -> None:

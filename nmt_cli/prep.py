@@ -336,3 +336,11 @@ def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict
                    "not_utf8": st.not_utf8} for s, st in all_stats.items()}
     run.record("prep", produced, splits=summary, src=config.src, tgt=config.tgt)
     return summary
+
+
+def show(summary: dict) -> None:
+    """The table of what `prepare` kept and dropped."""
+    ui.table("nmt prep", ["split", "read", "kept", "dropped", "not UTF-8"],
+             [[s, f"{v['read']:,}", f"{v['kept']:,}",
+               ", ".join(f"{n:,} {r}" for r, n in v["dropped"].items()) or "-",
+               f"{v['not_utf8']:,}"] for s, v in summary.items()])

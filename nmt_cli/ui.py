@@ -26,23 +26,19 @@ def say(message: str) -> None:
     console.print(message, markup=False)
 
 
-_suggest_next = True
-
-
 def done(message: str, next_command: str) -> None:
     """What a step made, and the command a user would run next."""
-    say(f"{message}; next: {next_command}" if _suggest_next else message)
+    say(f"{message}; next: {next_command}")
 
 
-@contextmanager
-def without_next_steps() -> Iterator[None]:
-    """For a pipeline (`nmt quickstart`) that runs each next step itself."""
-    global _suggest_next
-    _suggest_next = False
-    try:
-        yield
-    finally:
-        _suggest_next = True
+def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    from rich.table import Table
+    t = Table(title=title, title_justify="left")
+    for i, h in enumerate(header):
+        t.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
 
 
 def warn(message: str) -> None:

@@ -1,0 +1,117 @@
+"""`nmt quickstart`: Multi30k English-German end to end, in one call of each step's function:
+prep, BPE, training on the CPU recipe, averaging, translating and scoring test2016, the plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from nmt_cli import bpe, plot, prep, scoring, training, ui
+from nmt_cli.config import BpeConfig, PrepConfig, TrainConfig, TranslateConfig
+from nmt_cli.engine import checkpoint
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import RunDir, atomic_write_json
+from nmt_cli.textio import read_lines
+
+# The CPU recipe measured in docs/benchmarks.md (Multi30k quality). Small batches: on Multi30k
+# in a fixed CPU time, more updates beat bigger ones.
+VOCAB_SIZE = 8000
+TRAIN = dict(size="small", max_tokens=1024, warmup=1000, eval_bleu=True, eval_every=500,
+             save_every=250, keep_last=10)
+AVERAGE = 5
+# Prep, BPE, decoding the test set and scoring take about 30 s on 2 CPU cores; the rest trains.
+RESERVE_MINUTES = 1.0
+STEPS = 6
+
+
+def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int,
+        train_options: dict) -> None:
+    """The whole pipeline in `run_dir`; `train_options` (TrainConfig fields) override the
+    recipe's. A rerun keeps the data steps already done and resumes training."""
+    if minutes < RESERVE_MINUTES + 1:
+        raise NmtError(f"--minutes {minutes:g} is too short: give at least "
+                       f"{RESERVE_MINUTES + 1:g} (15 shows a readable model)")
+    started = time.monotonic()
+    done = _data_steps_done(run_dir)
+    _step(1, "prep Multi30k")
+    if "prep" in done:
+        ui.say(f"{run_dir.root} already has this step's output (manifest.json): kept")
+    else:
+        config = PrepConfig(recipe="multi30k-en-de", mirror=mirror)
+        prep.check_inputs(config)
+        with run_dir.lock("prep"):
+            run_dir.save_config("prep", config)
+            prep.show(prep.prepare(config, run_dir))
+    _step(2, "learn BPE and binarize")
+    # A rerun must not re-learn the BPE its checkpoints were trained on.
+    if "bpe" in done:
+        ui.say(f"{run_dir.root} already has this step's output (manifest.json): kept")
+    else:
+        config = BpeConfig(vocab_size=VOCAB_SIZE)
+        with run_dir.lock("bpe"):
+            run_dir.save_config("bpe", config)
+            bpe.show(bpe.run_bpe(config, run_dir))
+    _step(3, f"train for {minutes - RESERVE_MINUTES:g} minutes")
+    _train(run_dir, minutes - RESERVE_MINUTES, threads, train_options)
+    _step(4, "average checkpoints")
+    with run_dir.lock("average"):
+        checkpoint.average_run(run_dir, AVERAGE, ui.say)
+    _step(5, "translate and score test2016")
+    hyp, ref = scoring.translate_split(run_dir, "test", TranslateConfig(threads=threads))
+    hyps, refs = list(read_lines(hyp)), list(read_lines(ref))
+    report = scoring.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"])
+    atomic_write_json(run_dir.scores("test"), report)
+    _step(6, "plot")
+    try:
+        picture = str(plot.plot(run_dir))
+    except NmtError as e:
+        picture = f"not drawn: {e}"
+    lc = scoring.report(hyps, refs, (str(hyp), str(ref)), ["bleu"], moses_lc_lang="de")
+    _summary(run_dir, report, lc["scores"][0], picture, time.monotonic() - started)
+
+
+def _train(run_dir: RunDir, minutes: float, threads: int, options: dict) -> None:
+    recipe = {**TRAIN, "max_steps": 0, "max_time": minutes, **({"threads": threads} if threads
+                                                                 else {})}
+    given = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **recipe, **options}
+    with run_dir.lock("train"):
+        config = training.settings(run_dir, given, set(recipe) | set(options))
+        training.train_here(run_dir, config, rank=0)
+
+
+def _data_steps_done(run_dir: RunDir) -> set[str]:
+    """The data steps a quickstart run directory already has: none, prep, or prep and bpe."""
+    if not run_dir.manifest_path.exists():
+        return set()
+    manifest = run_dir.load_manifest()
+    prep_config = run_dir.config_path("prep")
+    recipe = json.loads(prep_config.read_text()).get("recipe") if prep_config.exists() else None
+    if "prep" in manifest and (recipe != "multi30k-en-de" or manifest["prep"].get("src") != "en"):
+        raise NmtError(f"{run_dir.root} holds another corpus or direction ({recipe}): give "
+                       "`nmt quickstart` a new --run-dir")
+    done = {step for step in ("prep", "bpe") if step in manifest}
+    return done if "prep" in done else set()
+
+
+def _step(i: int, title: str) -> None:
+    ui.console.rule(f"[bold]{i}/{STEPS}: {title}")
+
+
+def _summary(run_dir: RunDir, report: dict, lc: dict, picture: str, seconds: float) -> None:
+    named = [("BLEU" if s["metric"] == "bleu" else "chrF", s["score"], s["signature"])
+             for s in report["scores"]]
+    named.append(("BLEU, lowercased + Moses-tokenized", lc["score"], lc["signature"]))
+    ui.table(f"nmt quickstart: Multi30k test2016 en-de, {seconds / 60:.1f} minutes",
+             ["score", "test2016"], [[name, f"{value:.2f}"] for name, value, _ in named])
+    for name, _, signature in named:
+        ui.say(f"{name}: {signature}")
+    # Paths as plain lines, not table cells: a narrow terminal must not fold them.
+    for what, where in [("run directory", str(run_dir.root)),
+                        ("model (averaged)", str(run_dir.averaged)),
+                        ("test translations", report["hyp"]),
+                        ("scores", str(run_dir.scores("test"))),
+                        ("training figures", str(run_dir.metrics)), ("curves", picture)]:
+        ui.say(f"{what}: {where}")
+    ui.say(f"translate your own text: echo 'A man is riding a bike.' | nmt translate --run-dir "
+           f"{run_dir.root}")
