@@ -38,7 +38,7 @@ from nmt_cli.config import ModelConfig  # noqa: E402
 from nmt_cli.engine import distributed  # noqa: E402
 from nmt_cli.engine.data import Batch, to_device  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
-from nmt_cli.engine.trainer import train_step  # noqa: E402
+from nmt_cli.engine.step import train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY, one_error_line
 
-from nmt_cli.engine import checkpoint, trainer
+from nmt_cli.engine import checkpoint, step, trainer
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.rundir import RunDir, sha256_file
@@ -158,7 +158,7 @@ def test_max_time_counts_the_time_trained_before_a_resume(run_copy, nmt):
 
 def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
     calls = {"n": 0}
-    real = trainer.label_smoothed_loss
+    real = step.label_smoothed_loss
 
     def flaky(logits, target, eps):
         calls["n"] += 1
@@ -167,14 +167,14 @@ def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
             return loss * float("nan"), nll
         return loss, nll
 
-    monkeypatch.setattr(trainer, "label_smoothed_loss", flaky)
+    monkeypatch.setattr(step, "label_smoothed_loss", flaky)
     result = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "8", "--eval-every", "100")
     assert result.code == 0, result.err
     assert "non-finite" in result.err
     meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json").read_text())
     assert meta["state"]["skipped"] == 2 and meta["step"] == 8
 
-    monkeypatch.setattr(trainer, "label_smoothed_loss",
+    monkeypatch.setattr(step, "label_smoothed_loss",
                         lambda logits, target, eps: (real(logits, target, eps)[0] * float("nan"),) * 2)
     line = one_error_line(nmt("train", "--run-dir", run_copy, "--max-steps", "40",
                               "--max-bad-steps", "3"))

@@ -8,7 +8,6 @@ moment and restarted ends with the same weights as one that never stopped (CPU, 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
@@ -26,70 +25,12 @@ from nmt_cli.config import ModelConfig, TrainConfig
 from nmt_cli.engine import beam, checkpoint, distributed
 from nmt_cli.engine.data import Batch, Split, on_device, to_device, training_share
 from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
-from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
+from nmt_cli.engine.step import STEP_FIGURES, batch_loss, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
 from nmt_cli.shards import collate, padding_share
-
-
-def batch_loss(model: Transformer, forward: torch.nn.Module, batch: Batch,
-               label_smoothing: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed smoothed loss and summed NLL of one batch's target tokens."""
-    with autocast():
-        hidden = forward(batch.src, batch.tgt_in)
-        # Padding never reaches the output layer; its positions were found on the host.
-        logits = model.logits(hidden.flatten(0, 1).index_select(0, batch.positions))
-    return label_smoothed_loss(logits, batch.targets, label_smoothing)
-
-
-# What train_step returns about an update, one number each, in this order.
-STEP_FIGURES = ("loss_sum", "nll_sum", "tokens", "grad_norm", "skipped")
-
-
-def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               scaler: torch.amp.GradScaler, batches: list[Batch], *, label_smoothing: float,
-               clip_norm: float, lr: float, autocast, group: distributed.Group) -> torch.Tensor:
-    """One update from a group of batches: forward, label-smoothed loss, backward, the gradient
-    as a per-token mean over all ranks, clipping, Adam; an update whose loss or gradient is not
-    finite changes nothing (and counts as skipped).
-
-    Nothing here waits for the device: the figures come back as one float64 tensor on it,
-    laid out as STEP_FIGURES, for the caller to read when it wants them. `forward` is the model
-    as called for training (DDP and/or compiled); gradients are all-reduced after the last
-    batch only. The optimizer must be fused: it is told on the device whether to skip.
-    """
-    model.train()
-    sums = None
-    for i, batch in enumerate(batches):
-        last = i == len(batches) - 1
-        with contextlib.nullcontext() if last else group.no_sync(forward):
-            loss, nll = batch_loss(model, forward, batch, label_smoothing, autocast)
-            scaler.scale(loss).backward()
-        figures = torch.stack([loss.detach(), nll.detach()]).double()
-        sums = figures if sums is None else sums + figures
-    assert sums is not None
-    tokens = sums.new_full((1,), float(sum(b.tokens for b in batches)))
-    totals = group.all_reduce(torch.cat([sums, tokens]))  # loss, NLL, tokens of every rank
-    scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
-    # The loss is a sum over this rank's tokens and DDP averaged over ranks: make the gradient
-    # the mean over every token of the update.
-    torch._foreach_mul_([p.grad for p in params], (group.world / totals[2]).float())
-    norm = torch.nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
-    skipped = (~(torch.isfinite(norm) & torch.isfinite(totals[0]))).float()
-    for param_group in optimizer.param_groups:
-        param_group["lr"] = lr
-    # GradScaler's protocol with fused optimizers: the step is skipped on the device.
-    optimizer.found_inf, optimizer.grad_scale = skipped, None
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.found_inf, optimizer.grad_scale
-    scaler.update()  # with fp16, backs the loss scale off after a non-finite update
-    optimizer.zero_grad(set_to_none=True)
-    return torch.cat([totals, norm.double()[None], skipped.double()[None]])
 
 
 class Reporter(Protocol):

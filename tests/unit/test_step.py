@@ -12,7 +12,7 @@ from nmt_cli.config import ModelConfig
 from nmt_cli.engine import distributed
 from nmt_cli.engine.data import to_device
 from nmt_cli.engine.model import Transformer
-from nmt_cli.engine.trainer import train_step
+from nmt_cli.engine.step import train_step
 from nmt_cli.shards import BOS, EOS, PAD
 
 
