@@ -4,11 +4,15 @@ float32 and int8 — same shape, same sources, same amount of work, in one run.
     python benchmarks/decode_speed.py [--shapes tiny base] [--sentences 96]
     python benchmarks/decode_speed.py --trained RUN_DIR    # a trained model, as users run it
 
-Random weights never stop, so every system is forced to the same output length (64 tokens):
-fairseq and CTranslate2 through their minimum/maximum lengths, nmt through its maximum length
-(max_len_a 0, max_len_b 65: 64 tokens and the EOS); each system's actual token count is what
-tokens/s divides. Beam 4, batches of 32 sentences, 2 threads. Sources are real sentences,
-encoded with the Multi30k BPE model: newstest2014 (news, long) and Multi30k test2016 (short).
+Every system is forced to the same output length (64 tokens): fairseq and CTranslate2 through
+their minimum/maximum lengths, nmt through its maximum length (max_len_a 0, max_len_b 65: 64
+tokens and the EOS); a system that still stops early (random weights can end a hypothesis)
+stops the benchmark, since the work would differ. Beam 4, batches of 32 sentences, 2 threads.
+Sources are real sentences, encoded with the Multi30k BPE model: newstest2014 (news, long) and
+Multi30k test2016 (short). The systems run in turn, --repeats rounds (3), and each figure is the
+median of its rounds. nmt's uncached decoder (which reruns the decoder's self-attention over
+the whole prefix; the encoder side is computed once) decodes the first --uncached-sentences,
+and the cached decoder decodes those too, so their ratio is the self-attention cache's alone.
 `--trained RUN_DIR` instead times `nmt translate` on that run's model as a user runs it (beam 4,
 early stopping, its own batching) on all of Multi30k test2016 and the first 1000 lines of
 newstest2014, with the process's peak resident memory.
@@ -55,7 +59,8 @@ def sources(name: str, n: int) -> list[list[int]]:
     return [ids[:200] for ids in sp.encode(lines)]
 
 
-def nmt_decode(shape_name: str, ids: list[list[int]], cache: bool, dtype, length: int) -> dict:
+def nmt_decode(shape_name: str, ids: list[list[int]], cache: bool, dtype, length: int,
+               label: str = "") -> dict:
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=shape["vocab"], num_encoder_layers=shape["layers"],
@@ -76,7 +81,7 @@ def nmt_decode(shape_name: str, ids: list[list[int]], cache: bool, dtype, length
                               use_cache=cache)
         tokens += sum(len(h[0].tokens) for h in hyps)
     seconds = time.perf_counter() - start
-    name = f"nmt {'cached' if cache else 'uncached'} {str(dtype).replace('torch.', '')}"
+    name = f"nmt {'cached' if cache else 'uncached'} {str(dtype).replace('torch.', '')}{label}"
     return {"system": name, "seconds": seconds, "tokens": tokens, "sentences": len(ids)}
 
 
@@ -118,6 +123,44 @@ def trained(run: Path, out: Path) -> list[dict]:
     return rows
 
 
+def one_round(shape: str, ids: list[list[int]], ids_file: Path, args) -> list[dict]:
+    """Every system once, in turn, on the same sentences. The uncached decoder and the cached
+    one are also compared on the same (fewer) sentences."""
+    common = ["--length", str(args.length), "--batch", "32"]
+    few = ids[:args.uncached_sentences]
+    rows = [nmt_decode(shape, ids, True, torch.float32, args.length),
+            nmt_decode(shape, few, True, torch.float32, args.length, " (uncached's sentences)"),
+            nmt_decode(shape, few, False, torch.float32, args.length),
+            *([nmt_decode(shape, ids, True, torch.bfloat16, args.length)] if args.bf16 else []),
+            peer(PEERS / "fairseq/bin/python", "fairseq_decode.py", shape, ids_file, *common),
+            peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common),
+            peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common,
+                 "--compute-type", "int8")]
+    rows = [r for r in rows if r]
+    for row in rows:
+        if "seconds" not in row:
+            continue
+        # Random weights may end a hypothesis early in any system; then the systems would not
+        # do the same work, and the comparison would mean nothing.
+        if row["tokens"] != row["sentences"] * args.length:
+            sys.exit(f"{row['system']} made {row['tokens']} tokens, not {args.length} for each "
+                     f"of {row['sentences']} sentences: the systems did not do the same work")
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+        row["sentences_per_s"] = row["sentences"] / row["seconds"]
+    return rows
+
+
+def medians(rounds: list[list[dict]]) -> dict[str, float]:
+    """Each system's median tokens/s over the alternating rounds."""
+    import statistics
+    speeds: dict[str, list[float]] = {}
+    for rows in rounds:
+        for row in rows:
+            if "tokens_per_s" in row:
+                speeds.setdefault(row["system"], []).append(row["tokens_per_s"])
+    return {system: statistics.median(v) for system, v in speeds.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=["tiny", "base"])
@@ -125,6 +168,8 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=96)
     ap.add_argument("--uncached-sentences", type=int, default=32)
     ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of every system in turn; the figures are their medians")
     ap.add_argument("--bf16", action="store_true",
                     help="Also nmt with bf16 weights (slow on CPUs without AVX512_BF16).")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/decode_speed.json")
@@ -145,22 +190,11 @@ def main() -> None:
             ids = sources(name, args.sentences)
             ids_file = args.out.parent / f"decode_ids_{name}.json"
             ids_file.write_text(json.dumps(ids))
-            common = ["--length", str(args.length), "--batch", "32"]
-            rows = [nmt_decode(shape, ids, True, torch.float32, args.length),
-                    nmt_decode(shape, ids[:args.uncached_sentences], False, torch.float32, args.length),
-                    *([nmt_decode(shape, ids, True, torch.bfloat16, args.length)]
-                      if args.bf16 else []),
-                    peer(PEERS / "fairseq/bin/python", "fairseq_decode.py", shape, ids_file, *common),
-                    peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common),
-                    peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common,
-                         "--compute-type", "int8")]
-            for row in rows:
-                if row and "seconds" in row:
-                    row["tokens_per_s"] = row["tokens"] / row["seconds"]
-                    row["sentences_per_s"] = row["sentences"] / row["seconds"]
-            entry = {"shape": shape, "set": name, "rows": [r for r in rows if r]}
+            entry = {"shape": shape, "set": name,
+                     "repeats": [one_round(shape, ids, ids_file, args) for _ in range(args.repeats)]}
+            entry["median"] = medians(entry["repeats"])
             results["runs"].append(entry)
-            print(json.dumps(entry), flush=True)
+            print(json.dumps({"shape": shape, "set": name, "median": entry["median"]}), flush=True)
     args.out.write_text(json.dumps(results, indent=2))
 
 

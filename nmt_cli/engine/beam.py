@@ -197,20 +197,23 @@ def translate(model: Transformer, src: Tensor, beam: int = 4, alpha: float = 0.6
             return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
 
         reorder = cache.reorder
-    else:  # the reference: rerun the whole decoder on the prefix at every step
-        state = {"memory": memory.repeat_interleave(k, 0), "mask": src_mask.repeat_interleave(k, 0),
+    else:  # the reference: rerun the decoder's self-attention on the whole prefix every step
+        # (the encoder side, memory and its keys/values, is computed once all the same)
+        state = {"kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
+                 "mask": src_mask.repeat_interleave(k, 0),
                  "prefix": torch.full((len(src_lengths) * k, 0), BOS, dtype=torch.long,
                                       device=src.device)}
 
         def step(tokens: Tensor) -> Tensor:
             state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
-            kv = model.memory_keys_values(state["memory"])
-            h = model.decode(state["prefix"], kv, state["mask"])
+            h = model.decode(state["prefix"], state["kv"], state["mask"])
             return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
 
         def reorder(indices: Tensor) -> None:
-            for key in state:
-                state[key] = state[key].index_select(0, indices)
+            state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices))
+                           for a, b in state["kv"]]
+            state["mask"] = state["mask"].index_select(0, indices)
+            state["prefix"] = state["prefix"].index_select(0, indices)
 
     if beam == 1 and nbest == 1:
         return greedy(step, reorder, max_lens, alpha, src.device)
