@@ -201,11 +201,8 @@ def train(
              if f.name in ctx.params}
     explicit = {name for name in given if _given(ctx, name)}
     how = training.Launch(gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts)
-    if how.needed:
-        how.check(device)
-        with run.lock("train") if node_rank == 0 else contextlib.nullcontext():
-            config = training.settings(run, given, explicit)
-        training.launch(run, config, how)
+    if how.needed:  # launch checks `how` before any work
+        training.launch(run, training.settings(run, given, explicit), how)
         return
     # Under torchrun or SLURM, rank 0 takes the lock.
     rank = distributed.from_environment()[0]

@@ -33,8 +33,7 @@ def train_here(run: RunDir, config: TrainConfig, rank: int) -> dict:
     """Train in this process (alone, or as one rank that torchrun or SLURM started)."""
     if rank == 0:
         run.save_config("train", config)
-    with ui.TrainDisplay() as display:
-        return trainer.train(config, run, display, _bleu_of(run, config))
+    return _train(run, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +89,7 @@ def worker(run_dir: str) -> int:
     try:
         config = from_json(TrainConfig, run.config_path("train").read_text(),
                            str(run.config_path("train")))
-        with ui.TrainDisplay() as display:
-            trainer.train(config, run, display, _bleu_of(run, config))
+        _train(run, config)
         return 0
     except trainer.Interrupted as e:
         ui.say(str(e))
@@ -104,11 +102,13 @@ def worker(run_dir: str) -> int:
         return 1
 
 
-def _bleu_of(run: RunDir, config: TrainConfig):
-    if not config.eval_bleu:
-        return None
-    from nmt_cli.score import bleu_of_ids
-    return bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+def _train(run: RunDir, config: TrainConfig) -> dict:
+    bleu_of = None
+    if config.eval_bleu:
+        from nmt_cli.score import bleu_of_ids
+        bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+    with ui.TrainDisplay() as display:
+        return trainer.train(config, run, display, bleu_of)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY, one_error_line
 
-from nmt_cli.engine import checkpoint
+from nmt_cli.engine import checkpoint, distributed
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
 
@@ -149,10 +149,7 @@ def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
 
 @pytest.mark.slow
 def test_torchrun_starts_the_same_training(run_copy):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = distributed._free_port()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(port), "--master-addr", "127.0.0.1",
@@ -165,12 +162,9 @@ def test_torchrun_starts_the_same_training(run_copy):
     assert meta["step"] == 4 and meta["world"] == 2
 
 
-def _in_one_process_group(backend: str):
-    """A world of one: this process, in a process group of `backend`."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+def _in_one_process_group() -> dict[str, str]:
+    """The environment of a world of one: this process alone in its process group."""
+    port = distributed._free_port()
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1",
             "RANK": "0", "LOCAL_RANK": "0"}
 
@@ -178,8 +172,7 @@ def _in_one_process_group(backend: str):
 def test_host_collectives_take_cpu_tensors_whatever_the_default_backend(monkeypatch):
     """NCCL has a backend for CUDA tensors only; "cuda:gloo" is the same on a CPU machine. The
     checkpoint's RNG states (CPU tensors) must still be gathered."""
-    from nmt_cli.engine import distributed
-    for name, value in _in_one_process_group("cuda:gloo").items():
+    for name, value in _in_one_process_group().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setitem(distributed.BACKENDS, "cpu", "cuda:gloo")
     group, _ = distributed.setup(torch.device("cpu"))
@@ -198,8 +191,7 @@ def test_compile_wraps_the_ddp_model(monkeypatch):
     """torch's order: DDP first, then compile, so gradient buckets still overlap backward."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from nmt_cli.engine import distributed
-    for name, value in _in_one_process_group("gloo").items():
+    for name, value in _in_one_process_group().items():
         monkeypatch.setenv(name, value)
     group, device = distributed.setup(torch.device("cpu"))
     try:
@@ -212,7 +204,6 @@ def test_compile_wraps_the_ddp_model(monkeypatch):
 
 
 def test_launch_environments_find_their_gpu(monkeypatch):
-    from nmt_cli.engine import distributed
     from nmt_cli.errors import NmtError
     for name in ("WORLD_SIZE", "RANK", *distributed.LOCAL_RANK_VARIABLES, "SLURM_NTASKS",
                  "SLURM_PROCID"):
@@ -261,10 +252,7 @@ def test_the_launcher_reports_the_worker_that_started_it():
 def _two_nodes(node_dirs, extra):
     """`nmt train` on two 'nodes' of one CPU worker each (this machine twice): node 0 and
     node 1 each run their own launcher, as on a cluster."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = distributed._free_port()
     common = [*TINY, "--save-every", "3", "--eval-every", "100", "--device", "cpu",
               "--procs", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
     procs = [subprocess.Popen([sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(d),

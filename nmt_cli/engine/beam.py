@@ -51,7 +51,7 @@ def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor
     return top, index // n, tokens.view(b, k * n).gather(1, index)
 
 
-def choose(cand_scores: np.ndarray, cand_beams: np.ndarray, cand_tokens: np.ndarray,
+def choose(cand_scores: np.ndarray, cand_tokens: np.ndarray,
            beam: int) -> tuple[np.ndarray, np.ndarray]:
     """Split the candidates (each sentence's, best first): EOS among the best `beam` finish; the
     best `beam` others live on.
@@ -98,7 +98,7 @@ def search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
         cand_scores, cand_beams, cand_tokens = torch.stack(
             [c.double() for c in cand]).cpu().numpy()            # the step's one read
         cand_beams, cand_tokens = cand_beams.astype(np.int64), cand_tokens.astype(np.int64)
-        done, live = choose(cand_scores, cand_beams, cand_tokens, beam)
+        done, live = choose(cand_scores, cand_tokens, beam)
         penalty = length_penalty(t + 1, alpha)
         for row, col in zip(*np.nonzero(done)):
             finished[active[row]].append(Hypothesis(

@@ -16,9 +16,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_precision(precision: str, device: torch.device, gpu_default: str = "bf16") -> str:
+def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
-        return gpu_default if device.type == "cuda" else "fp32"
+        return "bf16" if device.type == "cuda" else "fp32"
     if precision == "fp16" and device.type != "cuda":
         raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
     return precision

@@ -40,7 +40,6 @@ class Group:
     """
     rank: int = 0
     world: int = 1
-    local_rank: int = 0
     host: Any = None  # the gloo group for CPU tensors; None: the default group is gloo
 
     @property
@@ -176,7 +175,7 @@ def setup(device: torch.device, timeout_s: float = 300.0) -> tuple[Group, torch.
                                          device_id=device if device.type == "cuda" else None)
     host = None if backend == "gloo" else torch.distributed.new_group(backend="gloo",
                                                                       timeout=timeout)
-    group = Group(rank, world, local_rank or 0, host)
+    group = Group(rank, world, host)
     if device.type == "cuda":
         gpu = str(torch.cuda.get_device_properties(device).uuid)
         problem = shared_gpus(group.gather_objects((socket.gethostname(), gpu)))

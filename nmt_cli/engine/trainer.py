@@ -23,14 +23,14 @@ import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig
 from nmt_cli.engine import beam, checkpoint, distributed
-from nmt_cli.engine.data import Batch, Split, on_device, to_device, training_share
+from nmt_cli.engine.data import Batch, Split, on_device, training_share
 from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.step import STEP_FIGURES, batch_loss, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
-from nmt_cli.shards import collate, padding_share
+from nmt_cli.shards import pad_sources, padding_share
 
 
 class Reporter(Protocol):
@@ -239,7 +239,6 @@ class Trainer:
             tokens += figures["tokens"]
             updates += 1
         seconds = time.monotonic() - self._window_start
-        self._window_tokens += tokens
         if not updates:
             return
         c = self.config
@@ -249,8 +248,8 @@ class Trainer:
                                          c.lr_scale),
                      "grad_norm": figures["grad_norm"] if not figures["skipped"] else None,
                      "tokens": round(tokens / updates),
-                     "tokens_per_s": self._window_tokens / seconds if seconds > 0 else 0.0}
-        self._window_tokens, self._window_start = 0.0, time.monotonic()
+                     "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+        self._window_start = time.monotonic()
         self.log("train", self.last)
         self.reporter.progress(self.state, c.max_steps or None, self.last)
 
@@ -314,7 +313,7 @@ class Trainer:
         mine: dict[int, list[int]] = {}
         for start in starts:
             rows = order[start:start + batch_size]
-            src = to_device(collate(data.src, data.tgt, rows), self.device).src
+            src = torch.from_numpy(pad_sources([data.src[int(i)] for i in rows])).to(self.device)
             with self.autocast():
                 hyps = beam.translate(self.model, src, beam=1)
             mine.update({int(i): h[0].tokens for i, h in zip(rows, hyps)})
@@ -383,14 +382,13 @@ class Trainer:
         if save:
             self.save()
         if evaluate or save:  # tokens/s measures training only
-            self._window_tokens, self._window_start = 0.0, time.monotonic()
+            self._window_start = time.monotonic()
         return limit or self.agreed_stop()
 
     def train(self) -> dict:
         """Train until a limit is reached; returns the last figures."""
         self.resume()
         self._started = self._window_start = time.monotonic()
-        self._window_tokens = 0.0
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         c = self.config
         resumed_at = self.state.step

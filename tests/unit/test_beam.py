@@ -70,7 +70,7 @@ def test_beam_step_and_choose_by_hand():
     top, beams, tokens = beam_step(scores, lprobs, 2)
     assert torch.allclose(top.exp(), torch.tensor([[0.36, 0.24, 0.18, 0.18]]))
     assert beams.tolist() == [[1, 0, 0, 0]] and tokens.tolist()[0][:2] == [EOS, EOS]
-    done, live = choose(top.numpy(), beams.numpy(), tokens.numpy(), 2)
+    done, live = choose(top.numpy(), tokens.numpy(), 2)
     assert done.tolist() == [[True, True, False, False]]
     assert live.tolist() == [[2, 3]]  # the two best that do not end: A or B after A
 
