@@ -26,6 +26,7 @@ from nmt_cli.config import TranslateConfig  # noqa: E402
 from nmt_cli.engine.device import resolve_device  # noqa: E402
 from nmt_cli.rundir import RunDir  # noqa: E402
 from nmt_cli.score import score  # noqa: E402
+from nmt_cli.package import from_run  # noqa: E402
 from nmt_cli.translate import Translator, load_model  # noqa: E402
 
 
@@ -46,11 +47,12 @@ def main() -> None:
     refs = run.text(args.split, prep["tgt"], raw=True).read_text(encoding="utf-8").splitlines()
     device = resolve_device(args.device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    translator = Translator(run, TranslateConfig(device=str(device), precision="fp32"))
+    model = from_run(run, None)
+    translator = Translator(model, TranslateConfig(device=str(device), precision="fp32"))
     rows, reference = [], None
     for precision in args.precisions:
         # Loaded directly: `nmt translate` refuses fp16 on a CPU, where it is only measured.
-        translator.model, _ = load_model(translator.path, device, precision, int8=False)
+        translator.model = load_model(model, device, precision)
         translator.translate(sources[:64])  # warm-up
         if device.type == "cuda":
             torch.cuda.synchronize()

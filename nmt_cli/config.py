@@ -184,6 +184,9 @@ class TrainConfig:
             raise NmtError(f"bad model shape: {e}") from None
 
 
+ENGINES = ("auto", "nmt", "ctranslate2")
+
+
 @dataclass(frozen=True)
 class TranslateConfig:
     checkpoint: str | None = None      # default: the averaged model, else the latest checkpoint
@@ -197,7 +200,9 @@ class TranslateConfig:
     chunk: int = 10_000                # lines read (and held) at a time
     device: str = "auto"
     precision: str = "auto"            # auto: fp32 on CPU, bf16 on GPU
-    int8: bool = False                 # CPU: dynamic int8 quantisation of the linear layers
+    int8: bool = False                 # int8 weights, through CTranslate2
+    engine: str = "auto"               # nmt or ctranslate2; auto: nmt, but ctranslate2 for an
+                                       # export or --int8
     threads: int = 0
 
     def __post_init__(self) -> None:
@@ -213,6 +218,31 @@ class TranslateConfig:
                            f"{', '.join(PRECISIONS)}")
         if self.int8 and self.precision not in ("auto", "fp32"):
             raise NmtError("--int8 quantises an fp32 model: drop --precision or use fp32")
+        if self.engine not in ENGINES:
+            raise NmtError(f"unknown --engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.int8 and self.engine == "nmt":
+            raise NmtError("--int8 runs on CTranslate2: drop --engine nmt")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_wait_ms: float = 5.0           # a request waits this long for others to batch with
+    max_batch: int = 64                # sentences decoded together at most
+    batching: bool = True              # False: one request per decoding batch
+    max_queue: int = 1024              # sentences waiting or in flight; beyond, 503
+    max_sentences: int = 256           # per request; beyond, 413
+    max_chars: int = 2000              # per sentence; beyond, 400
+    max_body: int = 1 << 20            # bytes per request; beyond, 413
+    shutdown_timeout: float = 60.0     # seconds SIGTERM waits for requests in flight
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "max_sentences", "max_chars", "max_body"):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_wait_ms < 0 or not 0 <= self.port < 65536:
+            raise NmtError("--max-wait-ms must not be negative, and --port within 0-65535")
 
 
 C = TypeVar("C")

@@ -11,8 +11,9 @@ from pathlib import Path
 from nmt_cli import score, ui
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
+from nmt_cli.package import Model, from_run
 from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json
-from nmt_cli.translate import Counts, Translator, model_path
+from nmt_cli.translate import Counts, Translator
 
 
 def parse_metrics(text: str) -> list[str]:
@@ -48,8 +49,10 @@ def report(hyps: list[str], refs: list[str], names: tuple[str, str], metrics: li
     return out
 
 
-def translate_split(run: RunDir, split: str, config: TranslateConfig) -> tuple[Path, Path]:
-    """Translate the run's split unless a translation by the same model and settings exists."""
+def translate_split(run: RunDir, split: str, config: TranslateConfig,
+                    model: Model | None = None) -> tuple[Path, Path]:
+    """Translate the run's split with `model` (default: the run's) unless a translation by the
+    same model and settings exists."""
     manifest = run.load_manifest().get("prep")
     if not manifest:
         raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
@@ -59,15 +62,14 @@ def translate_split(run: RunDir, split: str, config: TranslateConfig) -> tuple[P
     src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
     ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
     out = run.translation(split, manifest["tgt"])
-    model = model_path(run, config.checkpoint)
-    record = model.with_suffix(".json")
-    key = {"model": str(model), "model_sha256": json.loads(record.read_text()).get("sha256")
-           if record.exists() else None, "settings": dataclasses.asdict(config)}
+    model = model or from_run(run, config.checkpoint)
+    key = {"model": str(model.where), "model_sha256": model.sha256,
+           "settings": dataclasses.asdict(config)}
     key_path = out.with_suffix(out.suffix + ".json")
     if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
         ui.say(f"reusing {out} (same model and settings)")
         return out, ref_path
-    translator = Translator(run, config)
+    translator = Translator(model, config)
     with ui.progress() as bar, open(src_path, "rb") as source, atomic_open(out) as sink:
         task = bar.add_task(f"translate {split}", total=manifest["splits"][split]["kept"])
         counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
@@ -84,3 +86,16 @@ def report_counts(counts: Counts, max_src: int) -> None:
     if counts.damage.not_utf8:
         ui.warn(f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
                 f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD")
+
+
+def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[str]:
+    """The translations of the file `src`, one per line."""
+    import io
+    if not Path(src).is_file():
+        raise NmtError(f"{src} not found")
+    translator, sink = Translator(model, config), io.StringIO()
+    with ui.progress() as bar, open(src, "rb") as source:
+        task = bar.add_task(f"translate {Path(src).name}", total=None)
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+    report_counts(counts, translator.max_src)
+    return sink.getvalue().splitlines()

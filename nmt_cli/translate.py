@@ -1,75 +1,73 @@
 """`nmt translate`: read, clean, encode, length-sort, search, restore order, detokenize, write.
 
-A Unix filter that streams: it reads `chunk` lines at a time and writes their translations,
-in input order, before reading on, so memory stays bounded however long the input. Every input
-line gives exactly one output line (nbest > 1: `nbest` lines of line-number, score, text).
+A Unix filter that streams: it translates what has arrived as soon as input pauses (a line
+typed into a pipe is answered at once) and at most `chunk` lines at a time (a file goes in
+large length-sorted batches), writing the translations in input order before reading on, so
+memory stays bounded however long the input. Every input line gives exactly one output line
+(nbest > 1: `nbest` lines of line-number, score, text).
+
+Two engines search the same way: nmt's own (engine/beam.py) and CTranslate2 (ct2.py), on a
+run's model, a package or a CTranslate2 export (package.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO, TextIO
 
 import torch
 
-from nmt_cli import bpe
-from nmt_cli.config import ModelConfig, TranslateConfig
-from nmt_cli.engine import beam, checkpoint
+from nmt_cli.config import TranslateConfig
+from nmt_cli.engine import beam
 from nmt_cli.engine.device import resolve_device, resolve_precision
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
 from nmt_cli.normalize import normalize
-from nmt_cli.rundir import RunDir
+from nmt_cli.package import Model
 from nmt_cli.shards import pad_sources
-from nmt_cli.textio import Damage, chunks, decode_line
+from nmt_cli.textio import Damage, decode_line
 
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+# How long input may pause before what has arrived is translated: short for a person at a pipe,
+# long beside the microseconds between the lines of a file.
+PAUSE = 0.02  # seconds
 
 
-def model_path(run: RunDir, explicit: str | None) -> Path:
-    """The model to use: --checkpoint, else the averaged model, else the latest checkpoint."""
-    if explicit:
-        return Path(explicit)
-    if run.averaged.exists() and run.averaged.with_suffix(".json").exists():
-        return run.averaged
-    found = checkpoint.listed(run.checkpoints)
-    if not found:
-        raise NmtError(f"no model in {run.root}: run `nmt train` (and `nmt average`) first")
-    return found[-1]
-
-
-def load_model(path: Path, device: torch.device, precision: str,
-               int8: bool) -> tuple[Transformer, dict]:
-    if path.suffix == ".pt" or path.with_suffix(".json").exists():
-        tensors, meta = checkpoint.load_tensors(path)
-    else:
-        raise NmtError(f"{path} is not an nmt model (expected a .pt file with its .json record)")
-    model = Transformer(ModelConfig(**meta["model"]))
+def load_model(model: Model, device: torch.device, precision: str) -> Transformer:
+    net = Transformer(model.config)
     try:
-        model.load_state_dict({k: v.float() for k, v in tensors["model"].items()})
+        net.load_state_dict(model.load_weights())
     except RuntimeError as e:
-        raise NmtError(f"{path} does not fit its own model config: {str(e).splitlines()[0]}") from None
-    model.eval()
-    if int8:
-        if device.type != "cpu":
-            raise NmtError("--int8 is for the CPU: drop it or use --device cpu")
-        import warnings
-        with warnings.catch_warnings():  # torch marks eager quantisation as deprecated
-            warnings.simplefilter("ignore")
-            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear},
-                                                           dtype=torch.qint8)
-    elif precision == "bf16":
-        model = model.to(torch.bfloat16)
+        raise NmtError(f"{model.where} does not fit its own model config: "
+                       f"{str(e).splitlines()[0]}") from None
+    net.eval()
+    if precision == "bf16":
+        net = net.to(torch.bfloat16)
     elif precision == "fp16":
-        model = model.to(torch.float16)
+        net = net.to(torch.float16)
     elif device.type == "cpu":
-        model = pack_for_cpu(model)
-    return model.to(device), meta
+        net = pack_for_cpu(net)
+    return net.to(device)
+
+
+CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def engine_of(model: Model, config: TranslateConfig) -> str:
+    if model.ct2_dir is not None:
+        if config.engine == "nmt":
+            raise NmtError(f"{model.where} is a CTranslate2 export: use --engine ctranslate2 (or "
+                           "translate from an nmt package or the run directory)")
+        return "ctranslate2"
+    if config.int8:
+        return "ctranslate2"
+    return "nmt" if config.engine == "auto" else config.engine
 
 
 @dataclass
@@ -82,21 +80,34 @@ class Counts:
 class Translator:
     """A loaded model with its sentencepiece model, translating lists of raw lines."""
 
-    def __init__(self, run: RunDir, config: TranslateConfig):
-        self.config = config
+    def __init__(self, model: Model, config: TranslateConfig):
+        import sentencepiece as spm
+        self.config, self.source = config, model
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
-        precision = resolve_precision(config.precision, self.device)
-        self.path = model_path(run, config.checkpoint)
-        self.model, self.meta = load_model(self.path, self.device, precision, config.int8)
-        self.sp = bpe.load(run)
-        if self.sp.get_piece_size() != self.model.config.vocab_size:
-            raise NmtError(f"{self.path} has a vocabulary of {self.model.config.vocab_size} but "
-                           f"{run.spm_model} has {self.sp.get_piece_size()}: they are from "
+        self.engine = engine_of(model, config)
+        if self.engine == "ctranslate2":
+            from nmt_cli import ct2
+            if config.int8:
+                compute_type = "int8"
+            elif config.precision == "auto":  # an export's own type, else fp32 / bf16 as ours
+                compute_type = "default" if model.ct2_dir is not None else \
+                    CT2_TYPES[resolve_precision("auto", self.device)]
+            else:
+                compute_type = CT2_TYPES[config.precision]
+            self.ct2 = ct2.Engine(model, self.device.type, compute_type,
+                                  config.threads or torch.get_num_threads())
+        else:
+            self.model = load_model(model, self.device,
+                                    resolve_precision(config.precision, self.device))
+        self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
+        if self.sp.get_piece_size() != model.config.vocab_size:
+            raise NmtError(f"{model.where} has a vocabulary of {model.config.vocab_size} but "
+                           f"{model.spm} has {self.sp.get_piece_size()}: they are from "
                            "different runs")
-        self.src_lang = self.meta.get("src", "en")
-        self.max_src = self.model.config.max_positions - 1  # room for the EOS
+        self.src_lang = model.src
+        self.max_src = model.config.max_positions - 1  # room for the EOS
         self.counts = Counts()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
@@ -122,20 +133,31 @@ class Translator:
         if batch:
             yield batch
 
-    def hypotheses(self, lines: list[str]) -> list[list[beam.Hypothesis]]:
-        """The nbest hypotheses of each line; an empty line gets one empty hypothesis."""
+    def hypotheses(self, lines: list[str], beam_size: int | None = None,
+                   nbest: int | None = None) -> list[list[beam.Hypothesis]]:
+        """The nbest hypotheses of each line; an empty line gets empty ones. `beam_size` and
+        `nbest` override the config's for this call."""
+        c = dataclasses.replace(self.config, beam=beam_size or self.config.beam,
+                                nbest=nbest or self.config.nbest)
         ids = self.encode(lines)
-        out: list[list[beam.Hypothesis]] = [[beam.Hypothesis([], 0.0)] * self.config.nbest
-                                            for _ in lines]
-        c = self.config
+        out: list[list[beam.Hypothesis]] = [[beam.Hypothesis([], 0.0)] * c.nbest for _ in lines]
         for batch in self.batches(ids):
-            src = pad_sources([ids[i] for i in batch])
-            hyps = beam.translate(self.model, torch.from_numpy(src).to(self.device), beam=c.beam,
-                                  alpha=c.alpha, max_len_a=c.max_len_a, max_len_b=c.max_len_b,
-                                  nbest=c.nbest)
+            if self.engine == "ctranslate2":
+                limits = beam.max_lengths([len(ids[i]) for i in batch], c.max_len_a,
+                                          c.max_len_b, self.max_src)
+                hyps = self.ct2.search([ids[i] for i in batch], c.beam, c.alpha, limits, c.nbest)
+            else:
+                src = torch.from_numpy(pad_sources([ids[i] for i in batch])).to(self.device)
+                hyps = beam.translate(self.model, src, beam=c.beam, alpha=c.alpha,
+                                      max_len_a=c.max_len_a, max_len_b=c.max_len_b,
+                                      nbest=c.nbest)
             for i, h in zip(batch, hyps):
                 out[i] = h
         return out
+
+    def texts(self, hyps: list[list[beam.Hypothesis]]) -> list[list[str]]:
+        flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
+        return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
 
     def translate(self, lines: list[str]) -> list[str]:
         """One output line per input line (nbest > 1: nbest lines each)."""
@@ -148,8 +170,8 @@ class Translator:
                 for i, (h, text) in enumerate(zip((h for hs in hyps for h in hs), texts))]
 
     def stream(self, source: BinaryIO, sink: TextIO, advance: Callable[[int], None]) -> Counts:
-        """Translate `source` line by line into `sink`, chunk by chunk, in input order."""
-        for chunk in chunks(source, self.config.chunk):
+        """Translate `source` line by line into `sink`, in input order, as input arrives."""
+        for chunk in arrivals(source, self.config.chunk):
             lines = [decode_line(raw, self.counts.lines + i + 1, self.counts.damage)
                      for i, raw in enumerate(chunk)]
             for text in self.translate(lines):
@@ -158,3 +180,39 @@ class Translator:
             self.counts.lines += len(chunk)
             advance(len(chunk))
         return self.counts
+
+
+_END = object()
+
+
+def arrivals(source: BinaryIO, most: int) -> Iterator[list[bytes]]:
+    """The lines of `source` in lists of at most `most`: each list is what arrived before input
+    paused for PAUSE seconds (or `most` lines). A thread reads ahead, at most `most` lines."""
+    lines: queue.Queue = queue.Queue(maxsize=most)
+
+    def read() -> None:
+        try:
+            for raw in source:
+                lines.put(raw)
+            lines.put(_END)
+        except BaseException as e:  # noqa: B036 - handed to the reading side, raised there
+            lines.put(e)
+
+    threading.Thread(target=read, daemon=True, name="nmt-read").start()
+    done = False
+    while not done:
+        got = [lines.get()]  # wait as long as it takes for the first line
+        while len(got) < most:
+            try:
+                got.append(lines.get(timeout=PAUSE))
+            except queue.Empty:
+                break
+            if got[-1] is _END or isinstance(got[-1], BaseException):
+                break
+        if got[-1] is _END or isinstance(got[-1], BaseException):
+            last = got.pop()
+            if isinstance(last, BaseException):
+                raise last
+            done = True
+        if got:
+            yield got

@@ -116,6 +116,18 @@ def trained(tmp_path_factory, multi30k_bpe) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def trained_longer(tmp_path_factory, multi30k_bpe):
+    """A small model after 800 updates (15 s): most sentences end by themselves now."""
+    import shutil
+    run_dir = tmp_path_factory.mktemp("trained-longer") / "run"
+    shutil.copytree(multi30k_bpe, run_dir)
+    run_ok(["train", "--run-dir", run_dir, *TINY, "--d-model", "64", "--ffn", "128",
+            "--max-tokens", "512", "--max-steps", "800", "--save-every", "800",
+            "--eval-every", "10000", "--warmup", "100", "--lr-scale", "2", "--dropout", "0.1"])
+    return run_dir
+
+
 @contextlib.contextmanager
 def host_reads():
     """Count what would make the host wait for a GPU, on any device: reading a tensor's values

@@ -122,9 +122,11 @@ def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
 
 def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
     from nmt_cli.engine import beam
+    from nmt_cli.package import from_run
+    from nmt_cli.rundir import RunDir
     from nmt_cli.translate import load_model
     path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
-    model, _ = load_model(path, torch.device("cuda"), "fp32", int8=False)
+    model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda"), "fp32")
     src = torch.randint(4, 1000, (16, 12), device="cuda")
     src[:, -1] = 3  # EOS
     steps = count_decoding_steps(model)

@@ -3,8 +3,7 @@
 import json
 import shutil
 
-import pytest
-from conftest import TINY, one_error_line, run_ok
+from conftest import one_error_line
 
 from nmt_cli.rundir import RunDir
 
@@ -61,7 +60,7 @@ def test_nbest_and_greedy(trained, nmt):
 
 
 def test_bf16_and_int8_run(trained, nmt):
-    for flags in (["--precision", "bf16"], ["--int8"]):
+    for flags in (["--precision", "bf16"], ["--int8"]):  # --int8: CTranslate2's
         result = nmt("translate", "--run-dir", trained, *FAST, *flags, stdin=b"A dog runs.\n")
         assert result.code == 0, result.err
         assert result.out.count("\n") == 1
@@ -120,7 +119,6 @@ def test_score_errors(tmp_path, nmt):
 
 
 def test_score_translates_the_test_set_once(trained, tmp_path, nmt):
-    import shutil
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     first = nmt("score", "--run-dir", run, "--beam", "1", *FAST, "--json")
@@ -130,17 +128,6 @@ def test_score_translates_the_test_set_once(trained, tmp_path, nmt):
     assert (run / "translations" / "test.de").read_text().count("\n") == 1000
     again = nmt("score", "--run-dir", run, "--beam", "1", *FAST, "--json")
     assert "reusing" in again.err and json.loads(again.out) == saved
-
-
-@pytest.fixture(scope="module")
-def trained_longer(tmp_path_factory, multi30k_bpe):
-    """The tiny model after 400 updates (seconds): some sentences end by themselves now."""
-    run_dir = tmp_path_factory.mktemp("trained-longer") / "run"
-    shutil.copytree(multi30k_bpe, run_dir)
-    run_ok(["train", "--run-dir", run_dir, *TINY, "--d-model", "32", "--ffn", "64",
-            "--max-steps", "400", "--save-every", "400", "--eval-every", "1000",
-            "--warmup", "50", "--lr-scale", "4"])
-    return run_dir
 
 
 def test_sentences_that_finish_at_different_steps_of_one_batch(trained_longer, nmt):

@@ -35,6 +35,12 @@ def length_penalty(length: int | Tensor, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
+def max_lengths(source_lengths: list[int], a: float, b: int, ceiling: int) -> list[int]:
+    """Each sentence's output limit, a * |X| + b tokens counting the EOS (|X| without its EOS),
+    within the model's positions."""
+    return [max(1, min(int(a * n + b), ceiling)) for n in source_lengths]
+
+
 def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor]:
     """The 2*beam best continuations of each sentence.
 
@@ -185,8 +191,8 @@ def translate(model: Transformer, src: Tensor, beam: int = 4, alpha: float = 0.6
     """Translate a padded (B, S) batch of source ids (with EOS); `nbest` hypotheses each."""
     model.eval()
     src_lengths = (src != PAD).sum(1).tolist()
-    ceiling = model.config.max_positions - 1
-    max_lens = [max(1, min(int(max_len_a * (n - 1) + max_len_b), ceiling)) for n in src_lengths]
+    max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b,
+                           model.config.max_positions - 1)
     memory, src_mask = model.encode(src)
     k = 1 if beam == 1 else beam
     if use_cache:

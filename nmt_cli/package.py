@@ -1,0 +1,190 @@
+"""A trained model on its own: the model package (`nmt export --format nmt`) and what a
+translation needs wherever the model comes from (a run directory, a package, a CTranslate2 export).
+
+A package is one directory:
+    nmt.json           what it is: format, model shape, languages, text normalisation, the
+                       decoding defaults, the weights' sha256
+    model.safetensors  the weights, float32 (safetensors: tensors only, nothing to unpickle)
+    spm.model          the sentencepiece model
+    provenance.json    how it was made: the data recipe and its checksums, the BPE and training
+                       configs, the checkpoint(s) and step, the test scores with their signatures
+A CTranslate2 export (ct2.py) has the same nmt.json (format "ctranslate2"), spm.model and
+provenance.json beside CTranslate2's own files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nmt_cli.config import ModelConfig
+from nmt_cli.errors import NmtError
+from nmt_cli.rundir import RunDir, _umask, atomic_write_json, now, sha256_file
+
+SETTINGS, WEIGHTS, SPM, PROVENANCE = "nmt.json", "model.safetensors", "spm.model", "provenance.json"
+NMT, CT2 = "nmt", "ctranslate2"
+VERSION = 1
+
+
+@dataclass
+class Model:
+    """A trained model and what translating with it needs, wherever it lies."""
+    where: Path                      # what the user named: a checkpoint file or a directory
+    config: ModelConfig
+    spm: Path
+    src: str
+    tgt: str
+    sha256: str                      # of the weights: identifies the model in caches
+    load_weights: Callable[[], dict[str, torch.Tensor]] | None  # None: a CTranslate2 export
+    ct2_dir: Path | None = None
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def text_settings(self) -> dict:
+        # The one normalisation (normalize.py) is Moses punctuation for the source language,
+        # non-printing characters to spaces, single spaces.
+        return {"normalize": "moses-punct+printable+spaces", "lang": self.src}
+
+
+def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
+    """The run's model: --checkpoint, else the averaged model, else the latest checkpoint."""
+    from nmt_cli.engine import checkpoint
+    if checkpoint_path:
+        path = Path(checkpoint_path)
+    elif run.averaged.exists() and run.averaged.with_suffix(".json").exists():
+        path = run.averaged
+    else:
+        found = checkpoint.listed(run.checkpoints)
+        if not found:
+            raise NmtError(f"no model in {run.root}: run `nmt train` (and `nmt average`) first")
+        path = found[-1]
+    if path.is_dir():
+        return from_dir(path)
+    if not path.exists():
+        raise NmtError(f"{path} not found")
+    record_path = path.with_suffix(".json")
+    if not record_path.exists():
+        raise NmtError(f"{path} is not an nmt model (expected a .pt file with its .json record, "
+                       "or a directory from `nmt export`)")
+    tensors, meta = checkpoint.load_tensors(path)  # verifies the sha256 once, here
+    run.require(run.spm_model, "bpe")
+    weights = {k: v.float() for k, v in tensors["model"].items()}
+    return Model(where=path, config=ModelConfig(**meta["model"]), spm=run.spm_model,
+                 src=meta.get("src", "en"), tgt=meta.get("tgt", "de"), sha256=meta["sha256"],
+                 load_weights=lambda: weights, provenance=_provenance(run, path, meta))
+
+
+def from_dir(path: Path) -> Model:
+    """A package or a CTranslate2 export."""
+    settings_path = Path(path) / SETTINGS
+    if not settings_path.is_file():
+        raise NmtError(f"{path} is not a model exported by `nmt export` (it has no {SETTINGS})")
+    try:
+        s = json.loads(settings_path.read_text(encoding="utf-8"))
+        config = ModelConfig(**s["model"])
+        fmt, src, tgt, sha = s["format"], s["src"], s["tgt"], s["sha256"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise NmtError(f"{settings_path} is damaged ({type(e).__name__}: {e})") from None
+    if s.get("version", 0) > VERSION:
+        raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): "
+                       "upgrade nmt")
+    spm = Path(path) / SPM
+    provenance_path = Path(path) / PROVENANCE
+    provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
+    if fmt == CT2:
+        return Model(Path(path), config, spm, src, tgt, sha, None, ct2_dir=Path(path),
+                     provenance=provenance)
+    if fmt != NMT:
+        raise NmtError(f"{settings_path}: unknown format {fmt!r}")
+    weights_path = Path(path) / WEIGHTS
+
+    def load_weights() -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+        if sha256_file(weights_path) != sha:
+            raise NmtError(f"{weights_path} does not match the sha256 in {SETTINGS}: it is "
+                           "corrupt or was changed")
+        return load_file(str(weights_path))
+
+    for needed in (weights_path, spm):
+        if not needed.is_file():
+            raise NmtError(f"{path} is incomplete: {needed.name} is missing")
+    return Model(Path(path), config, spm, src, tgt, sha, load_weights, provenance=provenance)
+
+
+def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
+    from nmt_cli import __version__
+    from nmt_cli.config import TranslateConfig
+    d = TranslateConfig()
+    return {"format": fmt, "version": VERSION, "nmt": __version__, "exported": now(),
+            "model": dataclasses.asdict(model.config), "src": model.src, "tgt": model.tgt,
+            "text": model.text_settings, "sha256": sha256,
+            "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a,
+                         "max_len_b": d.max_len_b}, **extra}
+
+
+def write_common(model: Model, out: Path) -> None:
+    shutil.copyfile(model.spm, out / SPM)
+    atomic_write_json(out / PROVENANCE, model.provenance)
+
+
+def export_nmt(model: Model, out: Path) -> None:
+    """Write the package of `model` into the new directory `out`."""
+    from safetensors.torch import save_file
+    if model.load_weights is None:
+        raise NmtError(f"{model.where} is a CTranslate2 export: export from the run directory or "
+                       "an nmt package instead")
+    staging = _staging(out)
+    weights = {k: v.contiguous() for k, v in model.load_weights().items()}
+    save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
+    os.chmod(staging / WEIGHTS, 0o666 & ~_umask())  # safetensors writes it 0600
+    write_common(model, staging)
+    atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
+    _commit(staging, out)
+
+
+def _staging(out: Path) -> Path:
+    """A sibling directory to write into: `out` appears complete or not at all."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NmtError(f"{out} exists and is not empty: choose a new directory")
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _commit(staging: Path, out: Path) -> None:
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+
+
+def _provenance(run: RunDir, path: Path, meta: dict) -> dict:
+    manifest = run.load_manifest() if run.manifest_path.exists() else {}
+    scores = {}
+    for split in run.splits() if manifest.get("prep") else []:
+        # A split's scores belong to this model only if `nmt score` translated it with it.
+        p, key = run.scores(split), run.translation(split, manifest["prep"]["tgt"])
+        key = key.with_suffix(key.suffix + ".json")
+        if p.exists() and key.exists() and \
+                json.loads(key.read_text()).get("model_sha256") == meta.get("sha256"):
+            report = json.loads(p.read_text(encoding="utf-8"))
+            scores[split] = {"settings": json.loads(key.read_text()).get("settings"),
+                             "scores": [{k: s[k] for k in ("metric", "score", "signature")}
+                                        for s in report.get("scores", [])]}
+    configs = {}
+    for step in ("prep", "bpe", "train"):
+        p = run.config_path(step)
+        if p.exists():
+            configs[step] = json.loads(p.read_text(encoding="utf-8"))
+    return {"model_file": path.name, "model_sha256": meta.get("sha256"), "step": meta.get("step"),
+            "averaged": meta.get("averaged"), "configs": configs,
+            "data": {k: manifest[k] for k in ("prep", "bpe") if k in manifest},
+            "scores": scores}

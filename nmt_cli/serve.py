@@ -1,0 +1,256 @@
+"""`nmt serve`: an HTTP JSON service over an exported model, on aiohttp.
+
+    POST /translate {"text": ["...", ...], "beam": 4, "nbest": 1}
+      -> {"translations": ["...", ...]}                  (nbest > 1: lists of {"text", "score"})
+    GET /health -> {"status": "ok", ...}
+
+Requests that arrive within `max_wait_ms` of each other are decoded together (dynamic
+batching), up to `max_batch` sentences, by one decoding thread; the event loop only parses,
+checks and answers. Past `max_queue` waiting sentences a request gets 503 with Retry-After.
+Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
+SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from nmt_cli import ui
+from nmt_cli.config import ServeConfig, TranslateConfig
+from nmt_cli.errors import NmtError
+from nmt_cli.package import Model
+from nmt_cli.translate import Translator
+
+MAX_BEAM = 32
+
+
+def require():
+    try:
+        from aiohttp import web
+    except ImportError:
+        raise NmtError("aiohttp is not installed: pip install 'nmt-cli[serve]' "
+                       "(or pip install aiohttp)") from None
+    return web
+
+
+@dataclass
+class Job:
+    sentences: list[str]
+    beam: int
+    nbest: int
+    done: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Batcher:
+    """Gathers the sentences of concurrent requests into decoding batches, in arrival order."""
+
+    def __init__(self, translator: Translator, config: ServeConfig):
+        self.translator, self.config = translator, config
+        self.jobs: deque[Job] = deque()
+        self.pending = 0  # sentences queued or being decoded
+        self.arrived = asyncio.Event()
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
+
+    def submit(self, sentences: list[str], beam: int, nbest: int) -> asyncio.Future | None:
+        """The future of the job's answer, or None when the queue is full."""
+        if self.pending + len(sentences) > self.config.max_queue:
+            return None
+        job = Job(sentences, beam, nbest, asyncio.get_running_loop().create_future())
+        self.jobs.append(job)
+        self.pending += len(sentences)
+        self.arrived.set()
+        return job.done
+
+    def _take(self) -> list[Job]:
+        """The oldest job, and those after it with the same settings that fit beside it."""
+        first = self.jobs.popleft()
+        taken, size = [first], len(first.sentences)
+        if self.config.batching:
+            for job in list(self.jobs):
+                if (job.beam, job.nbest) == (first.beam, first.nbest) and \
+                        size + len(job.sentences) <= self.config.max_batch:
+                    self.jobs.remove(job)
+                    taken.append(job)
+                    size += len(job.sentences)
+        return taken
+
+    def _ready(self) -> bool:
+        first = self.jobs[0]
+        waited = time.monotonic() - first.arrived
+        queued = sum(len(j.sentences) for j in self.jobs)
+        return (not self.config.batching or queued >= self.config.max_batch
+                or waited * 1000 >= self.config.max_wait_ms)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.jobs:
+                self.arrived.clear()
+                await self.arrived.wait()
+            while not self._ready():
+                self.arrived.clear()
+                left = self.config.max_wait_ms / 1000 - (time.monotonic() - self.jobs[0].arrived)
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), timeout=max(left, 0.0))
+                except asyncio.TimeoutError:
+                    pass
+            jobs = self._take()
+            sentences = [s for j in jobs for s in j.sentences]
+            try:
+                texts, hyps = await loop.run_in_executor(self.decoder, self._decode, sentences,
+                                                         jobs[0].beam, jobs[0].nbest)
+            except Exception as e:  # noqa: BLE001 - every waiting request gets the error
+                for j in jobs:
+                    if not j.done.done():
+                        j.done.set_exception(e)
+            else:
+                start = 0
+                for j in jobs:
+                    end = start + len(j.sentences)
+                    if not j.done.done():  # its client may have gone away
+                        j.done.set_result(_answer(texts[start:end], hyps[start:end], j.nbest))
+                    start = end
+            finally:
+                self.pending -= len(sentences)
+
+    def _decode(self, sentences: list[str], beam: int, nbest: int):
+        hyps = self.translator.hypotheses(sentences, beam, nbest)
+        return self.translator.texts(hyps), hyps
+
+
+def _answer(texts: list[list[str]], hyps, nbest: int) -> list:
+    if nbest == 1:
+        return [t[0] for t in texts]
+    return [[{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)]
+            for ts, hs in zip(texts, hyps)]
+
+
+def error(web, status: int, message: str, **headers: str):
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str], int, int]:
+    """The request's sentences, beam and nbest; ValueError (400) or OverflowError (413)."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("the body is not UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the body is not JSON ({e})") from None
+    if not isinstance(data, dict) or "text" not in data:
+        raise ValueError('expected a JSON object {"text": ["sentence", ...]}')
+    unknown = set(data) - {"text", "beam", "nbest"}
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    text = data["text"]
+    if not isinstance(text, list) or not all(isinstance(s, str) for s in text):
+        raise ValueError('"text" must be a list of strings')
+    if not text:
+        raise ValueError('"text" is empty')
+    if len(text) > config.max_sentences:
+        raise OverflowError(f"{len(text)} sentences in one request; the limit is "
+                            f"{config.max_sentences}")
+    for i, s in enumerate(text):
+        if len(s) > config.max_chars:
+            raise ValueError(f"sentence {i} has {len(s)} characters; the limit is "
+                             f"{config.max_chars}")
+    beam, nbest = data.get("beam", default_beam), data.get("nbest", 1)
+    for name, value in (("beam", beam), ("nbest", nbest)):
+        if type(value) is not int or not 1 <= value <= MAX_BEAM:
+            raise ValueError(f'"{name}" must be an integer from 1 to {MAX_BEAM}')
+    if nbest > beam:
+        raise ValueError(f'"nbest" ({nbest}) exceeds "beam" ({beam})')
+    return text, beam, nbest
+
+
+def make_app(translator: Translator, model: Model, config: ServeConfig):
+    web = require()
+    app = web.Application(client_max_size=config.max_body)
+    batcher_key = web.AppKey("batcher", Batcher)
+
+    async def translate(request):
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return error(web, 413, f"the body exceeds {config.max_body} bytes")
+        try:
+            text, beam, nbest = parse(body, config, translator.config.beam)
+        except OverflowError as e:
+            return error(web, 413, str(e))
+        except ValueError as e:
+            return error(web, 400, str(e))
+        done = request.app[batcher_key].submit(text, beam, nbest)
+        if done is None:
+            return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
+        try:
+            return web.json_response({"translations": await done})
+        except Exception as e:  # noqa: BLE001 - a decoding failure: the service lives on
+            return error(web, 500, f"{type(e).__name__}: {e}")
+
+    async def health(request):
+        return web.json_response({"status": "ok", "model": str(model.where),
+                                  "engine": translator.engine,
+                                  "queued": request.app[batcher_key].pending})
+
+    async def not_allowed(request):
+        return error(web, 405, f"{request.method} {request.path} is not served: "
+                               "POST /translate, GET /health")
+
+    @web.middleware
+    async def json_errors(request, handler):  # aiohttp's own 404/405 pages as JSON too
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error(web, e.status, e.reason)
+
+    async def batching(app):
+        batcher = app[batcher_key] = Batcher(translator, config)
+        task = asyncio.get_running_loop().create_task(batcher.run())
+        yield
+        task.cancel()
+        batcher.decoder.shutdown(wait=True)
+
+    app.middlewares.append(json_errors)
+    app.cleanup_ctx.append(batching)
+    app.router.add_post("/translate", translate)
+    app.router.add_get("/health", health)
+    app.router.add_route("*", "/translate", not_allowed)
+    return app
+
+
+def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) -> None:
+    web = require()
+    translator = Translator(model, translate_config)
+    app = make_app(translator, model, config)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                               shutdown_timeout=config.shutdown_timeout)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            raise NmtError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
+        host, port = runner.addresses[0][:2]
+        ui.say(f"serving {model.where} ({translator.engine}) on http://{host}:{port}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        ui.say("stopping: no new connections; answering the requests in flight")
+        await runner.cleanup()
+        ui.say("stopped")
+
+    asyncio.run(main())

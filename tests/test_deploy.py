@@ -1,0 +1,296 @@
+"""Using a trained model: the package, the CTranslate2 export, streaming, and `nmt serve`."""
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import one_error_line
+
+from nmt_cli.config import TranslateConfig
+from nmt_cli.engine.beam import max_lengths
+from nmt_cli.package import from_dir
+from nmt_cli.translate import Translator
+
+DEADLINE = 60  # seconds: every wait on another process ends
+
+
+def sources_of(multi30k_bpe) -> list[str]:
+    return (multi30k_bpe / "text" / "test.raw.en").read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="module")
+def package(trained_longer, tmp_path_factory) -> Path:
+    """The model exported, then its run directory out of reach: the package stands alone."""
+    run = tmp_path_factory.mktemp("pkg") / "run"
+    shutil.copytree(trained_longer, run)
+    out = run.parent / "package"
+    subprocess.run([sys.executable, "-m", "nmt_cli", "export", str(out), "--run-dir", str(run)],
+                   check=True, capture_output=True, timeout=DEADLINE)
+    shutil.rmtree(run)
+    return out
+
+
+def test_the_package_translates_as_the_run_did_without_unpickling(package, trained_longer, nmt,
+                                                                  monkeypatch, multi30k_bpe):
+    assert sorted(p.name for p in package.iterdir()) == [
+        "model.safetensors", "nmt.json", "provenance.json", "spm.model"]
+    settings = json.loads((package / "nmt.json").read_text())
+    assert (settings["format"], settings["src"], settings["tgt"]) == ("nmt", "en", "de")
+    provenance = json.loads((package / "provenance.json").read_text())
+    assert provenance["step"] == 800 and provenance["configs"]["train"]["max_steps"] == 800
+    assert provenance["data"]["prep"]["splits"]["test"]["kept"] == 1000
+    lines = "\n".join(sources_of(multi30k_bpe)[:40]).encode() + b"\n"
+    from_the_run = nmt("translate", "--run-dir", trained_longer, stdin=lines)
+
+    def no_pickles(*args, **kwargs):
+        raise AssertionError("a package must load without torch.load")
+    monkeypatch.setattr(torch, "load", no_pickles)
+    from_the_package = nmt("translate", "--model", package, stdin=lines)
+    assert from_the_package.code == 0, from_the_package.err
+    assert from_the_package.out == from_the_run.out and from_the_run.out.count("\n") == 40
+
+
+def test_score_works_from_the_package_alone(package, multi30k_bpe, tmp_path, nmt):
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("\n".join(sources_of(multi30k_bpe)[:30]) + "\n")
+    refs = (multi30k_bpe / "text" / "test.raw.de").read_text(encoding="utf-8").splitlines()
+    ref.write_text("\n".join(refs[:30]) + "\n")
+    result = nmt("score", "--model", package, "--src", src, "--ref", ref, "--json",
+                 "--run-dir", tmp_path / "no-run")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    assert report["lines"] == 30 and report["scores"][0]["metric"] == "bleu"
+    assert not (tmp_path / "no-run").exists()
+
+
+def test_package_errors(package, trained_longer, tmp_path, nmt):
+    assert "not empty" in one_error_line(nmt("export", package, "--run-dir", trained_longer))
+    assert "nmt.json" in one_error_line(nmt("translate", "--model", tmp_path, stdin=b"x\n"))
+    broken = tmp_path / "broken"
+    shutil.copytree(package, broken)
+    with open(broken / "model.safetensors", "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\0" * 8)
+    assert "sha256" in one_error_line(nmt("translate", "--model", broken, stdin=b"x\n"))
+    assert "two models" in one_error_line(nmt("translate", "--model", package, "--checkpoint",
+                                              "x.pt", stdin=b"x\n"))
+
+
+# -- CTranslate2 -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported(package, tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for quantization in ("float32", "int8"):
+        where = tmp_path_factory.mktemp("ct2") / quantization
+        subprocess.run([sys.executable, "-m", "nmt_cli", "export", str(where), "--format",
+                        "ctranslate2", "--quantization", quantization, "--model", str(package)],
+                       check=True, capture_output=True, timeout=DEADLINE)
+        out[quantization] = where
+    return out
+
+
+def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi30k_bpe):
+    """The same hypotheses with the same scores as nmt's own search (beam 4 and greedy, 1-best
+    and n-best) wherever the search ends by itself. At a length limit the two differ: nmt ends
+    every hypothesis there with an EOS, CTranslate2 cuts it (docs/guide.md)."""
+    lines = sources_of(multi30k_bpe)[:300]
+    for beam, nbest in ((4, 4), (1, 1)):
+        ours = Translator(from_dir(package), TranslateConfig(beam=beam, nbest=nbest))
+        theirs = Translator(from_dir(exported["float32"]), TranslateConfig(beam=beam,
+                                                                           nbest=nbest))
+        assert theirs.engine == "ctranslate2"
+        a, b = ours.hypotheses(lines), theirs.hypotheses(lines)
+        limits = max_lengths([len(x) for x in ours.encode(lines)], 1.0, 50, 1023)
+        ended = [i for i in range(len(lines)) if all(len(h.tokens) < limits[i] - 1 for h in a[i])]
+        assert len(ended) >= 250, len(ended)  # in one batch, sentences end at many steps
+        assert sum(a[i][0].tokens == b[i][0].tokens for i in ended) >= 0.99 * len(ended)
+        pairs = [(h, g) for i in ended for h, g in zip(a[i], b[i])]
+        assert len(pairs) == nbest * len(ended)
+        assert sum(h.tokens == g.tokens and abs(h.score - g.score) < 1e-3
+                   for h, g in pairs) >= 0.97 * len(pairs)
+
+
+def test_ctranslate2_keeps_nmts_line_guarantees(exported, nmt):
+    stream = b"".join([b"A man is riding a bike.\n", b"\n", b"   \t \n",
+                       " ".join(["word"] * 1500).encode() + b"\n",
+                       b"caf\xe9 \xff\xfe broken bytes\n", b"Two dogs play.\r\n",
+                       b"nul\x00inside\n", b"A woman sings."])
+    for where in exported.values():
+        result = nmt("translate", "--model", where, "--max-len-b", "6", stdin=stream)
+        assert result.code == 0, result.err
+        lines = result.out.split("\n")
+        assert len(lines) - 1 == 8 and lines[1] == lines[2] == ""
+        assert all(lines[i] for i in (0, 3, 4, 5, 6, 7))
+        assert "truncated" in result.err and "not UTF-8" in result.err
+
+
+def test_int8_stays_close_to_float32(package, exported, multi30k_bpe):
+    lines = sources_of(multi30k_bpe)[:200]
+    fp32 = Translator(from_dir(exported["float32"]), TranslateConfig()).translate(lines)
+    int8 = Translator(from_dir(exported["int8"]), TranslateConfig()).translate(lines)
+    on_the_fly = Translator(from_dir(package), TranslateConfig(int8=True)).translate(lines)
+    # A weak model: int8 moves it more than a trained one (docs/benchmarks.md); a wrong
+    # weight would leave almost no line the same.
+    assert sum(a == b for a, b in zip(fp32, int8)) >= 0.5 * len(lines)
+    assert on_the_fly == int8
+
+
+def test_engine_errors(package, exported, tmp_path, nmt):
+    assert "--engine ctranslate2" in one_error_line(
+        nmt("translate", "--model", exported["int8"], "--engine", "nmt", stdin=b"x\n"))
+    assert "unknown --engine" in one_error_line(
+        nmt("translate", "--model", exported["int8"], "--engine", "x", stdin=b"x\n"))
+    assert "unknown --quantization" in one_error_line(
+        nmt("export", tmp_path / "x", "--format", "ctranslate2", "--quantization", "int3",
+            "--model", package))
+    assert "already a CTranslate2 export" in one_error_line(
+        nmt("export", tmp_path / "y", "--format", "ctranslate2", "--model", exported["int8"]))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+def read_line(stream, deadline: float) -> bytes:
+    ready, _, _ = select.select([stream], [], [], deadline)
+    assert ready, f"no answer within {deadline} s"
+    return stream.readline()
+
+
+def test_a_line_into_an_open_pipe_is_answered_before_more_input(package):
+    """The answer comes while stdin stays open: no waiting for 10,000 lines or EOF."""
+    proc = subprocess.Popen([sys.executable, "-m", "nmt_cli", "translate", "--model",
+                             str(package)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        alone = Translator(from_dir(package), TranslateConfig())
+        for sentence in ("A man is riding a bike.", "Two dogs play in the snow."):
+            proc.stdin.write(sentence.encode() + b"\n")
+            proc.stdin.flush()
+            assert read_line(proc.stdout, DEADLINE).decode() == \
+                alone.translate([sentence])[0] + "\n"
+        proc.stdin.close()
+        assert proc.wait(DEADLINE) == 0 and proc.stdout.read() == b""
+    finally:
+        proc.kill()
+
+
+# -- nmt serve ---------------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, model: Path, *options: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nmt_cli", "serve", "--model", str(model), "--port", "0",
+             *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        line = read_line(self.proc.stderr, DEADLINE).decode()
+        found = re.search(r"http://[\d.]+:(\d+)", line)
+        assert found, line
+        self.url = f"http://127.0.0.1:{found.group(1)}"
+
+    def post(self, body: bytes | dict, path: str = "/translate") -> tuple[int, dict, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=DEADLINE) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
+
+    def get(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=DEADLINE) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(DEADLINE)
+        finally:
+            self.proc.kill()
+
+
+def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe):
+    sources = sources_of(multi30k_bpe)[:60]
+    expected = Translator(from_dir(package), TranslateConfig()).translate(sources)
+    server = Server(package, "--max-wait-ms", "20")
+    try:
+        assert server.get("/health") == (200, {"status": "ok", "model": str(package),
+                                               "engine": "nmt", "queued": 0})
+        answers: dict[int, tuple] = {}
+
+        def client(i: int) -> None:  # requests of 1 to 6 sentences, 12 at once
+            part = list(range(i * 5, i * 5 + 1 + i % 6))
+            status, body, _ = server.post({"text": [sources[j] for j in part]})
+            answers[i] = (status, body, part)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(DEADLINE)
+        assert len(answers) == 10
+        for status, body, part in answers.values():
+            assert status == 200 and body["translations"] == [expected[j] for j in part]
+        status, body, _ = server.post({"text": [sources[0], ""], "beam": 4, "nbest": 2})
+        assert status == 200 and len(body["translations"][0]) == 2
+        assert body["translations"][0][0]["text"] == expected[0]
+        assert body["translations"][1] == [{"text": "", "score": 0.0}] * 2
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_service_refuses_bad_requests_and_keeps_serving(package):
+    server = Server(package, "--max-queue", "4")
+    try:
+        refused = [
+            (b"{not json", 400), (b'{"text": "one string"}', 400), (b'{"text": [1, 2]}', 400),
+            (b'{"text": []}', 400), (b'[]', 400), (b'{"text": ["a"], "beam": 0}', 400),
+            (b'{"text": ["a"], "beam": 2, "nbest": 3}', 400), (b'{"txt": ["a"]}', 400),
+            (b'{"text": ["\xff\xfe"]}', 400),
+            (json.dumps({"text": [" ".join(["word"] * 10_000)]}).encode(), 400),
+            (json.dumps({"text": ["x" * 100] * 300}).encode(), 413),
+            (json.dumps({"text": ["y" * 1000] * 2000}).encode(), 413),  # 2 MB body
+            (json.dumps({"text": ["a"] * 5}).encode(), 503),            # past --max-queue 4
+        ]
+        for body, status in refused:
+            got, answer, headers = server.post(body)
+            assert (got, set(answer)) == (status, {"error"}), (body[:40], got, answer)
+            if status == 503:
+                assert headers.get("Retry-After") == "1"
+        assert server.get("/nowhere")[0] == 404 and server.get("/translate")[0] == 405
+        assert server.post({"text": ["A dog runs."]})[0] == 200  # still serving
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):
+    sources = sources_of(multi30k_bpe)[:500]
+    server = Server(package, "--max-queue", "1000", "--max-sentences", "500")
+    answer: list = []
+    request = threading.Thread(target=lambda: answer.append(server.post({"text": sources})))
+    request.start()
+    time.sleep(0.05)
+    deadline = time.monotonic() + DEADLINE
+    while server.get("/health")[1]["queued"] == 0 and not answer:  # in, not yet answered
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert server.stop() == 0
+    request.join(DEADLINE)
+    status, body, _ = answer[0]
+    assert status == 200 and len(body["translations"]) == 500
+    with pytest.raises(urllib.error.URLError):  # and it listens no more
+        server.get("/health")
