@@ -419,6 +419,8 @@ def serve(
     max_wait_ms: Annotated[float, typer.Option(help="How long a request may wait for others "
                                                "to share its batch.")] = 5.0,
     max_batch: Annotated[int, typer.Option(help="Sentences decoded together at most.")] = 64,
+    batching: Annotated[bool, typer.Option("--batching/--no-batching", help="Decode concurrent "
+                                           "requests together.")] = True,
     max_queue: Annotated[int, typer.Option(help="Sentences waiting at most; beyond, 503.")] = 1024,
     max_sentences: Annotated[int, typer.Option(help="Sentences per request; beyond, 413.")] = 256,
     engine: EngineOption = "auto",
@@ -432,6 +434,7 @@ def serve(
 
     translate_config = TranslateConfig(beam=beam, engine=engine, device=device, threads=threads)
     config = ServeConfig(host=host, port=port, max_wait_ms=max_wait_ms, max_batch=max_batch,
+                         batching=batching,
                          max_queue=max_queue, max_sentences=max_sentences)
     serve_mod.run(package.from_dir(model), translate_config, config)
 

@@ -10,7 +10,6 @@ output projection, LayerNorm eps 1e-6. The source gets its EOS from CTranslate2
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -128,23 +127,17 @@ class Engine:
 
     def search(self, batch: list[list[int]], beam: int, alpha: float, max_lens: list[int],
                nbest: int) -> list[list[Hypothesis]]:
-        """nmt's beam search on `batch` (source ids without EOS), `max_lens` counting the EOS."""
-        out = self._search(batch, beam, alpha, max(max_lens))
-        # One call has one length limit, the batch's largest. A sentence whose search never came
-        # near its own limit searched exactly as it would have under it; one that did is
-        # searched again, alone, under its own.
-        for i, (hyps, limit) in enumerate(zip(out, max_lens)):
-            if limit < max(max_lens) and max(h.length for h in hyps) >= limit:
-                out[i] = self._search([batch[i]], beam, alpha, limit)[0]
-        return [[h.hypothesis for h in hyps[:nbest]] for hyps in out]
+        """nmt's beam search on `batch` (source ids without EOS), `max_lens` counting the EOS.
 
-    def _search(self, batch: list[list[int]], beam: int, alpha: float, limit: int):
-        # CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
-        # Its search ranks by the raw log-probability and applies the penalty only to finished
-        # hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
+        CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
+        Its search ranks by the raw log-probability and applies the penalty only to finished
+        hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
+        One call has one length limit, the batch's largest (nmt's is each sentence's own; the
+        batches hold sentences of close lengths, and a trained model rarely meets its limit).
+        """
         results = self.translator.translate_batch(
             [[self.pieces[i] for i in x] for x in batch], beam_size=beam, length_penalty=0.0,
-            num_hypotheses=beam, max_decoding_length=limit, max_input_length=0,
+            num_hypotheses=beam, max_decoding_length=max(max_lens), max_input_length=0,
             return_scores=True, return_end_token=True)
         out = []
         for r in results:
@@ -152,14 +145,7 @@ class Engine:
             for tokens, score in zip(r.hypotheses, r.scores):
                 ids = [self.ids[t] for t in tokens]
                 # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
-                penalty = length_penalty(len(ids), alpha)
-                hyps.append(_Found(Hypothesis([i for i in ids if i != EOS], float(score) / penalty),
-                                   len(ids)))
-            out.append(sorted(hyps, key=lambda h: -h.hypothesis.score))
+                hyps.append(Hypothesis([i for i in ids if i != EOS],
+                                       float(score) / length_penalty(len(ids), alpha)))
+            out.append(sorted(hyps, key=lambda h: -h.score)[:nbest])
         return out
-
-
-@dataclass
-class _Found:
-    hypothesis: Hypothesis
-    length: int  # tokens, with the EOS
