@@ -1,16 +1,23 @@
 """Shared by the benchmarks and the peer scripts (which run in the peers' own venvs, so this
-file imports only the standard library at the top, and torch where a function needs it)."""
+file imports only the standard library and nmt_cli.config at the top, and torch where a function
+needs it)."""
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
-SHAPES = {
-    "tiny": dict(layers=3, d=256, ffn=1024, heads=4, vocab=8000),
-    "base": dict(layers=6, d=512, ffn=2048, heads=8, vocab=32000),
-    "big": dict(layers=6, d=1024, ffn=4096, heads=16, vocab=32000),
-}
+# nmt's presets, read from nmt_cli/config.py (standard library only, so the peers' venvs import
+# it too), with the vocabulary each benchmark uses (the figures of ../shared/PEERS.md).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from nmt_cli.config import PRESETS  # noqa: E402
+
+VOCAB = {"tiny": 8000, "base": 32000, "big": 32000}
+SHAPES = {name: dict(layers=PRESETS[name]["num_encoder_layers"], d=PRESETS[name]["d_model"],
+                     ffn=PRESETS[name]["ffn"], heads=PRESETS[name]["heads"], vocab=vocab)
+          for name, vocab in VOCAB.items()}
 
 
 def batch(vocab: int, sentences: int = 128, length: int = 32, seed: int = 0):

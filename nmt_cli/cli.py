@@ -21,24 +21,10 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions
 
 from nmt_cli import __version__
+from nmt_cli.cli_options import RunDirOption, ThreadsOption, app, done
 from nmt_cli.errors import NmtError
 
-app = typer.Typer(
-    name="nmt",
-    help="Transformer neural machine translation: prep -> bpe -> train -> average -> "
-         "translate -> score, all in one run directory.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
 _debug = bool(os.environ.get("NMT_DEBUG"))
-
-RunDirOption = Annotated[Path, typer.Option(
-    "--run-dir", envvar="NMT_RUN_DIR",
-    help="The run directory: every step reads and writes here.")]
-
 
 def _version(value: bool) -> None:
     if value:
@@ -108,7 +94,7 @@ def prep(
         run.save_config("prep", config)
         summary = prep_mod.prepare(config, run, workers=workers)
     prep_mod.show(summary)
-    _done(f"cleaned text in {run.root / 'text'}", f"nmt bpe --run-dir {run.root}")
+    done(f"cleaned text in {run.root / 'text'}", f"nmt bpe --run-dir {run.root}")
 
 
 @app.command()
@@ -136,7 +122,7 @@ def bpe(
         run.save_config("bpe", config)
         result = bpe_mod.run_bpe(config, run)
     bpe_mod.show(result)
-    _done(f"binarized data in {run.root / 'data'}", f"nmt train --run-dir {run.root}")
+    done(f"binarized data in {run.root / 'data'}", f"nmt train --run-dir {run.root}")
 
 
 @app.command()
@@ -244,215 +230,8 @@ def average(
            f"{run.averaged}")
 
 
-BeamOption = Annotated[int, typer.Option(help="Beam size (1: greedy).")]
-AlphaOption = Annotated[float, typer.Option(help="Length penalty ((5+|Y|)/6)^alpha.")]
-MaxLenA = Annotated[float, typer.Option(help="Output length <= a * source length + b: a.")]
-MaxLenB = Annotated[int, typer.Option(help="Output length <= a * source length + b: b.")]
-CheckpointOption = Annotated[Optional[Path], typer.Option(
-    help="Model file (default: the averaged model, else the latest checkpoint).")]
-DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-PrecisionOption = Annotated[str, typer.Option(
-    help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16 (GPU).")]
-Int8Option = Annotated[bool, typer.Option(
-    "--int8", help="int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")]
-ModelOption = Annotated[Optional[Path], typer.Option(
-    "--model", help="A directory from `nmt export` (instead of the run's model).")]
-EngineOption = Annotated[str, typer.Option(
-    help="nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8).")]
-ThreadsOption = Annotated[int, typer.Option(help="CPU threads (0: torch's default).")]
-
-
-@app.command()
-def translate(
-    run_dir: RunDirOption = Path("run"),
-    model: ModelOption = None,
-    checkpoint: CheckpointOption = None,
-    beam: BeamOption = 4,
-    alpha: AlphaOption = 0.6,
-    max_len_a: MaxLenA = 1.0,
-    max_len_b: MaxLenB = 50,
-    nbest: Annotated[int, typer.Option(help="Hypotheses per line, printed as "
-                                            "'line<TAB>score<TAB>text'.")] = 1,
-    max_tokens: Annotated[int, typer.Option(help="Padded source tokens per batch.")] = 4096,
-    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = "auto",
-    int8: Int8Option = False,
-    engine: EngineOption = "auto",
-    threads: ThreadsOption = 0,
-) -> None:
-    """Translate stdin to stdout, one line per line, with cached beam search.
-
-    Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli import scoring, ui
-    from nmt_cli.config import TranslateConfig
-    from nmt_cli.translate import Translator
-
-    config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
-                             alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, nbest=nbest,
-                             max_tokens=max_tokens, batch_size=batch_size, device=device,
-                             precision=precision, int8=int8, engine=engine, threads=threads)
-    translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
-    with ui.progress() as bar:
-        task = bar.add_task("translate", total=None)
-        counts = translator.stream(sys.stdin.buffer, sys.stdout,
-                                   lambda n: bar.advance(task, n))
-    scoring.report_counts(counts, translator.max_src)
-
-
-@app.command()
-def score(
-    hyp: Annotated[Optional[Path], typer.Option(help="Translations (default: stdin, or with "
-                                                     "no --ref, the run's test set).")] = None,
-    ref: Annotated[Optional[Path], typer.Option(help="References, line-aligned with --hyp.")] = None,
-    src: Annotated[Optional[Path], typer.Option(help="Translate this file (with --ref, instead "
-                                                     "of --hyp) with the model.")] = None,
-    model: ModelOption = None,
-    run_dir: RunDirOption = Path("run"),
-    split: Annotated[str, typer.Option(
-        help="Without --ref: the run's split to translate and score.")] = "test",
-    metrics: Annotated[str, typer.Option(help="Comma-separated: bleu, chrf, ter.")] = "bleu,chrf,ter",
-    tokenize: Annotated[str, typer.Option(help="sacreBLEU tokenizer for BLEU.")] = "13a",
-    lowercase: Annotated[bool, typer.Option("--lowercase", help="Case-insensitive scores.")] = False,
-    moses_lc: Annotated[bool, typer.Option("--moses-lc", help="Lowercase + Moses normalise + "
-                                           "Moses tokenise both sides, BLEU with --tokenize none "
-                                           "(how Multi30k papers report).")] = False,
-    lang: Annotated[Optional[str], typer.Option(help="Target language for --moses-lc "
-                                                     "(default: the run's).")] = None,
-    compare: Annotated[Optional[Path], typer.Option(help="Another system's translations: "
-                                                         "paired bootstrap test against it.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    checkpoint: CheckpointOption = None,
-    beam: BeamOption = 4,
-    alpha: AlphaOption = 0.6,
-    max_len_a: MaxLenA = 1.0,
-    max_len_b: MaxLenB = 50,
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = "auto",
-    int8: Int8Option = False,
-    engine: EngineOption = "auto",
-    threads: ThreadsOption = 0,
-) -> None:
-    """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
-    import json
-
-    from nmt_cli import scoring
-    from nmt_cli.config import TranslateConfig
-    from nmt_cli.rundir import RunDir, atomic_write_json
-    from nmt_cli.textio import read_lines
-
-    metric_names = scoring.parse_metrics(metrics)
-    run = RunDir(run_dir)
-    config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
-                             alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                             device=device, precision=precision, int8=int8, engine=engine,
-                             threads=threads)
-    if src is not None:
-        if ref is None or hyp is not None:
-            raise NmtError("--src needs --ref, and not --hyp")
-        hyps = scoring.translate_lines(_load_model(run_dir, model, config.checkpoint), config, src)
-        refs, names = list(read_lines(ref)), (f"{src} translated", str(ref))
-    elif ref is None:
-        if hyp is not None:
-            raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
-        found = _load_model(run_dir, model, config.checkpoint) if model else None
-        hyp_path, ref_path = scoring.translate_split(run, split, config, found)
-        hyps, refs = list(read_lines(hyp_path)), list(read_lines(ref_path))
-        names = (str(hyp_path), str(ref_path))
-    else:
-        refs = list(read_lines(ref))
-        hyps = list(read_lines(hyp)) if hyp is not None else _stdin_lines()
-        names = (str(hyp) if hyp else "stdin", str(ref))
-    if moses_lc and lang is None:  # the run's target language, if there is a run
-        prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
-        lang = prepped.get("tgt", "en")
-    report = scoring.report(
-        hyps, refs, names, metric_names, tokenize=tokenize,
-        lowercase=lowercase, moses_lc_lang=lang if moses_lc else None,
-        baseline=(str(compare), list(read_lines(compare))) if compare is not None else None)
-    if ref is None and model is None:
-        atomic_write_json(run.scores(split), report)
-    if json_out:
-        print(json.dumps(report, indent=2))
-        return
-    for r in report["scores"]:
-        print(f"{r['text']}\t{r['signature']}")
-    for m, c in report.get("compare", {}).items():
-        if m != "baseline":
-            print(f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
-                  f"p = {c['p_value']:.4f} (paired bootstrap)")
-
-
-@app.command()
-def export(
-    out: Annotated[Path, typer.Argument(help="The directory to write (new or empty).")],
-    fmt: Annotated[str, typer.Option("--format", help="nmt: a self-contained package "
-                                     "(safetensors); ctranslate2: a CTranslate2 model.")] = "nmt",
-    quantization: Annotated[str, typer.Option(help="ctranslate2: float32, int8, int8_float32, "
-                                              "float16, bfloat16.")] = "float32",
-    run_dir: RunDirOption = Path("run"),
-    model: ModelOption = None,
-    checkpoint: CheckpointOption = None,
-) -> None:
-    """Write the model, its sentencepiece model, settings and provenance into one directory."""
-    from nmt_cli import package
-
-    found = _load_model(run_dir, model, str(checkpoint) if checkpoint else None)
-    if fmt == "nmt":
-        if quantization != "float32":
-            raise NmtError("--quantization is for --format ctranslate2")
-        package.export_nmt(found, out)
-    elif fmt == "ctranslate2":
-        from nmt_cli import ct2
-        ct2.export(found, out, quantization)
-    else:
-        raise NmtError(f"unknown --format {fmt!r}: choose nmt or ctranslate2")
-    _done(f"exported {found.where} to {out}", f"nmt translate --model {out} < input.txt")
-
-
-@app.command()
-def serve(
-    model: Annotated[Path, typer.Option("--model", help="A directory from `nmt export`.")],
-    port: Annotated[int, typer.Option(help="TCP port (0: any free one, printed).")] = 8080,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    beam: BeamOption = 4,
-    max_wait_ms: Annotated[float, typer.Option(help="How long a request may wait for others "
-                                               "to share its batch.")] = 5.0,
-    max_batch: Annotated[int, typer.Option(help="Sentences decoded together at most.")] = 64,
-    batching: Annotated[bool, typer.Option("--batching/--no-batching", help="Decode concurrent "
-                                           "requests together.")] = True,
-    max_queue: Annotated[int, typer.Option(help="Sentences waiting at most; beyond, 503.")] = 1024,
-    max_sentences: Annotated[int, typer.Option(help="Sentences per request; beyond, 413.")] = 256,
-    engine: EngineOption = "auto",
-    device: DeviceOption = "auto",
-    threads: ThreadsOption = 0,
-) -> None:
-    """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
-    from nmt_cli import package
-    from nmt_cli import serve as serve_mod
-    from nmt_cli.config import ServeConfig, TranslateConfig
-
-    translate_config = TranslateConfig(beam=beam, engine=engine, device=device, threads=threads)
-    config = ServeConfig(host=host, port=port, max_wait_ms=max_wait_ms, max_batch=max_batch,
-                         batching=batching,
-                         max_queue=max_queue, max_sentences=max_sentences)
-    serve_mod.run(package.from_dir(model), translate_config, config)
-
-
-def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str]):
-    from nmt_cli import package
-    from nmt_cli.rundir import RunDir
-    if model is not None:
-        if checkpoint:
-            raise NmtError("--model and --checkpoint name two models: give one")
-        return package.from_dir(model)
-    return package.from_run(RunDir(run_dir), checkpoint)
-
-
-def _stdin_lines() -> list[str]:
-    from nmt_cli.textio import Damage, decode_line
-    damage = Damage()
-    return [decode_line(raw, i, damage) for i, raw in enumerate(sys.stdin.buffer, 1)]
+# translate, score, export, serve: the commands that use a trained model, declared there.
+from nmt_cli import cli_use  # noqa: E402,F401
 
 
 @app.command()
@@ -511,11 +290,6 @@ def quickstart(
 
 
 # -- output helpers -----------------------------------------------------------------------------
-
-def _done(message: str, next_command: str) -> None:
-    from nmt_cli import ui
-    ui.done(message, next_command)
-
 
 def _error(message: str) -> None:
     # One line, whatever the message contains. A rank that torchrun started also hands it to

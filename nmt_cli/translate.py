@@ -82,7 +82,7 @@ class Translator:
 
     def __init__(self, model: Model, config: TranslateConfig):
         import sentencepiece as spm
-        self.config, self.source = config, model
+        self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
