@@ -113,3 +113,40 @@ def test_seen_pairs_across_flushes():
     assert not any(seen.add(a, b) for a, b in pairs)
     assert seen.add("new", "pair")
     assert len(seen.old) + len(seen.recent) == 51
+
+
+# The Universal Declaration of Human Rights, article 1, in its official translations, and one
+# more sentence of it (article 3); the pairs a length filter by spaces would throw away.
+UDHR = {
+    "en": ["All human beings are born free and equal in dignity and rights. They are endowed "
+           "with reason and conscience and should act towards one another in a spirit of "
+           "brotherhood.",
+           "Everyone has the right to life, liberty and security of person."],
+    "zh": ["人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。",
+           "人人有权享有生命、自由和人身安全。"],
+    "ja": ["すべての人間は、生まれながらにして自由であり、かつ、尊厳と権利とについて平等である。"
+           "人間は、理性と良心とを授けられており、互いに同胞の精神をもって行動しなければならない。",
+           "すべて人は、生命、自由及び身体の安全に対する権利を有する。"],
+    "th": ["มนุษย์ทั้งหลายเกิดมามีอิสระและเสมอภาคกันในเกียรติศักดิ์และสิทธิ ต่างมีเหตุผลและมโนธรรม "
+           "และควรปฏิบัติต่อกันด้วยเจตนารมณ์แห่งภราดรภาพ",
+           "บุคคลมีสิทธิในการดำเนินชีวิต ในเสรีภาพและในความมั่นคงแห่งร่างกาย"],
+}
+
+
+def test_the_length_filter_keeps_translations_into_scripts_without_spaces(tmp_path, nmt):
+    from nmt_cli.prep import length
+    for lang in ("zh", "ja", "th"):
+        for en, other in zip(UDHR["en"], UDHR[lang]):
+            assert len(en.split()) > 4 * len(other.split())  # what counting spaces would see
+            assert 1 / 1.5 <= length(other) / length(en) <= 1.5, (lang, length(other))
+        src = write(tmp_path / f"u.{lang}.en", UDHR["en"] * 3)
+        tgt = write(tmp_path / f"u.{lang}", UDHR[lang] * 3)
+        run = RunDir(tmp_path / lang)
+        result = nmt("prep", "custom", "--src", "en", "--tgt", lang, "--train-src", src,
+                     "--train-tgt", tgt, "--valid-src", src, "--valid-tgt", tgt,
+                     "--run-dir", run.root)
+        assert result.code == 0, result.err
+        train = run.load_manifest()["prep"]["splits"]["train"]
+        assert train["kept"] == 2 and train["dropped"] == {"duplicate": 4}, train
+    # A side far longer than the other is still dropped, in any script.
+    assert length(UDHR["zh"][1]) * 1.5 < length(UDHR["en"][0])
