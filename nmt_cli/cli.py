@@ -93,8 +93,8 @@ def prep(
     with run.lock("prep"):
         run.save_config("prep", config)
         summary = prep_mod.prepare(config, run, workers=workers)
-    prep_mod.show(summary)
-    done(f"cleaned text in {run.root / 'text'}", f"nmt bpe --run-dir {run.root}")
+        prep_mod.show(summary)
+        done(f"cleaned text in {run.root / 'text'}", f"nmt bpe --run-dir {run.root}")
 
 
 @app.command()
@@ -121,8 +121,8 @@ def bpe(
     with run.lock("bpe"):
         run.save_config("bpe", config)
         result = bpe_mod.run_bpe(config, run)
-    bpe_mod.show(result)
-    done(f"binarized data in {run.root / 'data'}", f"nmt train --run-dir {run.root}")
+        bpe_mod.show(result)
+        done(f"binarized data in {run.root / 'data'}", f"nmt train --run-dir {run.root}")
 
 
 @app.command()
@@ -226,8 +226,8 @@ def average(
     run = RunDir(run_dir)
     with run.lock("average"):
         record = checkpoint.average_run(run, last, ui.say)
-    ui.say(f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) into "
-           f"{run.averaged}")
+        ui.say(f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) "
+               f"into {run.averaged}")
 
 
 # translate, score, export, serve: the commands that use a trained model, declared there.

@@ -16,6 +16,7 @@ Layout (each step writes only its own part, and records it in manifest.json):
     translations/{split}.{lang}(.json)  translations made by `nmt score`, and their settings
     scores/{split}.json         the scores `nmt score` computed for a split
     curves.png                  the training curves drawn by `nmt plot`
+    log.txt                     what each command said while it held the run, timestamped
 """
 
 from __future__ import annotations
@@ -186,6 +187,11 @@ class RunDir:
         return self.root / "scores" / f"{split}.json"
 
     @property
+    def log(self) -> Path:
+        """What every command said while it held the run, timestamped (ui.log_to)."""
+        return self.root / "log.txt"
+
+    @property
     def plot(self) -> Path:
         return self.root / "curves.png"
 
@@ -276,9 +282,14 @@ class RunDir:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(me).encode(), 0)
             os.fsync(fd)
+            ui.log_to(self.log, f"nmt {command} (pid {me['pid']} on {me['host']})")
             try:
                 yield
+            except BaseException as e:
+                ui.note(f"stopped: {type(e).__name__}: {e}")
+                raise
             finally:
+                ui.log_to(None)
                 os.ftruncate(fd, 0)
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:

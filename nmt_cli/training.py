@@ -86,6 +86,8 @@ def launch(run: RunDir, config: TrainConfig, how: Launch) -> None:
 def worker(run_dir: str) -> int:
     """A launched worker: train on the saved settings; the exit status."""
     run = RunDir(run_dir)
+    if os.environ.get("RANK", "0") == "0":  # the launcher holds the run; rank 0 speaks for it
+        ui.log_to(run.log, f"nmt train: rank 0 (pid {os.getpid()})")
     try:
         config = from_json(TrainConfig, run.config_path("train").read_text(),
                            str(run.config_path("train")))

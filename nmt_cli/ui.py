@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -20,10 +22,32 @@ from rich.progress import (
 )
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)  # logs keep whole lines
+_log: TextIO | None = None  # the run directory's log.txt while a command holds the run
+
+
+def log_to(path: Path | None, header: str = "") -> None:
+    """Copy what is said into `path` (appended, one timestamped line each), or stop (None)."""
+    global _log
+    if _log is not None:
+        _log.close()
+        _log = None
+    if path is not None:
+        _log = open(path, "a", encoding="utf-8", buffering=1)
+        note(f"=== {header}")
+
+
+def note(message: str) -> None:
+    """Into the run's log only (the terminal shows it in a live display instead)."""
+    if _log is not None:
+        import datetime
+        stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
+        for line in str(message).splitlines() or [""]:
+            _log.write(f"{stamp} {line}\n")
 
 
 def say(message: str) -> None:
     console.print(message, markup=False)
+    note(message)
 
 
 def done(message: str, next_command: str) -> None:
@@ -39,10 +63,13 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
     for row in rows:
         t.add_row(*row)
     console.print(t)
+    for row in [[title], header, *rows]:
+        note("\t".join(row))
 
 
 def warn(message: str) -> None:
     console.print(f"warning: {message}", style="yellow", markup=False)
+    note(f"warning: {message}")
 
 
 @contextmanager
@@ -93,10 +120,11 @@ class TrainDisplay:
         if self._task is None:
             self._task = self._bar.add_task("train", total=total_steps, info=info)
         self._bar.update(self._task, completed=state.step, info=info)
-        if not self.live and self._time() - self._last >= self.every:
+        if self._time() - self._last >= self.every:
             self._last = self._time()
-            say(f"step {state.step}{f'/{total_steps}' if total_steps else ''} "
-                f"epoch {state.epoch + 1}: {info}")
+            line = (f"step {state.step}{f'/{total_steps}' if total_steps else ''} "
+                    f"epoch {state.epoch + 1}: {info}")
+            say(line) if not self.live else note(line)
 
     def say(self, message: str) -> None:
         say(message)

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,18 @@ def test_training_learns_and_logs(run_copy, nmt):
         ["checkpoint_00000030.pt", "checkpoint_00000060.pt"]
     saved = json.loads((run_copy / "train.json").read_text())
     assert saved["max_steps"] == 60 and saved["d_model"] == 16
+    # A plain-text log of the run: what each command said, and the training lines (every 30 s,
+    # and the first), whether or not a terminal showed a live display instead.
+    log = (run_copy / "log.txt").read_text().splitlines()
+    starts = [line for line in log if "=== nmt " in line]
+    assert [line.split("=== ")[1].split(" (")[0] for line in starts] == \
+        ["nmt prep", "nmt bpe", "nmt train"]
+    train_log = log[log.index(starts[-1]):]
+    assert any(" step 1/60 epoch 1: loss " in line for line in train_log), train_log
+    assert any("step 60: valid nll" in line for line in train_log)
+    assert any("training stopped: reached --max-steps 60" in line for line in train_log)
+    assert any("train.en\t28,997" in line for line in log)  # nmt bpe's table, as text
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line) for line in log)
 
 
 def _train_cmd(run_dir, steps):
