@@ -156,6 +156,10 @@ def train(
     patience: Annotated[int, typer.Option(help="Stop after N validations without improvement (0: off).")] = 0,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N updates.")] = 1000,
     keep_last: Annotated[int, typer.Option(help="Checkpoints kept.")] = 20,
+    keep_best: Annotated[int, typer.Option(help="Also keep the N best models by --best-metric, "
+                                           "in checkpoints/best (0: none).")] = 0,
+    best_metric: Annotated[str, typer.Option(help="nll, or bleu (with --eval-bleu): what "
+                                             "--keep-best and --patience watch.")] = "nll",
     seed: Annotated[int, typer.Option(help="Seed of initialisation, dropout and batch order.")] = 1,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the model.")] = False,
@@ -215,17 +219,19 @@ def average(
     run_dir: RunDirOption = Path("run"),
     last: Annotated[int, typer.Option(help="Average the last N checkpoints (the paper: 5 for "
                                            "base, 20 for big).")] = 5,
+    best: Annotated[int, typer.Option(help="Instead, average the N best models kept by "
+                                           "`nmt train --keep-best`.")] = 0,
 ) -> None:
-    """Average the last N checkpoints into the run's model."""
+    """Average the last N checkpoints (or the N best) into the run's model."""
     from nmt_cli import ui
     from nmt_cli.engine import checkpoint
     from nmt_cli.rundir import RunDir
 
-    if last < 1:
-        raise NmtError("--last must be at least 1")
+    if last < 1 or best < 0:
+        raise NmtError("--last must be at least 1, and --best not negative")
     run = RunDir(run_dir)
     with run.lock("average"):
-        record = checkpoint.average_run(run, last, ui.say)
+        record = checkpoint.average_run(run, last, ui.say, best)
         ui.say(f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) "
                f"into {run.averaged}")
 

@@ -143,6 +143,8 @@ class TrainConfig:
     patience: int = 0                           # evaluations without improvement; 0: off
     save_every: int = 1000
     keep_last: int = 20                         # enough to average the last 20 (big)
+    keep_best: int = 0                          # also keep the N best models by best_metric
+    best_metric: str = "nll"                    # nll, or bleu (with eval_bleu); for patience too
     seed: int = 1
     device: str = "auto"
     compile: bool = False
@@ -168,6 +170,12 @@ class TrainConfig:
                 raise NmtError(f"--{name.replace('_', '-')} must be in [0, 1)")
         if self.lr_scale <= 0:
             raise NmtError("--lr-scale must be positive")
+        if self.keep_best < 0:
+            raise NmtError("--keep-best must not be negative")
+        if self.best_metric not in ("nll", "bleu"):
+            raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
+        if self.best_metric == "bleu" and not self.eval_bleu:
+            raise NmtError("--best-metric bleu needs --eval-bleu (validation BLEU)")
         if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):
             raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
         self.model_config(vocab_size=1)  # the shape, checked before any work starts

@@ -11,6 +11,7 @@ Layout (each step writes only its own part, and records it in manifest.json):
     bpe/spm.model, bpe/spm.vocab  the joint sentencepiece model
     data/{split}.{lang}.bin/.idx  binarized token data (see shards.py)
     checkpoints/checkpoint_{step:08d}.pt/.json   training checkpoints (engine/checkpoint.py)
+    checkpoints/best/best_{step:08d}.pt/.json    the best models by validation (--keep-best)
     metrics.jsonl               every logged training/validation figure, one JSON object a line
     averaged.pt/.json           the average of the last checkpoints (`nmt average`)
     translations/{split}.{lang}(.json)  translations made by `nmt score`, and their settings
@@ -168,6 +169,11 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def best(self) -> Path:
+        """The best models by a validation metric (`nmt train --keep-best`), apart from pruning."""
+        return self.root / "checkpoints" / "best"
 
     @property
     def metrics(self) -> Path:

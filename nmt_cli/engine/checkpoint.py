@@ -84,6 +84,37 @@ def prune(folder: Path, keep: int) -> None:
             os.unlink(tmp)
 
 
+BEST = re.compile(r"best_(\d{8})\.json$")
+
+
+def best_listed(folder: Path) -> list[tuple[float, Path]]:
+    """The kept best models with their scores (lower is better), best first."""
+    if not Path(folder).is_dir():
+        return []
+    found = []
+    for p in Path(folder).iterdir():
+        if BEST.match(p.name):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                found.append((float(json.loads(p.read_text())["best"]["score"]),
+                              p.with_suffix(".pt")))
+    return sorted(found)
+
+
+def keep_best(folder: Path, n: int, score: float, step: int,
+              tensors: Callable[[], dict[str, Any]], meta: dict) -> None:
+    """Keep the model of `step` among the `n` best in `folder` if its score earns it a place."""
+    kept = best_listed(folder)
+    if len(kept) >= n and score >= kept[n - 1][0]:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    save_tensors(Path(folder) / f"best_{step:08d}.pt", tensors(), meta)
+    for _, path in [k for k in kept if k[1].name != f"best_{step:08d}.pt"][n - 1:]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.with_suffix(".json"))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def load_latest(folder: Path, warn: Callable[[str], None]) -> tuple[dict, dict] | None:
     """The newest checkpoint that verifies; unverifiable ones are skipped with a warning."""
     for path in reversed(listed(folder)):
@@ -122,14 +153,23 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     return total, first_meta
 
 
-def average_run(run: RunDir, last: int, say: Callable[[str], None]) -> dict:
-    """Average the last `last` checkpoints into the run's averaged model."""
-    paths = listed(run.checkpoints)
-    if not paths:
-        raise NmtError(f"no checkpoints in {run.checkpoints}: run `nmt train` first")
-    if len(paths) < last:
-        say(f"only {len(paths)} checkpoints exist; averaging all of them")
-    chosen = paths[-last:]
+def average_run(run: RunDir, last: int, say: Callable[[str], None], best: int = 0) -> dict:
+    """Average the last `last` checkpoints (or the `best` best kept ones) into the run's
+    averaged model."""
+    if best:
+        paths = [p for _, p in best_listed(run.best)][:best]
+        if not paths:
+            raise NmtError(f"no best models in {run.best}: train with --keep-best N")
+        if len(paths) < best:
+            say(f"only {len(paths)} best models are kept; averaging all of them")
+        chosen = sorted(paths)  # by step
+    else:
+        paths = listed(run.checkpoints)
+        if not paths:
+            raise NmtError(f"no checkpoints in {run.checkpoints}: run `nmt train` first")
+        if len(paths) < last:
+            say(f"only {len(paths)} checkpoints exist; averaging all of them")
+        chosen = paths[-last:]
     weights, meta = average(chosen)
     newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
     record = {**{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},

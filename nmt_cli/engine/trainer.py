@@ -330,12 +330,26 @@ class Trainer:
         metrics = self.validate()
         if metrics is None:
             return
-        if metrics["valid_nll"] < self.state.best_valid:
-            self.state.best_valid, self.state.bad_evals = metrics["valid_nll"], 0
+        # Lower is better: the NLL, or BLEU negated.
+        score = metrics["valid_nll"] if self.config.best_metric == "nll" else -metrics["valid_bleu"]
+        if score < self.state.best_valid:
+            self.state.best_valid, self.state.bad_evals = score, 0
         else:
             self.state.bad_evals += 1
+        if self.config.keep_best:
+            self.keep_if_best(score, metrics)
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
+
+    def keep_if_best(self, score: float, metrics: dict) -> None:
+        """Rank 0: the model, if it is among the --keep-best best so far, into checkpoints/best."""
+        meta = {"format": 1, "saved": now(), "step": self.state.step,
+                "model": dataclasses.asdict(self.model_config),
+                "train": dataclasses.asdict(self.config), "src": self.src_lang,
+                "tgt": self.tgt_lang, "best": {"metric": self.config.best_metric, "score": score,
+                                               **{k: float(v) for k, v in metrics.items()}}}
+        checkpoint.keep_best(self.run.best, self.config.keep_best, score, self.state.step,
+                             lambda: {"model": self.model.state_dict()}, meta)
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
@@ -364,7 +378,8 @@ class Trainer:
         if time_up:
             return f"reached --max-time {c.max_time:g} minutes"
         if patience:
-            return f"validation loss did not improve in {c.patience} evaluations (--patience)"
+            what = "loss" if c.best_metric == "nll" else "BLEU"
+            return f"validation {what} did not improve in {c.patience} evaluations (--patience)"
         return None
 
     def after_update(self) -> str | None:
