@@ -17,7 +17,7 @@ import numpy as np
 from nmt_cli import ui
 from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir
+from nmt_cli.rundir import RunDir, atomic_open
 from nmt_cli.shards import BOS, EOS, PAD, UNK, ShardWriter, dtype_for
 from nmt_cli.textio import chunks, read_lines
 
@@ -78,6 +78,35 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int) -
             (Path(tmp) / name).replace(dest)
 
 
+def spm_of(where: Path) -> Path:
+    """The sentencepiece model of a run directory, a package or export, or a .model file."""
+    for candidate in (where, where / "spm.model", where / "bpe" / "spm.model"):
+        if candidate.is_file():
+            return candidate
+    raise NmtError(f"no sentencepiece model at {where} (give a run directory, a directory from "
+                   "`nmt export`, or an .model file)")
+
+
+def adopt(where: Path, run: RunDir) -> None:
+    """Take another model's sentencepiece model as this run's (for fine-tuning that model)."""
+    import sentencepiece as spm
+    path = spm_of(where)
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as e:
+        raise NmtError(f"{path} is not a sentencepiece model ({e})") from None
+    if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD, UNK, BOS, EOS):
+        raise NmtError(f"{path} was not made by `nmt bpe`: its special pieces have other ids")
+    ui.say(f"encoding with the BPE model of {where} ({sp.get_piece_size()} pieces)")
+    run.spm_model.parent.mkdir(parents=True, exist_ok=True)
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
+                    for i in range(sp.get_piece_size()))
+    with atomic_open(run.spm_vocab) as f:
+        f.write(vocab)
+    with atomic_open(run.spm_model, "wb") as f:
+        f.write(path.read_bytes())
+
+
 def load(run: RunDir):
     """The run's sentencepiece processor."""
     import sentencepiece as spm
@@ -113,9 +142,14 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
     for split in splits:
         for lang in (src, tgt):
             run.require(run.text(split, lang), "prep")
-    vocab_size = config.vocab_size or auto_vocab_size(manifest["splits"]["train"]["kept"])
-    learn(config, run, src, tgt, vocab_size)
-    sp = load(run)
+    if config.from_model:
+        adopt(Path(config.from_model), run)
+        sp = load(run)
+        vocab_size = sp.get_piece_size()
+    else:
+        vocab_size = config.vocab_size or auto_vocab_size(manifest["splits"]["train"]["kept"])
+        learn(config, run, src, tgt, vocab_size)
+        sp = load(run)
     stats: dict = {}
     produced: list[Path] = [run.spm_model, run.spm_vocab]
     total = sum(manifest["splits"][s]["kept"] for s in splits) * 2

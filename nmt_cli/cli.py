@@ -107,13 +107,17 @@ def bpe(
         help="Sentences (both sides) sampled to learn BPE from.")] = 500_000,
     seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 1,
     threads: Annotated[int, typer.Option(help="Threads for learning and encoding.")] = os.cpu_count() or 1,
+    from_model: Annotated[Optional[Path], typer.Option(
+        "--from", help="Encode with this model's sentencepiece model (a run directory, a "
+                       "package, or a .model file) instead of learning one.")] = None,
 ) -> None:
     """Learn a joint sentencepiece BPE model and binarize every split."""
     from nmt_cli import bpe as bpe_mod
     from nmt_cli.config import BpeConfig
     from nmt_cli.rundir import RunDir
 
-    config = BpeConfig(vocab_size=vocab_size, sample_lines=sample_lines, seed=seed, threads=threads)
+    config = BpeConfig(vocab_size=vocab_size, sample_lines=sample_lines, seed=seed, threads=threads,
+                       from_model=str(from_model) if from_model else None)
     run = RunDir(run_dir)
     if not run.root.is_dir():
         raise NmtError(f"run directory {run.root} not found: run `nmt prep` first "
@@ -156,6 +160,10 @@ def train(
     patience: Annotated[int, typer.Option(help="Stop after N validations without improvement (0: off).")] = 0,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N updates.")] = 1000,
     keep_last: Annotated[int, typer.Option(help="Checkpoints kept.")] = 20,
+    init_from: Annotated[Optional[str], typer.Option(
+        help="Start from this model's weights (a run directory, a checkpoint or a package "
+             "from `nmt export`) with a fresh optimizer and schedule; its BPE must be this "
+             "run's (`nmt bpe --from`).")] = None,
     keep_best: Annotated[int, typer.Option(help="Also keep the N best models by --best-metric, "
                                            "in checkpoints/best (0: none).")] = 0,
     best_metric: Annotated[str, typer.Option(help="nll, or bleu (with --eval-bleu): what "

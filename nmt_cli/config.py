@@ -96,6 +96,8 @@ class PrepConfig:
 @dataclass(frozen=True)
 class BpeConfig:
     vocab_size: int = 0                # 0: chosen from the training set's size (see bpe.py)
+    from_model: str | None = None      # encode with this model's sentencepiece model (a run,
+                                       # a package or an .model file) instead of learning one
     sample_lines: int = 500_000        # sentences (of both sides) the BPE model is learned from
     seed: int = 1
     threads: int = max(1, os.cpu_count() or 1)
@@ -104,6 +106,8 @@ class BpeConfig:
         if self.vocab_size < 0 or (0 < self.vocab_size < 300):
             raise NmtError(f"--vocab-size {self.vocab_size} is too small: the byte fallback "
                            "alone takes 256 pieces; use at least 300 (8000-40000 is usual)")
+        if self.from_model and self.vocab_size:
+            raise NmtError("--from takes the vocabulary of that model: drop --vocab-size")
         if self.sample_lines < 1000:
             raise NmtError("--sample-lines must be at least 1000")
         if self.threads < 1:
@@ -143,6 +147,8 @@ class TrainConfig:
     patience: int = 0                           # evaluations without improvement; 0: off
     save_every: int = 1000
     keep_last: int = 20                         # enough to average the last 20 (big)
+    init_from: str | None = None                # start from this model's weights (a run, a
+                                                # checkpoint or a package); fresh optimizer
     keep_best: int = 0                          # also keep the N best models by best_metric
     best_metric: str = "nll"                    # nll, or bleu (with eval_bleu); for patience too
     seed: int = 1

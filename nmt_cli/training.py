@@ -109,8 +109,36 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
     if config.eval_bleu:
         from nmt_cli.score import bleu_of_ids
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+    init = initial_model(run, config.init_from) if config.init_from else None
     with ui.TrainDisplay() as display:
-        return trainer.train(config, run, display, bleu_of)
+        return trainer.train(config, run, display, bleu_of, init)
+
+
+def initial_model(run: RunDir, where: str) -> trainer.Initial:
+    """--init-from: a package, a run directory (its averaged model, else its latest
+    checkpoint) or a checkpoint file; refused unless it shares this run's BPE model."""
+    from pathlib import Path
+
+    from nmt_cli import package
+    from nmt_cli.rundir import sha256_file
+    path = Path(where)
+    if path.is_dir() and (path / package.SETTINGS).is_file():
+        model = package.from_dir(path)
+    elif path.is_dir():
+        model = package.from_run(RunDir(path), None)
+    elif path.is_file():  # a checkpoint, in its run's checkpoints/ (or averaged.pt at the top)
+        model = package.from_run(RunDir(path.parent.parent if path.parent.name == "checkpoints"
+                                        else path.parent), str(path))
+    else:
+        raise NmtError(f"--init-from {where} not found")
+    if model.load_weights is None:
+        raise NmtError(f"--init-from {where} is a CTranslate2 export: give the run directory or "
+                       "the nmt package")
+    run.require(run.spm_model, "bpe")
+    if sha256_file(model.spm) != sha256_file(run.spm_model):
+        raise NmtError(f"{run.root}'s BPE model is not the one {where} was trained with: "
+                       f"encode the data with `nmt bpe --from {where}`")
+    return trainer.Initial(str(model.where), model.config, model.load_weights)
 
 
 if __name__ == "__main__":

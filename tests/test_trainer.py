@@ -400,3 +400,54 @@ def test_best_metric_errors(run_copy, nmt):
         nmt("train", "--run-dir", run_copy, *TINY, "--best-metric", "bleu"))
     assert "train with --keep-best" in one_error_line(
         nmt("average", "--run-dir", run_copy, "--best", "2"))
+
+
+LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]  # trained_longer's
+
+
+def test_fine_tuning_starts_from_the_model_on_its_bpe(trained_longer, tmp_path, nmt):
+    """New data (Multi30k's test2017 as a corpus of its own) encoded with the trained model's
+    BPE, then trained from its weights: it starts where that model was, with a fresh schedule."""
+    text = trained_longer / "text"
+    runs = {}
+    for name, init in (("tuned", ["--init-from", trained_longer]), ("fresh", [])):
+        run = tmp_path / name
+        bpe = ["--from", trained_longer] if init else ["--vocab-size", "1000"]
+        for command in (["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt",
+                         text / "test2017.de"], ["bpe", *bpe],
+                        ["train", *LONGER, "--max-steps", "10", "--eval-every", "10",
+                         "--save-every", "10", "--warmup", "100", *init]):
+            result = nmt(*command, "--run-dir", run)
+            assert result.code == 0, (command, result.err)
+        runs[name] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert (tmp_path / "tuned" / "bpe" / "spm.model").read_bytes() == \
+        (trained_longer / "bpe" / "spm.model").read_bytes()
+    first = {name: next(r for r in records if r["kind"] == "train")
+             for name, records in runs.items()}
+    assert first["tuned"]["step"] == first["fresh"]["step"] == 1
+    assert first["tuned"]["lr"] == first["fresh"]["lr"]  # the schedule starts afresh
+    assert first["tuned"]["loss"] < first["fresh"]["loss"] - 1.5, first
+    assert "starting from the weights of" in (tmp_path / "tuned" / "log.txt").read_text()
+
+
+def test_fine_tuning_errors(trained_longer, tmp_path, nmt):
+    text, own = trained_longer / "text", tmp_path / "own"
+    for command in (["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt",
+                     text / "test2017.de"], ["bpe", "--vocab-size", "1000"]):
+        assert nmt(*command, "--run-dir", own).code == 0
+    once = ["--max-steps", "1"]  # should a check fail to stop it
+    assert "nmt bpe --from" in one_error_line(
+        nmt("train", "--run-dir", own, *LONGER, *once, "--init-from", trained_longer))
+    import shutil
+    same_bpe = tmp_path / "same"
+    shutil.copytree(trained_longer, same_bpe)
+    shutil.rmtree(same_bpe / "checkpoints")
+    line = one_error_line(nmt("train", "--run-dir", same_bpe, *TINY, *once, "--init-from",
+                              trained_longer))
+    assert "another model shape" in line and "d_model 64 (here 16)" in line
+    assert "not found" in one_error_line(
+        nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", tmp_path / "nowhere"))
+    assert "drop --vocab-size" in one_error_line(
+        nmt("bpe", "--run-dir", same_bpe, "--from", trained_longer, "--vocab-size", "900"))
+    assert "no sentencepiece model" in one_error_line(
+        nmt("bpe", "--run-dir", same_bpe, "--from", tmp_path))

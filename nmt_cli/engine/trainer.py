@@ -74,13 +74,22 @@ class State:
 LOG_EVERY = 10
 
 
+@dataclass(frozen=True)
+class Initial:
+    """Weights to start from (--init-from) when the run has no checkpoint yet."""
+    where: str
+    config: ModelConfig
+    weights: Callable[[], dict[str, torch.Tensor]]
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, run: RunDir, reporter: Reporter,
-                 bleu_of: Callable[[list[list[int]]], float] | None = None):
+                 bleu_of: Callable[[list[list[int]]], float] | None = None,
+                 init: Initial | None = None):
         """`bleu_of` scores greedy translations of the validation set, given as token ids
         (for --eval-bleu; score.bleu_of_ids makes one)."""
         self.config, self.run, self.reporter = config, run, reporter
-        self.bleu_of = bleu_of
+        self.bleu_of, self.init = bleu_of, init
         prep = run.load_manifest().get("prep")
         bpe = run.load_manifest().get("bpe")
         if not prep or not bpe:
@@ -160,6 +169,19 @@ class Trainer:
                            "resume") from None
         checkpoint.prune(self.run.checkpoints, self.config.keep_last)
 
+    def start_from(self, init: Initial) -> None:
+        """Another model's weights; the optimizer and the schedule start afresh."""
+        def shape(c: ModelConfig) -> dict:  # dropout is the training's own choice
+            return {k: v for k, v in dataclasses.asdict(c).items() if "dropout" not in k}
+        if shape(init.config) != shape(self.model_config):
+            diff = ", ".join(f"{k} {v} (here {shape(self.model_config)[k]})"
+                             for k, v in shape(init.config).items()
+                             if shape(self.model_config)[k] != v)
+            raise NmtError(f"--init-from {init.where} is another model shape: {diff}; give "
+                           "the same shape options (--size, --d-model, ...)")
+        self.model.load_state_dict(init.weights())
+        self.reporter.say(f"starting from the weights of {init.where}")
+
     def resume(self) -> bool:
         found = checkpoint.load_latest(self.run.checkpoints, self.reporter.say)
         # DDP gave every rank rank 0's initial weights already: a rank that resumed from
@@ -172,6 +194,8 @@ class Trainer:
             raise NmtError(f"the ranks found different checkpoints to resume from ({seen}): "
                            "--run-dir must be one directory that every node shares")
         if found is None:
+            if self.init is not None:
+                self.start_from(self.init)
             return False
         tensors, meta = found
         if meta["model"] != dataclasses.asdict(self.model_config):
@@ -458,5 +482,6 @@ class Trainer:
 
 
 def train(config: TrainConfig, run: RunDir, reporter: Reporter,
-          bleu_of: Callable[[list[list[int]]], float] | None = None) -> dict:
-    return Trainer(config, run, reporter, bleu_of).train()
+          bleu_of: Callable[[list[list[int]]], float] | None = None,
+          init: Initial | None = None) -> dict:
+    return Trainer(config, run, reporter, bleu_of, init).train()
