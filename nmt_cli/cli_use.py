@@ -112,10 +112,12 @@ def score(
                              alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                              device=device, precision=precision, int8=int8, engine=engine,
                              threads=threads)
+    found = None
     if src is not None:
         if ref is None or hyp is not None:
             raise NmtError("--src needs --ref, and not --hyp")
-        hyps = scoring.translate_lines(_load_model(run_dir, model, config.checkpoint), config, src)
+        found = _load_model(run_dir, model, config.checkpoint)
+        hyps = scoring.translate_lines(found, config, src)
         refs, names = list(read_lines(ref)), (f"{src} translated", str(ref))
     elif ref is None:
         if hyp is not None:
@@ -128,9 +130,9 @@ def score(
         refs = list(read_lines(ref))
         hyps = list(read_lines(hyp)) if hyp is not None else _stdin_lines()
         names = (str(hyp) if hyp else "stdin", str(ref))
-    if moses_lc and lang is None:  # the run's target language, if there is a run
+    if moses_lc and lang is None:  # the model's target language, else the run's, if any
         prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
-        lang = prepped.get("tgt", "en")
+        lang = found.tgt if found is not None else prepped.get("tgt", "en")
     report = scoring.report(
         hyps, refs, names, metric_names, tokenize=tokenize,
         lowercase=lowercase, moses_lc_lang=lang if moses_lc else None,

@@ -103,7 +103,7 @@ def export(model: Model, out: Path, quantization: str = "float32") -> None:
 class Engine:
     """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
 
-    def __init__(self, model: Model, device: str, compute_type: str, threads: int):
+    def __init__(self, model: Model, device, compute_type: str, threads: int):
         ct2 = require()
         self._tmp = None
         where = model.ct2_dir
@@ -115,7 +115,9 @@ class Engine:
             spec.save(self._tmp.name)
             where = Path(self._tmp.name)
         try:
-            self.translator = ct2.Translator(str(where), device=device, compute_type=compute_type,
+            self.translator = ct2.Translator(str(where), device=device.type,
+                                             device_index=device.index or 0,
+                                             compute_type=compute_type,
                                              inter_threads=1, intra_threads=threads)
         except (RuntimeError, ValueError) as e:
             raise NmtError(f"CTranslate2 cannot load {model.where} on {device} as "

@@ -96,7 +96,7 @@ class Translator:
                     CT2_TYPES[resolve_precision("auto", self.device)]
             else:
                 compute_type = CT2_TYPES[config.precision]
-            self.ct2 = ct2.Engine(model, self.device.type, compute_type,
+            self.ct2 = ct2.Engine(model, self.device, compute_type,
                                   config.threads or torch.get_num_threads())
         else:
             self.model = load_model(model, self.device,
