@@ -49,7 +49,7 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli import scoring, ui
+    from nmt_cli import scoring
     from nmt_cli.config import TranslateConfig
     from nmt_cli.translate import Translator
 
@@ -58,11 +58,7 @@ def translate(
                              max_tokens=max_tokens, batch_size=batch_size, device=device,
                              precision=precision, int8=int8, engine=engine, threads=threads)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
-    with ui.progress() as bar:
-        task = bar.add_task("translate", total=None)
-        counts = translator.stream(sys.stdin.buffer, sys.stdout,
-                                   lambda n: bar.advance(task, n))
-    scoring.report_counts(counts, translator.max_src)
+    scoring.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
 
 
 @app.command()

@@ -16,7 +16,8 @@ import numpy as np
 
 from nmt_cli.engine.beam import Hypothesis, length_penalty
 from nmt_cli.errors import NmtError
-from nmt_cli.package import CT2, Model, _commit, _staging, settings, write_common
+from nmt_cli.package import CT2, SETTINGS, Model, settings, writing
+from nmt_cli.rundir import atomic_write_json, sha256_file
 from nmt_cli.shards import EOS
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16",
@@ -32,11 +33,24 @@ def require():
     return ctranslate2
 
 
+def pieces(model: Model) -> list[str]:
+    """The vocabulary as CTranslate2 takes it: the sentencepiece pieces, in id order."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(model.spm))
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def save(model: Model, folder: Path, quantization: str = "float32") -> None:
+    """`model` as CTranslate2's model files in `folder`."""
+    spec = build_spec(model)
+    spec.validate()
+    spec.optimize(quantization=None if quantization == "float32" else quantization)
+    spec.save(str(folder))
+
+
 def build_spec(model: Model):
     """A TransformerSpec holding `model`'s weights (float32), with its vocabulary."""
     ct2 = require()
-    import sentencepiece as spm
-
     from nmt_cli.engine.model import sinusoids
     c, w = model.config, {k: v.float().numpy() for k, v in model.load_weights().items()}
     spec = ct2.specs.TransformerSpec.from_config(
@@ -74,8 +88,7 @@ def build_spec(model: Model):
             norm(layer.ffn.layer_norm, f"{p}.res{3 if side == 'decoder' else 2}.norm")
     spec.decoder.projection.weight = w["embed.weight"]
     spec.decoder.projection.bias = np.zeros(c.vocab_size, dtype=np.float32)
-    sp = spm.SentencePieceProcessor(model_file=str(model.spm))
-    vocabulary = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    vocabulary = pieces(model)
     spec.register_source_vocabulary(vocabulary)
     spec.register_target_vocabulary(vocabulary)
     return spec
@@ -88,16 +101,11 @@ def export(model: Model, out: Path, quantization: str = "float32") -> None:
     if quantization not in QUANTIZATIONS:
         raise NmtError(f"unknown --quantization {quantization!r}: choose one of "
                        f"{', '.join(QUANTIZATIONS)}")
-    spec = build_spec(model)
-    staging = _staging(out)
-    spec.validate()
-    spec.optimize(quantization=None if quantization == "float32" else quantization)
-    spec.save(str(staging))
-    write_common(model, staging)
-    from nmt_cli.rundir import atomic_write_json, sha256_file
-    atomic_write_json(staging / "nmt.json", settings(
-        model, CT2, sha256_file(staging / "model.bin"), quantization=quantization))
-    _commit(staging, out)
+    require()
+    with writing(model, out) as staging:
+        save(model, staging, quantization)
+        atomic_write_json(staging / SETTINGS, settings(
+            model, CT2, sha256_file(staging / "model.bin"), quantization=quantization))
 
 
 class Engine:
@@ -109,11 +117,8 @@ class Engine:
         where = model.ct2_dir
         if where is None:  # convert on the fly, in float32; compute_type quantises on load
             self._tmp = tempfile.TemporaryDirectory(prefix="nmt-ct2-")
-            spec = build_spec(model)
-            spec.validate()
-            spec.optimize()
-            spec.save(self._tmp.name)
             where = Path(self._tmp.name)
+            save(model, where)
         try:
             self.translator = ct2.Translator(str(where), device=device.type,
                                              device_index=device.index or 0,
@@ -122,9 +127,7 @@ class Engine:
         except (RuntimeError, ValueError) as e:
             raise NmtError(f"CTranslate2 cannot load {model.where} on {device} as "
                            f"{compute_type}: {e}") from None
-        import sentencepiece as spm
-        sp = spm.SentencePieceProcessor(model_file=str(model.spm))
-        self.pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        self.pieces = pieces(model)
         self.ids = {p: i for i, p in enumerate(self.pieces)}
 
     def search(self, batch: list[list[int]], beam: int, alpha: float, max_lens: list[int],

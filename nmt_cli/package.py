@@ -14,11 +14,12 @@ provenance.json beside CTranslate2's own files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,38 +130,32 @@ def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
                          "max_len_b": d.max_len_b}, **extra}
 
 
-def write_common(model: Model, out: Path) -> None:
-    shutil.copyfile(model.spm, out / SPM)
-    atomic_write_json(out / PROVENANCE, model.provenance)
-
-
 def export_nmt(model: Model, out: Path) -> None:
     """Write the package of `model` into the new directory `out`."""
     from safetensors.torch import save_file
     if model.load_weights is None:
         raise NmtError(f"{model.where} is a CTranslate2 export: export from the run directory or "
                        "an nmt package instead")
-    staging = _staging(out)
-    weights = {k: v.contiguous() for k, v in model.load_weights().items()}
-    save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-    os.chmod(staging / WEIGHTS, 0o666 & ~_umask())  # safetensors writes it 0600
-    write_common(model, staging)
-    atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
-    _commit(staging, out)
+    with writing(model, out) as staging:
+        weights = {k: v.contiguous() for k, v in model.load_weights().items()}
+        save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
+        os.chmod(staging / WEIGHTS, 0o666 & ~_umask())  # safetensors writes it 0600
+        atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
 
 
-def _staging(out: Path) -> Path:
-    """A sibling directory to write into: `out` appears complete or not at all."""
+@contextlib.contextmanager
+def writing(model: Model, out: Path) -> Iterator[Path]:
+    """A sibling directory to write an export of `model` into, with its sentencepiece model and
+    provenance; renamed to `out` at the end, so `out` appears complete or not at all."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NmtError(f"{out} exists and is not empty: choose a new directory")
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    return staging
-
-
-def _commit(staging: Path, out: Path) -> None:
+    shutil.copyfile(model.spm, staging / SPM)
+    atomic_write_json(staging / PROVENANCE, model.provenance)
+    yield staging
     if out.exists():
         out.rmdir()
     staging.rename(out)
@@ -173,10 +168,10 @@ def _provenance(run: RunDir, path: Path, meta: dict) -> dict:
         # A split's scores belong to this model only if `nmt score` translated it with it.
         p, key = run.scores(split), run.translation(split, manifest["prep"]["tgt"])
         key = key.with_suffix(key.suffix + ".json")
-        if p.exists() and key.exists() and \
-                json.loads(key.read_text()).get("model_sha256") == meta.get("sha256"):
+        made = json.loads(key.read_text()) if key.exists() else {}
+        if p.exists() and made and made.get("model_sha256") == meta.get("sha256"):
             report = json.loads(p.read_text(encoding="utf-8"))
-            scores[split] = {"settings": json.loads(key.read_text()).get("settings"),
+            scores[split] = {"settings": made.get("settings"),
                              "scores": [{k: s[k] for k in ("metric", "score", "signature")}
                                         for s in report.get("scores", [])]}
     configs = {}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import BinaryIO, TextIO
 
 from nmt_cli import score, ui
 from nmt_cli.config import TranslateConfig
@@ -69,13 +70,21 @@ def translate_split(run: RunDir, split: str, config: TranslateConfig,
     if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
         ui.say(f"reusing {out} (same model and settings)")
         return out, ref_path
-    translator = Translator(model, config)
-    with ui.progress() as bar, open(src_path, "rb") as source, atomic_open(out) as sink:
-        task = bar.add_task(f"translate {split}", total=manifest["splits"][split]["kept"])
-        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+    with open(src_path, "rb") as source, atomic_open(out) as sink:
+        stream(Translator(model, config), source, sink, f"translate {split}",
+               manifest["splits"][split]["kept"])
     atomic_write_json(key_path, key)
-    report_counts(counts, translator.max_src)
     return out, ref_path
+
+
+def stream(translator: Translator, source: BinaryIO, sink: TextIO, what: str,
+           lines: int | None = None) -> None:
+    """`translator.stream` with a progress bar, then a warning for each kind of line it had
+    to change."""
+    with ui.progress() as bar:
+        task = bar.add_task(what, total=lines)
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+    report_counts(counts, translator.max_src)
 
 
 def report_counts(counts: Counts, max_src: int) -> None:
@@ -93,9 +102,7 @@ def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[st
     import io
     if not Path(src).is_file():
         raise NmtError(f"{src} not found")
-    translator, sink = Translator(model, config), io.StringIO()
-    with ui.progress() as bar, open(src, "rb") as source:
-        task = bar.add_task(f"translate {Path(src).name}", total=None)
-        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
-    report_counts(counts, translator.max_src)
+    sink = io.StringIO()
+    with open(src, "rb") as source:
+        stream(Translator(model, config), source, sink, f"translate {Path(src).name}")
     return sink.getvalue().splitlines()

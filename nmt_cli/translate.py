@@ -156,18 +156,19 @@ class Translator:
         return out
 
     def texts(self, hyps: list[list[beam.Hypothesis]]) -> list[list[str]]:
+        """The text of each hypothesis, kept to one line."""
         flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
         return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
 
     def translate(self, lines: list[str]) -> list[str]:
         """One output line per input line (nbest > 1: nbest lines each)."""
         hyps = self.hypotheses(lines)
-        texts = self.sp.decode([h.tokens for hs in hyps for h in hs])
+        texts = self.texts(hyps)
         if self.config.nbest == 1:
-            return texts
+            return [t[0] for t in texts]
         first = self.counts.lines
-        return [f"{first + i // self.config.nbest}\t{h.score:.4f}\t{text}"
-                for i, (h, text) in enumerate(zip((h for hs in hyps for h in hs), texts))]
+        return [f"{first + i}\t{h.score:.4f}\t{text}"
+                for i, (hs, ts) in enumerate(zip(hyps, texts)) for h, text in zip(hs, ts)]
 
     def stream(self, source: BinaryIO, sink: TextIO, advance: Callable[[int], None]) -> Counts:
         """Translate `source` line by line into `sink`, in input order, as input arrives."""
@@ -175,7 +176,7 @@ class Translator:
             lines = [decode_line(raw, self.counts.lines + i + 1, self.counts.damage)
                      for i, raw in enumerate(chunk)]
             for text in self.translate(lines):
-                sink.write(text.translate(ONE_LINE) + "\n")
+                sink.write(text + "\n")
             sink.flush()
             self.counts.lines += len(chunk)
             advance(len(chunk))
