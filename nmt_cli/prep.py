@@ -276,6 +276,10 @@ UNSPACED = [(0x3400, 0x4DBF, 0.7), (0x4E00, 0x9FFF, 0.7), (0xF900, 0xFAFF, 0.7),
 #                                                                  Myanmar, Khmer
 
 
+# Lines without such letters (nearly all, in most corpora) are counted by their spaces alone.
+_ANY_UNSPACED = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi, _ in UNSPACED) + "]")
+
+
 def _weight(c: str) -> float:
     o = ord(c)
     for lo, hi, w in UNSPACED:
@@ -288,6 +292,8 @@ def length(text: str) -> float:
     """Length in English-word equivalents, for any script: a space-separated token counts 1; in
     one with letters of a script written without spaces, those letters count their weight and
     the rest of the token 1 if it holds a letter or digit."""
+    if not _ANY_UNSPACED.search(text):
+        return len(text.split())
     n = 0.0
     for token in text.split():
         if token.isascii():
