@@ -139,6 +139,13 @@ class Trainer:
                                                        epoch), self.dist.rank, self.dist.world)
 
     # -- checkpoints
+    def record(self, **extra) -> dict:
+        """The JSON record of a model saved now: what it is, and `extra`."""
+        return {"format": 1, "saved": now(), "step": self.state.step,
+                "model": dataclasses.asdict(self.model_config),
+                "train": dataclasses.asdict(self.config), "src": self.src_lang,
+                "tgt": self.tgt_lang, **extra}
+
     def save(self) -> None:
         """Every rank calls this at the same step (its RNG state is gathered); rank 0 writes."""
         rng_cpu = self.dist.gather(torch.get_rng_state())
@@ -155,11 +162,7 @@ class Trainer:
         # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
         # however many times it was interrupted and resumed.
         state = dataclasses.replace(self.state, seconds=self.elapsed())
-        meta = {"format": 1, "saved": now(), "step": self.state.step,
-                "state": dataclasses.asdict(state),
-                "model": dataclasses.asdict(self.model_config),
-                "train": dataclasses.asdict(self.config),
-                "src": self.src_lang, "tgt": self.tgt_lang, "world": self.dist.world}
+        meta = self.record(state=dataclasses.asdict(state), world=self.dist.world)
         path = checkpoint.path_for(self.run.checkpoints, self.state.step)
         try:
             checkpoint.save_tensors(path, tensors, meta)
@@ -367,11 +370,8 @@ class Trainer:
 
     def keep_if_best(self, score: float, metrics: dict) -> None:
         """Rank 0: the model, if it is among the --keep-best best so far, into checkpoints/best."""
-        meta = {"format": 1, "saved": now(), "step": self.state.step,
-                "model": dataclasses.asdict(self.model_config),
-                "train": dataclasses.asdict(self.config), "src": self.src_lang,
-                "tgt": self.tgt_lang, "best": {"metric": self.config.best_metric, "score": score,
-                                               **{k: float(v) for k, v in metrics.items()}}}
+        meta = self.record(best={"metric": self.config.best_metric, "score": score,
+                                 **{k: float(v) for k, v in metrics.items()}})
         checkpoint.keep_best(self.run.best, self.config.keep_best, score, self.state.step,
                              lambda: {"model": self.model.state_dict()}, meta)
 
