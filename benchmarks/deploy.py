@@ -61,10 +61,11 @@ def split_files(run: Path, split: str) -> tuple[Path, Path]:
     return (run / "text" / f"{split}.raw.{prep['src']}", run / "text" / f"{split}.raw.{prep['tgt']}")
 
 
-def exports(run: Path, work: Path) -> dict[str, Path]:
+def exports(run: Path, work: Path, ct2: bool = True) -> dict[str, Path]:
+    """RUN's model as a package, and (`ct2`) as CTranslate2 float32 and int8 exports."""
     out = {"package": work / "package", "float32": work / "ct2-float32", "int8": work / "ct2-int8"}
     nmt("export", str(out["package"]), "--run-dir", str(run))
-    for q in ("float32", "int8"):
+    for q in ("float32", "int8") if ct2 else ():
         nmt("export", str(out[q]), "--format", "ctranslate2", "--quantization", q,
             "--model", str(out["package"]))
     return out
@@ -138,7 +139,7 @@ def speed(args, work: Path) -> None:
 
 
 def latency(args, work: Path) -> None:
-    models = exports(args.run, work)
+    models = exports(args.run, work, ct2=False)
     src, _ = split_files(args.run, "valid")
     sentences = src.read_text(encoding="utf-8").splitlines()[:21]
     proc = subprocess.Popen([*NMT, "translate", "--model", str(models["package"]), "--threads",
@@ -226,7 +227,7 @@ def load(url: str, requests: list[list[str]], expected: dict[str, str],
 
 
 def serve(args, work: Path) -> None:
-    models = exports(args.run, work)
+    models = exports(args.run, work, ct2=False)
     src, _ = split_files(args.run, "valid")
     pool = src.read_text(encoding="utf-8").splitlines()[:500]
     (work / "pool.txt").write_text("\n".join(pool) + "\n", encoding="utf-8")

@@ -288,6 +288,7 @@ def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):
     while server.get("/health")[1]["queued"] == 0 and not answer:  # in, not yet answered
         assert time.monotonic() < deadline
         time.sleep(0.005)
+    assert not answer  # SIGTERM comes while the request is in flight
     assert server.stop() == 0
     request.join(DEADLINE)
     status, body, _ = answer[0]
