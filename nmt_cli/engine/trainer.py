@@ -22,15 +22,15 @@ import numpy as np
 import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig
-from nmt_cli.engine import beam, checkpoint, distributed
+from nmt_cli.engine import checkpoint, distributed, validation
 from nmt_cli.engine.data import Batch, Split, on_device, training_share
 from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
-from nmt_cli.engine.step import STEP_FIGURES, batch_loss, train_step
+from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, atomic_write_text, now
-from nmt_cli.shards import pad_sources, padding_share
+from nmt_cli.shards import padding_share
 
 
 class Reporter(Protocol):
@@ -307,51 +307,19 @@ class Trainer:
         self.state.step += 1
         self.state.batch += len(batches)
 
-    @torch.no_grad()
     def validate(self) -> dict | None:
-        """Validation NLL, each rank computing its share of the batches."""
         if self.valid_data is None:
             return None
         self.model.eval()
-        # The plain model, not DDP: ranks run different numbers of batches here.
-        batches = self.valid_data.batches(self.config.max_tokens, 0, 0)
-        mine = batches[self.dist.rank::self.dist.world]
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for (batch,) in on_device(self.valid_data, ([b] for b in mine), self.device):
-            _, nll = batch_loss(self.model, self.model, batch, 0.0, self.autocast)
-            sums += torch.stack([nll.double(), sums.new_full((), float(batch.tokens))])
-        nll_sum, tokens = self.dist.all_reduce(sums).tolist()
-        nll = nll_sum / max(tokens, 1)
+        nll = validation.nll(self.model, self.valid_data, self.config.max_tokens, self.dist,
+                             self.device, self.autocast)
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
         if self.config.eval_bleu and self.bleu_of is not None:
-            bleu = self.valid_bleu()
-            if bleu is not None:
-                metrics["valid_bleu"] = bleu
+            ids = validation.greedy_ids(self.model, self.valid_data, self.dist, self.device,
+                                        self.autocast)
+            if ids is not None:  # rank 0 scores
+                metrics["valid_bleu"] = self.bleu_of(ids)
         return metrics
-
-    @torch.no_grad()
-    def valid_bleu(self, batch_size: int = 64) -> float | None:
-        """BLEU of greedy translations of the validation set (a cheap stand-in for the test
-        score while training), by the scorer the trainer was given. Each rank translates its
-        share; rank 0 scores (and the others return None)."""
-        data = self.valid_data
-        order = data.keep[np.argsort(-data.src_lengths[data.keep], kind="stable")]
-        starts = list(range(0, len(order), batch_size))[self.dist.rank::self.dist.world]
-        mine: dict[int, list[int]] = {}
-        for start in starts:
-            rows = order[start:start + batch_size]
-            src = torch.from_numpy(pad_sources([data.src[int(i)] for i in rows])).to(self.device)
-            with self.autocast():
-                hyps = beam.translate(self.model, src, beam=1)
-            mine.update({int(i): h[0].tokens for i, h in zip(rows, hyps)})
-        shares = self.dist.gather_objects(mine)
-        if not self.dist.is_main:
-            return None
-        ids: list[list[int]] = [[] for _ in range(len(data.src))]
-        for share in shares:
-            for i, tokens in share.items():
-                ids[i] = tokens
-        return self.bleu_of(ids)
 
     def evaluate(self) -> None:
         metrics = self.validate()
