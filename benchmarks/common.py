@@ -15,14 +15,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nmt_cli.config import PRESETS  # noqa: E402
 
 VOCAB = {"tiny": 8000, "base": 32000, "big": 32000}
-SHAPES = {name: dict(layers=PRESETS[name]["num_encoder_layers"], d=PRESETS[name]["d_model"],
-                     ffn=PRESETS[name]["ffn"], heads=PRESETS[name]["heads"], vocab=vocab)
-          for name, vocab in VOCAB.items()}
+SHAPES = {
+    name: dict(
+        layers=PRESETS[name]["num_encoder_layers"],
+        d=PRESETS[name]["d_model"],
+        ffn=PRESETS[name]["ffn"],
+        heads=PRESETS[name]["heads"],
+        vocab=vocab,
+    )
+    for name, vocab in VOCAB.items()
+}
 
 
 def batch(vocab: int, sentences: int = 128, length: int = 32, seed: int = 0):
     """4096 source + 4096 target tokens without padding: (src, tgt_in, tgt_out), ids >= 4."""
     import torch
+
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, vocab, (sentences, length), generator=g)
     tgt = torch.randint(4, vocab, (sentences, length + 1), generator=g)
@@ -34,8 +42,8 @@ def train_flops(shape: dict, src_tokens: int, tgt_tokens: int, s_len: int, t_len
     L, d, f, v = shape["layers"], shape["d"], shape["ffn"], shape["vocab"]
     enc = src_tokens * L * (2 * (4 * d * d + 2 * d * f) + 4 * s_len * d)
     dec = tgt_tokens * L * (2 * (4 * d * d + 2 * d * d + 2 * d * f) + 4 * t_len * d + 4 * s_len * d)
-    dec += src_tokens * L * 2 * (2 * d * d)   # encoder-decoder keys and values
-    out = tgt_tokens * 2 * d * v               # tied output projection
+    dec += src_tokens * L * 2 * (2 * d * d)  # encoder-decoder keys and values
+    out = tgt_tokens * 2 * d * v  # tied output projection
     return 3.0 * (enc + dec + out)
 
 
@@ -55,6 +63,7 @@ def matmul_ceiling(dtype, rows: int = 4096, d: int = 1024, repeats: int = 5) -> 
     """GFLOP/s of a (rows x d) by (d x d) linear layer in `dtype` on this machine now: the shape
     and the call (F.linear, oneDNN) of a training step's matmuls."""
     import torch
+
     x, w = torch.randn(rows, d).to(dtype), torch.randn(d, d).to(dtype)
     seconds = time_steps(lambda: torch.nn.functional.linear(x, w), 2, repeats)
     return 2 * rows * d * d / seconds / 1e9
@@ -62,11 +71,13 @@ def matmul_ceiling(dtype, rows: int = 4096, d: int = 1024, repeats: int = 5) -> 
 
 def cpu_name() -> str:
     import platform
+
     flags = ""
     try:
         info = open("/proc/cpuinfo").read()
-        name = next(line.split(":", 1)[1].strip() for line in info.splitlines()
-                    if line.startswith("model name"))
+        name = next(
+            line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")
+        )
         have = set(next(line for line in info.splitlines() if line.startswith("flags")).split())
         flags = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have)
         return f"{name} ({flags})"

@@ -25,14 +25,20 @@ MULTI30K = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data
 
 def timed(args: list[str]) -> dict:
     """Run one nmt command in a fresh process; wall seconds and the peak RSS of its processes."""
-    code = ("import resource, subprocess, sys, json, time\n"
-            "t = time.perf_counter()\n"
-            "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
-            "stderr=subprocess.DEVNULL)\n"
-            "print(json.dumps({'seconds': time.perf_counter() - t, 'peak_rss_mb': "
-            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
-    done = subprocess.run([sys.executable, "-c", code, sys.executable, "-m", "nmt_cli", *args],
-                          capture_output=True, text=True, check=True)
+    code = (
+        "import resource, subprocess, sys, json, time\n"
+        "t = time.perf_counter()\n"
+        "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
+        "stderr=subprocess.DEVNULL)\n"
+        "print(json.dumps({'seconds': time.perf_counter() - t, 'peak_rss_mb': "
+        "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, sys.executable, "-m", "nmt_cli", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(done.stdout)
 
 
@@ -66,13 +72,18 @@ def main() -> None:
     for n in args.sizes:
         src, tgt = generate(n, args.out)
         run = args.out / f"custom{n}"
-        prep = timed(["prep", "custom", "--run-dir", str(run), "--train-src", str(src),
-                      "--train-tgt", str(tgt)])
+        prep = timed(
+            ["prep", "custom", "--run-dir", str(run), "--train-src", str(src), "--train-tgt", str(tgt)]
+        )
         bpe = timed(["bpe", "--run-dir", str(run)])
         results[f"custom{n}"] = {
-            "pairs": n, "prep": prep, "bpe": bpe,
-            "prep_pairs_per_s": n / prep["seconds"], "bpe_pairs_per_s": n / bpe["seconds"],
-            "peak_rss_mb": max(prep["peak_rss_mb"], bpe["peak_rss_mb"])}
+            "pairs": n,
+            "prep": prep,
+            "bpe": bpe,
+            "prep_pairs_per_s": n / prep["seconds"],
+            "bpe_pairs_per_s": n / bpe["seconds"],
+            "peak_rss_mb": max(prep["peak_rss_mb"], bpe["peak_rss_mb"]),
+        }
         print(json.dumps(results[f"custom{n}"]), flush=True)
         src.unlink()
         tgt.unlink()

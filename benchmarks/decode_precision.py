@@ -61,11 +61,19 @@ def main() -> None:
         seconds = time.perf_counter() - start
         reference = reference or hyps
         bleu, chrf = score(hyps, refs, ["bleu", "chrf"])
-        rows.append({"precision": precision, "device": where, "split": args.split,
-                     "sentences": len(sources), "bleu": round(bleu.score, 2),
-                     "chrf": round(chrf.score, 2), "bleu_signature": bleu.signature,
-                     "same_as_fp32": sum(a == b for a, b in zip(hyps, reference)),
-                     "sentences_per_s": round(len(sources) / seconds, 1)})
+        rows.append(
+            {
+                "precision": precision,
+                "device": where,
+                "split": args.split,
+                "sentences": len(sources),
+                "bleu": round(bleu.score, 2),
+                "chrf": round(chrf.score, 2),
+                "bleu_signature": bleu.signature,
+                "same_as_fp32": sum(a == b for a, b in zip(hyps, reference)),
+                "sentences_per_s": round(len(sources) / seconds, 1),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

@@ -49,36 +49,49 @@ PEERS = ROOT.parent / "peers"
 
 def sources(name: str, n: int) -> list[list[int]]:
     import sentencepiece as spm
+
     model = ROOT / "benchmarks/out/multi30k/bpe/spm.model"
     if not model.exists():
         sys.exit(f"{model} is missing: run benchmarks/data_pipeline.py first (it makes it)")
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    path = DATA / ("wmt14/newstest2014.en.gz" if name == "newstest2014"
-                   else "multi30k/test_2016_flickr.en.gz")
+    path = DATA / (
+        "wmt14/newstest2014.en.gz" if name == "newstest2014" else "multi30k/test_2016_flickr.en.gz"
+    )
     lines = gzip.open(path, "rt", encoding="utf-8").read().splitlines()[:n]
     return [ids[:200] for ids in sp.encode(lines)]
 
 
-def nmt_decode(shape_name: str, ids: list[list[int]], cache: bool, dtype, length: int,
-               label: str = "") -> dict:
+def nmt_decode(
+    shape_name: str, ids: list[list[int]], cache: bool, dtype, length: int, label: str = ""
+) -> dict:
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=shape["vocab"], num_encoder_layers=shape["layers"],
-                                    num_decoder_layers=shape["layers"], d_model=shape["d"],
-                                    ffn=shape["ffn"], heads=shape["heads"])).eval().to(dtype)
+    model = (
+        Transformer(
+            ModelConfig(
+                vocab_size=shape["vocab"],
+                num_encoder_layers=shape["layers"],
+                num_decoder_layers=shape["layers"],
+                d_model=shape["d"],
+                ffn=shape["ffn"],
+                heads=shape["heads"],
+            )
+        )
+        .eval()
+        .to(dtype)
+    )
     pack_for_cpu(model)  # as `nmt translate` decodes on the CPU (fp32 only: bf16 stays as is)
     tokens = 0
     for i in [-1] + list(range(0, len(ids), 32)):  # -1: an untimed warm-up
         if i == 0:
             tokens, start = 0, time.perf_counter()
-        chunk = ids[:2] if i < 0 else ids[i:i + 32]
+        chunk = ids[:2] if i < 0 else ids[i : i + 32]
         width = max(len(s) for s in chunk) + 1
         src = torch.full((len(chunk), width), PAD)
         for r, s in enumerate(chunk):
-            src[r, :len(s)] = torch.tensor(s)
+            src[r, : len(s)] = torch.tensor(s)
             src[r, len(s)] = EOS
-        hyps = beam.translate(model, src, beam=4, max_len_a=0.0, max_len_b=length + 1,
-                              use_cache=cache)
+        hyps = beam.translate(model, src, beam=4, max_len_a=0.0, max_len_b=length + 1, use_cache=cache)
         tokens += sum(len(h[0].tokens) for h in hyps)
     seconds = time.perf_counter() - start
     name = f"nmt {'cached' if cache else 'uncached'} {str(dtype).replace('torch.', '')}{label}"
@@ -88,9 +101,20 @@ def nmt_decode(shape_name: str, ids: list[list[int]], cache: bool, dtype, length
 def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> dict | None:
     if not python.exists():
         return None
-    done = subprocess.run([str(python), str(ROOT / "benchmarks/peers" / script), "--shape", shape,
-                           "--ids", str(ids_file), *extra], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    done = subprocess.run(
+        [
+            str(python),
+            str(ROOT / "benchmarks/peers" / script),
+            "--shape",
+            shape,
+            "--ids",
+            str(ids_file),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     return json.loads(lines[-1]) if lines else {"system": script, "error": done.stderr[-400:]}
 
@@ -98,27 +122,38 @@ def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> 
 def trained(run: Path, out: Path) -> list[dict]:
     """Wall time and peak RSS of `nmt translate` (a fresh process per test set)."""
     rows = []
-    for name, path, n in (("multi30k test2016", "multi30k/test_2016_flickr.en.gz", 1000),
-                          ("newstest2014", "wmt14/newstest2014.en.gz", 1000)):
+    for name, path, n in (
+        ("multi30k test2016", "multi30k/test_2016_flickr.en.gz", 1000),
+        ("newstest2014", "wmt14/newstest2014.en.gz", 1000),
+    ):
         lines = gzip.open(DATA / path, "rt", encoding="utf-8").read().splitlines()[:n]
         src = out.parent / f"trained_{name.split()[0]}.en"
         src.write_text("\n".join(lines) + "\n", encoding="utf-8")
         hyp = src.with_suffix(".hyp")
         with open(src, "rb") as stdin, open(hyp, "wb") as stdout:
             start = time.perf_counter()
-            proc = subprocess.Popen([sys.executable, "-m", "nmt_cli", "translate", "--run-dir",
-                                     str(run), "--threads", "2"], stdin=stdin, stdout=stdout,
-                                    stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "nmt_cli", "translate", "--run-dir", str(run), "--threads", "2"],
+                stdin=stdin,
+                stdout=stdout,
+                stderr=subprocess.DEVNULL,
+            )
             _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
             seconds = time.perf_counter() - start
         if status:
             sys.exit(f"nmt translate failed on {name} (status {status})")
         out_lines = hyp.read_text(encoding="utf-8").splitlines()
         assert len(out_lines) == len(lines)
-        rows.append({"set": name, "sentences": len(lines), "seconds": seconds,
-                     "sentences_per_s": len(lines) / seconds,
-                     "target_words": sum(len(x.split()) for x in out_lines),
-                     "peak_rss_mb": usage.ru_maxrss / 1024})  # Linux: KiB
+        rows.append(
+            {
+                "set": name,
+                "sentences": len(lines),
+                "seconds": seconds,
+                "sentences_per_s": len(lines) / seconds,
+                "target_words": sum(len(x.split()) for x in out_lines),
+                "peak_rss_mb": usage.ru_maxrss / 1024,
+            }
+        )  # Linux: KiB
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -127,15 +162,16 @@ def one_round(shape: str, ids: list[list[int]], ids_file: Path, args) -> list[di
     """Every system once, in turn, on the same sentences. The uncached decoder and the cached
     one are also compared on the same (fewer) sentences."""
     common = ["--length", str(args.length), "--batch", "32"]
-    few = ids[:args.uncached_sentences]
-    rows = [nmt_decode(shape, ids, True, torch.float32, args.length),
-            nmt_decode(shape, few, True, torch.float32, args.length, " (uncached's sentences)"),
-            nmt_decode(shape, few, False, torch.float32, args.length),
-            *([nmt_decode(shape, ids, True, torch.bfloat16, args.length)] if args.bf16 else []),
-            peer(PEERS / "fairseq/bin/python", "fairseq_decode.py", shape, ids_file, *common),
-            peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common),
-            peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common,
-                 "--compute-type", "int8")]
+    few = ids[: args.uncached_sentences]
+    rows = [
+        nmt_decode(shape, ids, True, torch.float32, args.length),
+        nmt_decode(shape, few, True, torch.float32, args.length, " (uncached's sentences)"),
+        nmt_decode(shape, few, False, torch.float32, args.length),
+        *([nmt_decode(shape, ids, True, torch.bfloat16, args.length)] if args.bf16 else []),
+        peer(PEERS / "fairseq/bin/python", "fairseq_decode.py", shape, ids_file, *common),
+        peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common),
+        peer(PEERS / "ct2/bin/python", "ct2_decode.py", shape, ids_file, *common, "--compute-type", "int8"),
+    ]
     rows = [r for r in rows if r]
     for row in rows:
         if "seconds" not in row:
@@ -143,8 +179,10 @@ def one_round(shape: str, ids: list[list[int]], ids_file: Path, args) -> list[di
         # Random weights may end a hypothesis early in any system; then the systems would not
         # do the same work, and the comparison would mean nothing.
         if row["tokens"] != row["sentences"] * args.length:
-            sys.exit(f"{row['system']} made {row['tokens']} tokens, not {args.length} for each "
-                     f"of {row['sentences']} sentences: the systems did not do the same work")
+            sys.exit(
+                f"{row['system']} made {row['tokens']} tokens, not {args.length} for each "
+                f"of {row['sentences']} sentences: the systems did not do the same work"
+            )
         row["tokens_per_s"] = row["tokens"] / row["seconds"]
         row["sentences_per_s"] = row["sentences"] / row["seconds"]
     return rows
@@ -153,6 +191,7 @@ def one_round(shape: str, ids: list[list[int]], ids_file: Path, args) -> list[di
 def medians(rounds: list[list[dict]]) -> dict[str, float]:
     """Each system's median tokens/s over the alternating rounds."""
     import statistics
+
     speeds: dict[str, list[float]] = {}
     for rows in rounds:
         for row in rows:
@@ -168,19 +207,26 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=96)
     ap.add_argument("--uncached-sentences", type=int, default=32)
     ap.add_argument("--length", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="rounds of every system in turn; the figures are their medians")
-    ap.add_argument("--bf16", action="store_true",
-                    help="Also nmt with bf16 weights (slow on CPUs without AVX512_BF16).")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="rounds of every system in turn; the figures are their medians"
+    )
+    ap.add_argument(
+        "--bf16", action="store_true", help="Also nmt with bf16 weights (slow on CPUs without AVX512_BF16)."
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/out/decode_speed.json")
-    ap.add_argument("--trained", type=Path, metavar="RUN_DIR",
-                    help="Time `nmt translate` with this run's model on the real test sets.")
+    ap.add_argument(
+        "--trained",
+        type=Path,
+        metavar="RUN_DIR",
+        help="Time `nmt translate` with this run's model on the real test sets.",
+    )
     args = ap.parse_args()
     if args.trained:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         rows = trained(args.trained, args.out)
-        args.out.with_name("decode_trained.json").write_text(json.dumps(
-            {"cpu": cpu_name(), "run": str(args.trained), "rows": rows}, indent=2))
+        args.out.with_name("decode_trained.json").write_text(
+            json.dumps({"cpu": cpu_name(), "run": str(args.trained), "rows": rows}, indent=2)
+        )
         return
     torch.set_num_threads(2)
     results = {"cpu": cpu_name(), "threads": 2, "runs": []}
@@ -190,8 +236,11 @@ def main() -> None:
             ids = sources(name, args.sentences)
             ids_file = args.out.parent / f"decode_ids_{name}.json"
             ids_file.write_text(json.dumps(ids))
-            entry = {"shape": shape, "set": name,
-                     "repeats": [one_round(shape, ids, ids_file, args) for _ in range(args.repeats)]}
+            entry = {
+                "shape": shape,
+                "set": name,
+                "repeats": [one_round(shape, ids, ids_file, args) for _ in range(args.repeats)],
+            }
             entry["median"] = medians(entry["repeats"])
             results["runs"].append(entry)
             print(json.dumps({"shape": shape, "set": name, "median": entry["median"]}), flush=True)

@@ -44,13 +44,17 @@ from benchmarks.common import cpu_name  # noqa: E402
 NMT = [sys.executable, "-m", "nmt_cli"]
 
 
-def nmt(*args: str, stdin: Path | None = None, stdout: Path | None = None,
-        cwd: Path = ROOT, env: dict | None = None) -> float:
+def nmt(
+    *args: str,
+    stdin: Path | None = None,
+    stdout: Path | None = None,
+    cwd: Path = ROOT,
+    env: dict | None = None,
+) -> float:
     """Run `nmt ARGS`; the wall-clock seconds it took."""
     start = time.perf_counter()
     with open(stdin or os.devnull, "rb") as i, open(stdout or os.devnull, "wb") as o:
-        done = subprocess.run([*NMT, *args], stdin=i, stdout=o, stderr=subprocess.PIPE,
-                              cwd=cwd, env=env)
+        done = subprocess.run([*NMT, *args], stdin=i, stdout=o, stderr=subprocess.PIPE, cwd=cwd, env=env)
     if done.returncode:
         sys.exit(f"nmt {' '.join(args)} failed: {done.stderr.decode()[-2000:]}")
     return time.perf_counter() - start
@@ -66,31 +70,52 @@ def exports(run: Path, work: Path, ct2: bool = True) -> dict[str, Path]:
     out = {"package": work / "package", "float32": work / "ct2-float32", "int8": work / "ct2-int8"}
     nmt("export", str(out["package"]), "--run-dir", str(run))
     for q in ("float32", "int8") if ct2 else ():
-        nmt("export", str(out[q]), "--format", "ctranslate2", "--quantization", q,
-            "--model", str(out["package"]))
+        nmt(
+            "export",
+            str(out[q]),
+            "--format",
+            "ctranslate2",
+            "--quantization",
+            q,
+            "--model",
+            str(out["package"]),
+        )
     return out
 
 
 def fidelity(args, work: Path) -> None:
     from nmt_cli.score import score
+
     src, ref = split_files(args.run, args.split)
     models = exports(args.run, work)
     refs = ref.read_text(encoding="utf-8").splitlines()
     outs = {}
-    for name, flags in (("nmt fp32", ["--model", str(models["package"])]),
-                        ("CTranslate2 float32", ["--model", str(models["float32"])]),
-                        ("CTranslate2 int8", ["--model", str(models["int8"])])):
+    for name, flags in (
+        ("nmt fp32", ["--model", str(models["package"])]),
+        ("CTranslate2 float32", ["--model", str(models["float32"])]),
+        ("CTranslate2 int8", ["--model", str(models["int8"])]),
+    ):
         hyp = work / f"{name.replace(' ', '_')}.hyp"
         nmt("translate", *flags, "--threads", str(args.threads), stdin=src, stdout=hyp)
         outs[name] = hyp.read_text(encoding="utf-8").splitlines()
         bleu, chrf = score(outs[name], refs, ["bleu", "chrf"])
         same = sum(a == b for a, b in zip(outs[name], outs["nmt fp32"]))
-        row = {"system": name, "split": args.split, "lines": len(refs), "same_as_nmt": same,
-               "bleu": round(bleu.score, 2), "chrf": round(chrf.score, 2),
-               "bleu_signature": bleu.signature, "cpu": cpu_name()}
+        row = {
+            "system": name,
+            "split": args.split,
+            "lines": len(refs),
+            "same_as_nmt": same,
+            "bleu": round(bleu.score, 2),
+            "chrf": round(chrf.score, 2),
+            "bleu_signature": bleu.signature,
+            "cpu": cpu_name(),
+        }
         print(json.dumps(row), flush=True)
-        print(f"| {name} | {same} / {len(refs)} ({100 * same / len(refs):.1f}%) | "
-              f"{row['bleu']:.2f} | {row['chrf']:.2f} |", flush=True)
+        print(
+            f"| {name} | {same} / {len(refs)} ({100 * same / len(refs):.1f}%) | "
+            f"{row['bleu']:.2f} | {row['chrf']:.2f} |",
+            flush=True,
+        )
 
 
 def random_model(run: Path, shape: str, out: Path) -> None:
@@ -101,12 +126,12 @@ def random_model(run: Path, shape: str, out: Path) -> None:
     from nmt_cli.engine.model import Transformer
     from nmt_cli.package import Model, export_nmt, from_run
     from nmt_cli.rundir import RunDir
+
     trained = from_run(RunDir(run), None)
     config = ModelConfig(vocab_size=trained.config.vocab_size, **PRESETS[shape])
     torch.manual_seed(0)
     weights = Transformer(config).state_dict()
-    export_nmt(Model(out, config, trained.spm, trained.src, trained.tgt, "random", lambda: weights),
-               out)
+    export_nmt(Model(out, config, trained.spm, trained.src, trained.tgt, "random", lambda: weights), out)
 
 
 def speed(args, work: Path) -> None:
@@ -115,20 +140,30 @@ def speed(args, work: Path) -> None:
     (work / "in.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     if args.shape:
         random_model(args.run, args.shape, work / "package")
-        nmt("export", str(work / "ct2-float32"), "--format", "ctranslate2",
-            "--model", str(work / "package"))
+        nmt("export", str(work / "ct2-float32"), "--format", "ctranslate2", "--model", str(work / "package"))
         limits = ["--max-len-a", "1", "--max-len-b", "0"]
     else:
         exports(args.run, work)
         limits = []
-    systems = {"nmt fp32": ["--model", str(work / "package")],
-               "CTranslate2 float32": ["--model", str(work / "ct2-float32")],
-               "CTranslate2 int8": ["--model", str(work / "package"), "--int8"]}
+    systems = {
+        "nmt fp32": ["--model", str(work / "package")],
+        "CTranslate2 float32": ["--model", str(work / "ct2-float32")],
+        "CTranslate2 int8": ["--model", str(work / "package"), "--int8"],
+    }
     times: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.repeats):
         for name, flags in systems.items():
-            times[name].append(nmt("translate", *flags, *limits, "--threads", str(args.threads),
-                                   stdin=work / "in.txt", stdout=work / "out.txt"))
+            times[name].append(
+                nmt(
+                    "translate",
+                    *flags,
+                    *limits,
+                    "--threads",
+                    str(args.threads),
+                    stdin=work / "in.txt",
+                    stdout=work / "out.txt",
+                )
+            )
             print(json.dumps({"system": name, "seconds": round(times[name][-1], 2)}), flush=True)
     base = statistics.median(times["nmt fp32"])
     what = f"{args.shape} shape, random weights" if args.shape else "trained model"
@@ -142,9 +177,13 @@ def latency(args, work: Path) -> None:
     models = exports(args.run, work, ct2=False)
     src, _ = split_files(args.run, "valid")
     sentences = src.read_text(encoding="utf-8").splitlines()[:21]
-    proc = subprocess.Popen([*NMT, "translate", "--model", str(models["package"]), "--threads",
-                             str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(
+        [*NMT, "translate", "--model", str(models["package"]), "--threads", str(args.threads)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     waits = []
     for sentence in sentences:
         start = time.perf_counter()
@@ -158,39 +197,61 @@ def latency(args, work: Path) -> None:
     proc.stdin.close()
     proc.wait()
     # The first answer also waits for the model to load.
-    print(json.dumps({"first_line_s": round(waits[0], 3),
-                      "median_line_s": round(statistics.median(waits[1:]), 3),
-                      "max_line_s": round(max(waits[1:]), 3)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "first_line_s": round(waits[0], 3),
+                "median_line_s": round(statistics.median(waits[1:]), 3),
+                "max_line_s": round(max(waits[1:]), 3),
+            }
+        ),
+        flush=True,
+    )
     train = split_files(args.run, "valid")[0].with_name(f"train.{src.name.split('.')[-1]}")
     with open(train, encoding="utf-8") as f:
         text = "".join(line for _, line in zip(range(args.lines), f))
     (work / "file.txt").write_text(text, encoding="utf-8")
     old = work / "old"
-    subprocess.run(["git", "worktree", "add", "--detach", str(old), args.old], cwd=ROOT,
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(old), args.old], cwd=ROOT, check=True, capture_output=True
+    )
     try:
         # The old code reads the run directory; the new one reads it too, for the same model.
         runs = {"new": ROOT, f"old ({args.old})": old}
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(args.repeats):
             for name, where in runs.items():
-                times[name].append(nmt("translate", "--run-dir", str(args.run.resolve()),
-                                       "--threads", str(args.threads), stdin=work / "file.txt",
-                                       stdout=work / f"{name[:3]}.out", cwd=where))
+                times[name].append(
+                    nmt(
+                        "translate",
+                        "--run-dir",
+                        str(args.run.resolve()),
+                        "--threads",
+                        str(args.threads),
+                        stdin=work / "file.txt",
+                        stdout=work / f"{name[:3]}.out",
+                        cwd=where,
+                    )
+                )
                 print(json.dumps({"code": name, "seconds": round(times[name][-1], 2)}), flush=True)
         same = (work / "new.out").read_bytes() == (work / "old.out").read_bytes()
         a, b = (statistics.median(t) for t in times.values())
-        print(f"| {args.lines:,} lines | {b:.1f} s | {a:.1f} s | {a / b:.3f} | "
-              f"{'identical' if same else 'DIFFERENT'} |")
-        print(f"| one line into an open pipe | median {statistics.median(waits[1:]):.3f} s, "
-              f"max {max(waits[1:]):.3f} s (first, with the model's load: {waits[0]:.2f} s) |")
+        print(
+            f"| {args.lines:,} lines | {b:.1f} s | {a:.1f} s | {a / b:.3f} | "
+            f"{'identical' if same else 'DIFFERENT'} |"
+        )
+        print(
+            f"| one line into an open pipe | median {statistics.median(waits[1:]):.3f} s, "
+            f"max {max(waits[1:]):.3f} s (first, with the model's load: {waits[0]:.2f} s) |"
+        )
         print(f"cpu: {cpu_name()}")
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
 
 
-def load(url: str, requests: list[list[str]], expected: dict[str, str],
-         clients: int) -> tuple[float, list[float], list[str], list[int]]:
+def load(
+    url: str, requests: list[list[str]], expected: dict[str, str], clients: int
+) -> tuple[float, list[float], list[str], list[int]]:
     """`clients` threads send `requests`, each one at a time; the seconds it took, each
     answered request's latency, the failures, and the requests answered wrongly."""
     todo, lock = list(enumerate(requests)), threading.Lock()
@@ -207,8 +268,9 @@ def load(url: str, requests: list[list[str]], expected: dict[str, str],
             body = json.dumps({"text": sentences}).encode()
             start = time.perf_counter()
             try:
-                with urllib.request.urlopen(urllib.request.Request(
-                        url + "/translate", data=body, method="POST"), timeout=300) as r:
+                with urllib.request.urlopen(
+                    urllib.request.Request(url + "/translate", data=body, method="POST"), timeout=300
+                ) as r:
                     answer = json.loads(r.read())["translations"]
             except Exception as e:  # noqa: BLE001 - counted and reported
                 failed.append(f"{i}: {e}")
@@ -231,31 +293,61 @@ def serve(args, work: Path) -> None:
     src, _ = split_files(args.run, "valid")
     pool = src.read_text(encoding="utf-8").splitlines()[:500]
     (work / "pool.txt").write_text("\n".join(pool) + "\n", encoding="utf-8")
-    nmt("translate", "--model", str(models["package"]), "--threads", str(args.threads),
-        stdin=work / "pool.txt", stdout=work / "pool.out")
+    nmt(
+        "translate",
+        "--model",
+        str(models["package"]),
+        "--threads",
+        str(args.threads),
+        stdin=work / "pool.txt",
+        stdout=work / "pool.out",
+    )
     expected = dict(zip(pool, (work / "pool.out").read_text(encoding="utf-8").split("\n")))
     rng = random.Random(0)
     requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.requests)]
-    print(f"cpu: {cpu_name()}; {args.clients} clients, {len(requests)} requests, "
-          f"{sum(map(len, requests))} sentences")
+    print(
+        f"cpu: {cpu_name()}; {args.clients} clients, {len(requests)} requests, "
+        f"{sum(map(len, requests))} sentences"
+    )
     for batching in (["--max-wait-ms", "5"], ["--no-batching"]):
-        proc = subprocess.Popen([*NMT, "serve", "--model", str(models["package"]), "--port", "0",
-                                 "--threads", str(args.threads), *batching],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+        proc = subprocess.Popen(
+            [
+                *NMT,
+                "serve",
+                "--model",
+                str(models["package"]),
+                "--port",
+                "0",
+                "--threads",
+                str(args.threads),
+                *batching,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
         url = "http://127.0.0.1:" + re.search(rb":(\d+)", proc.stderr.readline()).group(1).decode()
         seconds, latencies, failed, wrong = load(url, requests, expected, args.clients)
         proc.terminate()
         proc.wait(60)
         q = statistics.quantiles(latencies, n=100)
-        row = {"batching": batching[0] != "--no-batching", "requests": len(latencies),
-               "failed": len(failed), "wrong": len(wrong), "seconds": round(seconds, 1),
-               "requests_per_s": round(len(latencies) / seconds, 1),
-               "sentences_per_s": round(sum(map(len, requests)) / seconds, 1),
-               "p50_ms": round(q[49] * 1000), "p99_ms": round(q[98] * 1000)}
+        row = {
+            "batching": batching[0] != "--no-batching",
+            "requests": len(latencies),
+            "failed": len(failed),
+            "wrong": len(wrong),
+            "seconds": round(seconds, 1),
+            "requests_per_s": round(len(latencies) / seconds, 1),
+            "sentences_per_s": round(sum(map(len, requests)) / seconds, 1),
+            "p50_ms": round(q[49] * 1000),
+            "p99_ms": round(q[98] * 1000),
+        }
         print(json.dumps(row), flush=True)
-        print(f"| {' '.join(batching)} | {row['requests_per_s']} | {row['sentences_per_s']} | "
-              f"{row['p50_ms']} | {row['p99_ms']} | {row['failed']} | {row['wrong']} |",
-              flush=True)
+        print(
+            f"| {' '.join(batching)} | {row['requests_per_s']} | {row['sentences_per_s']} | "
+            f"{row['p50_ms']} | {row['p99_ms']} | {row['failed']} | {row['wrong']} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -273,8 +365,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-deploy-"))
     try:
-        {"fidelity": fidelity, "speed": speed, "latency": latency, "serve": serve}[args.part](
-            args, work)
+        {"fidelity": fidelity, "speed": speed, "latency": latency, "serve": serve}[args.part](args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -33,23 +33,44 @@ MULTI30K = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data
 
 def nmt(*args: str, log: Path) -> str:
     with open(log, "a", encoding="utf-8") as err:
-        done = subprocess.run([sys.executable, "-m", "nmt_cli", *args], stdout=subprocess.PIPE,
-                              stderr=err, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "nmt_cli", *args], stdout=subprocess.PIPE, stderr=err, text=True
+        )
     if done.returncode:
         sys.exit(f"nmt {' '.join(args)} failed (exit {done.returncode}); see {log}")
     return done.stdout
 
 
 def scores(run: Path, split: str, log: Path) -> dict:
-    cased = json.loads(nmt("score", "--run-dir", str(run), "--split", split, "--json",
-                           "--metrics", "bleu,chrf", log=log))
-    lc = json.loads(nmt("score", "--hyp", cased["hyp"], "--ref", cased["ref"], "--moses-lc",
-                        "--lang", "de", "--metrics", "bleu", "--json", log=log))
+    cased = json.loads(
+        nmt("score", "--run-dir", str(run), "--split", split, "--json", "--metrics", "bleu,chrf", log=log)
+    )
+    lc = json.loads(
+        nmt(
+            "score",
+            "--hyp",
+            cased["hyp"],
+            "--ref",
+            cased["ref"],
+            "--moses-lc",
+            "--lang",
+            "de",
+            "--metrics",
+            "bleu",
+            "--json",
+            log=log,
+        )
+    )
     by = {s["metric"]: s for s in cased["scores"]}
-    return {"bleu": by["bleu"]["score"], "bleu_signature": by["bleu"]["signature"],
-            "chrf": by["chrf"]["score"], "chrf_signature": by["chrf"]["signature"],
-            "moses_lc_bleu": lc["scores"][0]["score"],
-            "moses_lc_signature": lc["scores"][0]["signature"], "lines": cased["lines"]}
+    return {
+        "bleu": by["bleu"]["score"],
+        "bleu_signature": by["bleu"]["signature"],
+        "chrf": by["chrf"]["score"],
+        "chrf_signature": by["chrf"]["signature"],
+        "moses_lc_bleu": lc["scores"][0]["score"],
+        "moses_lc_signature": lc["scores"][0]["signature"],
+        "lines": cased["lines"],
+    }
 
 
 def main() -> None:
@@ -63,23 +84,35 @@ def main() -> None:
     log = args.out / "quality.log"
     extra = ["--threads", str(args.threads)] if args.threads else []
     if (run / "checkpoints").is_dir():
-        print(f"{run} holds a run: resuming it (remove {args.out} for a new measurement)",
-              file=sys.stderr)
+        print(f"{run} holds a run: resuming it (remove {args.out} for a new measurement)", file=sys.stderr)
     started = time.perf_counter()
     # The quickstart keeps a minute of its budget for prep, BPE, decoding and scoring.
-    nmt("quickstart", "--run-dir", str(run), "--minutes", f"{args.minutes + 1:g}",
-        "--mirror", str(MULTI30K), *extra, *train_options, log=log)
+    nmt(
+        "quickstart",
+        "--run-dir",
+        str(run),
+        "--minutes",
+        f"{args.minutes + 1:g}",
+        "--mirror",
+        str(MULTI30K),
+        *extra,
+        *train_options,
+        log=log,
+    )
     pipeline = time.perf_counter() - started
-    results = {"minutes": args.minutes, "pipeline_minutes": pipeline / 60,
-               "train": json.loads((run / "train.json").read_text()),
-               "bpe": json.loads((run / "bpe.json").read_text()),
-               "test2016": scores(run, "test", log), "test2017": scores(run, "test2017", log)}
+    results = {
+        "minutes": args.minutes,
+        "pipeline_minutes": pipeline / 60,
+        "train": json.loads((run / "train.json").read_text()),
+        "bpe": json.loads((run / "bpe.json").read_text()),
+        "test2016": scores(run, "test", log),
+        "test2017": scores(run, "test2017", log),
+    }
     curve = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row["kind"] == "valid":
-            curve.append({k: row.get(k) for k in ("step", "epoch", "minutes", "valid_nll",
-                                                   "valid_bleu")})
+            curve.append({k: row.get(k) for k in ("step", "epoch", "minutes", "valid_nll", "valid_bleu")})
     results["curve"] = curve
     results["steps"] = curve[-1]["step"] if curve else None
     (args.out / "quality.json").write_text(json.dumps(results, indent=2))
@@ -95,8 +128,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for row in curve:
         bleu = f"{row['valid_bleu']:.2f}" if row["valid_bleu"] is not None else "-"
-        print(f"| {row['minutes']:.1f} | {row['step']} | {row['epoch']} | "
-              f"{row['valid_nll']:.3f} | {bleu} |")
+        print(f"| {row['minutes']:.1f} | {row['step']} | {row['epoch']} | {row['valid_nll']:.3f} | {bleu} |")
     print(f"\nwhole pipeline: {pipeline / 60:.1f} minutes; curves: {run / 'curves.png'}")
 
 

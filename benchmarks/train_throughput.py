@@ -46,9 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def model_of(shape_name: str, device: torch.device) -> Transformer:
     shape = SHAPES[shape_name]
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=shape["vocab"], num_encoder_layers=shape["layers"],
-                         num_decoder_layers=shape["layers"], d_model=shape["d"],
-                         ffn=shape["ffn"], heads=shape["heads"])
+    config = ModelConfig(
+        vocab_size=shape["vocab"],
+        num_encoder_layers=shape["layers"],
+        num_decoder_layers=shape["layers"],
+        d_model=shape["d"],
+        ffn=shape["ffn"],
+        heads=shape["heads"],
+    )
     return Transformer(config).to(device)
 
 
@@ -57,13 +62,18 @@ def device_batch(vocab: int, device: torch.device, sentences: int = 128) -> Batc
     return to_device((src.numpy(), tgt_in.numpy(), tgt_out.numpy()), device)
 
 
-def nmt_step(shape_name: str, precision: str, repeats: int, device=torch.device("cpu"),
-             compile: bool = False, sentences: int = 128) -> dict:
+def nmt_step(
+    shape_name: str,
+    precision: str,
+    repeats: int,
+    device=torch.device("cpu"),
+    compile: bool = False,
+    sentences: int = 128,
+) -> dict:
     shape = SHAPES[shape_name]
     model = model_of(shape_name, device)
     forward = torch.compile(model) if compile else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     batches = [device_batch(shape["vocab"], device, sentences)]
     dtype = torch.bfloat16 if precision == "bf16" else None
@@ -74,14 +84,30 @@ def nmt_step(shape_name: str, precision: str, repeats: int, device=torch.device(
     group = distributed.Group()
 
     def step():
-        train_step(model, forward, optimizer, scaler, batches, label_smoothing=0.1,
-                   clip_norm=0.0, lr=1e-4, autocast=autocast, group=group)
+        train_step(
+            model,
+            forward,
+            optimizer,
+            scaler,
+            batches,
+            label_smoothing=0.1,
+            clip_norm=0.0,
+            lr=1e-4,
+            autocast=autocast,
+            group=group,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     seconds = time_steps(step, 5 if compile else 2, repeats)
-    return {"system": "nmt", "shape": shape_name, "precision": precision, "compile": compile,
-            "seconds": seconds, "tgt_tokens_per_s": batches[0].tokens / seconds}
+    return {
+        "system": "nmt",
+        "shape": shape_name,
+        "precision": precision,
+        "compile": compile,
+        "seconds": seconds,
+        "tgt_tokens_per_s": batches[0].tokens / seconds,
+    }
 
 
 def gpu_matmul_ceiling(dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -> float:
@@ -93,14 +119,19 @@ def gpu_matmul_ceiling(dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -
         a @ b
         torch.cuda.synchronize()
 
-    return 2 * n ** 3 / time_steps(product, 3, repeats) / 1e12
+    return 2 * n**3 / time_steps(product, 3, repeats) / 1e12
 
 
 def gpu_main(args) -> dict:
     device = torch.device("cuda")
     ceiling = gpu_matmul_ceiling()
-    results = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-               "cuda": torch.version.cuda, "bf16_matmul_tflops": ceiling, "runs": []}
+    results = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "bf16_matmul_tflops": ceiling,
+        "runs": [],
+    }
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
     sentences = 512  # 16384 source and 16384 target tokens a step
     for shape in args.shapes:
@@ -108,16 +139,21 @@ def gpu_main(args) -> dict:
         for compile in (False, True):
             ours = nmt_step(shape, "bf16", args.repeats, device, compile, sentences)
             tflops = flops / ours["seconds"] / 1e12
-            row = {**ours, "model_tflops": tflops, "mfu": tflops / ceiling,
-                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+            row = {
+                **ours,
+                "model_tflops": tflops,
+                "mfu": tflops / ceiling,
+                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
             torch.cuda.reset_peak_memory_stats()
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
     return results
 
 
-def loop_against_bare(run_dir: Path, size: str, max_tokens: int, device: str, precision: str,
-                      steps: int = 200) -> dict:
+def loop_against_bare(
+    run_dir: Path, size: str, max_tokens: int, device: str, precision: str, steps: int = 200
+) -> dict:
     """Target tokens/s of the trainer's loop and of bare train_step on the same batches."""
     import shutil
     import tempfile
@@ -129,10 +165,21 @@ def loop_against_bare(run_dir: Path, size: str, max_tokens: int, device: str, pr
 
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl",
-                                                                      "averaged.*", "train.json"))
-        config = TrainConfig(size=size, max_tokens=max_tokens, device=device, precision=precision,
-                             max_steps=steps, eval_every=10 ** 6, save_every=10 ** 6, warmup=100)
+        shutil.copytree(
+            run_dir,
+            run,
+            ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "averaged.*", "train.json"),
+        )
+        config = TrainConfig(
+            size=size,
+            max_tokens=max_tokens,
+            device=device,
+            precision=precision,
+            max_steps=steps,
+            eval_every=10**6,
+            save_every=10**6,
+            warmup=100,
+        )
         t = trainer.Trainer(config, RunDir(run), trainer._Quiet())
         groups = [[b] for b in t.epoch_batches(0)[:steps]]
         updates = list(on_device(t.train_data, groups, t.device))  # collated and copied first
@@ -143,8 +190,7 @@ def loop_against_bare(run_dir: Path, size: str, max_tokens: int, device: str, pr
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        step = dict(label_smoothing=0.1, clip_norm=0.0, lr=1e-4, autocast=t.autocast,
-                    group=t.dist)
+        step = dict(label_smoothing=0.1, clip_norm=0.0, lr=1e-4, autocast=t.autocast, group=t.dist)
         for batches in updates[:5]:  # warm-up
             train_step(t.model, t.forward, t.optimizer, t.scaler, batches, **step)
         sync()
@@ -162,9 +208,17 @@ def loop_against_bare(run_dir: Path, size: str, max_tokens: int, device: str, pr
         start = time.perf_counter()
         loop.save()
         save_seconds = time.perf_counter() - start
-    return {"size": size, "max_tokens": max_tokens, "device": device, "precision": precision,
-            "steps": steps, "bare_tgt_tokens_per_s": bare, "loop_tgt_tokens_per_s": looped,
-            "loop_over_bare": looped / bare, "checkpoint_seconds": save_seconds}
+    return {
+        "size": size,
+        "max_tokens": max_tokens,
+        "device": device,
+        "precision": precision,
+        "steps": steps,
+        "bare_tgt_tokens_per_s": bare,
+        "loop_tgt_tokens_per_s": looped,
+        "loop_over_bare": looped / bare,
+        "checkpoint_seconds": save_seconds,
+    }
 
 
 def padding_share() -> float | None:
@@ -174,6 +228,7 @@ def padding_share() -> float | None:
         return None
     from nmt_cli.shards import Shard, make_batches
     from nmt_cli.shards import padding_share as share
+
     s = Shard(run / "data" / "train.en").lengths + 1
     t = Shard(run / "data" / "train.de").lengths + 1
     return share(make_batches(s, t, 4096, 1, 0), s, t)
@@ -186,12 +241,23 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="*", default=["fp32", "bf16"])
     ap.add_argument("--fairseq-python", default=str(ROOT.parent / "peers" / "fairseq" / "bin" / "python"))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--loop", type=Path, metavar="RUN_DIR",
-                    help="also time the trainer's loop against the bare step on this run's data")
-    ap.add_argument("--loop-size", default=None, help="preset of the loop measurement "
-                    "(default: base on a GPU, small on the CPU)")
-    ap.add_argument("--loop-tokens", type=int, default=None,
-                    help="--max-tokens of the loop measurement (default: 8192 GPU, 1024 CPU)")
+    ap.add_argument(
+        "--loop",
+        type=Path,
+        metavar="RUN_DIR",
+        help="also time the trainer's loop against the bare step on this run's data",
+    )
+    ap.add_argument(
+        "--loop-size",
+        default=None,
+        help="preset of the loop measurement (default: base on a GPU, small on the CPU)",
+    )
+    ap.add_argument(
+        "--loop-tokens",
+        type=int,
+        default=None,
+        help="--max-tokens of the loop measurement (default: 8192 GPU, 1024 CPU)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -205,8 +271,7 @@ def main() -> None:
     if args.loop:
         size = args.loop_size or ("base" if gpu else "small")
         tokens = args.loop_tokens or (8192 if gpu else 1024)
-        results["loop"] = loop_against_bare(args.loop, size, tokens, args.device,
-                                            "bf16" if gpu else "fp32")
+        results["loop"] = loop_against_bare(args.loop, size, tokens, args.device, "bf16" if gpu else "fp32")
         print(json.dumps(results["loop"]), flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
@@ -214,10 +279,13 @@ def main() -> None:
 
 def cpu_main(args) -> dict:
     args.shapes = args.shapes or ["tiny", "base"]
-    results = {"threads": torch.get_num_threads(), "cpu": cpu_name(),
-               "ceiling_gflops": {"fp32": matmul_ceiling(torch.float32),
-                                  "bf16": matmul_ceiling(torch.bfloat16)},
-               "padding_share_multi30k": padding_share(), "runs": []}
+    results = {
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "ceiling_gflops": {"fp32": matmul_ceiling(torch.float32), "bf16": matmul_ceiling(torch.bfloat16)},
+        "padding_share_multi30k": padding_share(),
+        "runs": [],
+    }
     heading = ("cpu", "ceiling_gflops", "padding_share_multi30k")
     print(json.dumps({k: results[k] for k in heading}), flush=True)
     for shape in args.shapes:
@@ -227,16 +295,33 @@ def cpu_main(args) -> dict:
             peer = None
             if Path(args.fairseq_python).exists():
                 script = ROOT / "benchmarks" / "peers" / "fairseq_train.py"
-                done = subprocess.run([args.fairseq_python, str(script),
-                                       "--shape", shape, "--precision", precision,
-                                       "--repeats", str(args.repeats)], capture_output=True, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "2"})
+                done = subprocess.run(
+                    [
+                        args.fairseq_python,
+                        str(script),
+                        "--shape",
+                        shape,
+                        "--precision",
+                        precision,
+                        "--repeats",
+                        str(args.repeats),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "2"},
+                )
                 lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
                 peer = json.loads(lines[-1]) if lines else {"error": done.stderr[-500:]}
-            row = {"shape": shape, "precision": precision, "nmt": ours, "fairseq": peer,
-                   "nmt_gflops": flops / ours["seconds"] / 1e9,
-                   "nmt_share_of_ceiling": (flops / ours["seconds"] / 1e9
-                                            / results["ceiling_gflops"][precision])}
+            row = {
+                "shape": shape,
+                "precision": precision,
+                "nmt": ours,
+                "fairseq": peer,
+                "nmt_gflops": flops / ours["seconds"] / 1e9,
+                "nmt_share_of_ceiling": (
+                    flops / ours["seconds"] / 1e9 / results["ceiling_gflops"][precision]
+                ),
+            }
             if peer and "seconds" in peer:
                 row["ratio"] = peer["seconds"] / ours["seconds"]
                 row["fairseq_gflops"] = flops / peer["seconds"] / 1e9

@@ -54,8 +54,7 @@ def sample_lines(paths: list[Path], k: int, seed: int) -> list[str]:
 def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int) -> None:
     import sentencepiece as spm
 
-    sample = sample_lines([run.text("train", src), run.text("train", tgt)],
-                          config.sample_lines, config.seed)
+    sample = sample_lines([run.text("train", src), run.text("train", tgt)], config.sample_lines, config.seed)
     ui.say(f"learning a joint BPE model of {vocab_size} pieces from {len(sample):,} sentences")
     run.spm_model.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=run.spm_model.parent) as tmp:
@@ -64,11 +63,23 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int) -
         del sample
         try:
             spm.SentencePieceTrainer.train(
-                input=str(text), model_prefix=str(Path(tmp) / "spm"), model_type="bpe",
-                vocab_size=vocab_size, character_coverage=1.0, byte_fallback=True,
-                normalization_rule_name="identity", pad_id=PAD, unk_id=UNK, bos_id=BOS,
-                eos_id=EOS, pad_piece="<pad>", input_sentence_size=0,
-                shuffle_input_sentence=False, num_threads=config.threads, minloglevel=2)
+                input=str(text),
+                model_prefix=str(Path(tmp) / "spm"),
+                model_type="bpe",
+                vocab_size=vocab_size,
+                character_coverage=1.0,
+                byte_fallback=True,
+                normalization_rule_name="identity",
+                pad_id=PAD,
+                unk_id=UNK,
+                bos_id=BOS,
+                eos_id=EOS,
+                pad_piece="<pad>",
+                input_sentence_size=0,
+                shuffle_input_sentence=False,
+                num_threads=config.threads,
+                minloglevel=2,
+            )
         except RuntimeError as e:
             message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             fix = " (choose a smaller --vocab-size)" if "vocab" in message.lower() else ""
@@ -83,13 +94,16 @@ def spm_of(where: Path) -> Path:
     for candidate in (where, where / "spm.model", where / "bpe" / "spm.model"):
         if candidate.is_file():
             return candidate
-    raise NmtError(f"no sentencepiece model at {where} (give a run directory, a directory from "
-                   "`nmt export`, or an .model file)")
+    raise NmtError(
+        f"no sentencepiece model at {where} (give a run directory, a directory from "
+        "`nmt export`, or an .model file)"
+    )
 
 
 def adopt(where: Path, run: RunDir) -> None:
     """Take another model's sentencepiece model as this run's (for fine-tuning that model)."""
     import sentencepiece as spm
+
     path = spm_of(where)
     try:
         sp = spm.SentencePieceProcessor(model_file=str(path))
@@ -99,8 +113,7 @@ def adopt(where: Path, run: RunDir) -> None:
         raise NmtError(f"{path} was not made by `nmt bpe`: its special pieces have other ids")
     ui.say(f"encoding with the BPE model of {where} ({sp.get_piece_size()} pieces)")
     run.spm_model.parent.mkdir(parents=True, exist_ok=True)
-    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
-                    for i in range(sp.get_piece_size()))
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     with atomic_open(run.spm_vocab) as f:
         f.write(vocab)
     with atomic_open(run.spm_model, "wb") as f:
@@ -110,6 +123,7 @@ def adopt(where: Path, run: RunDir) -> None:
 def load(run: RunDir):
     """The run's sentencepiece processor."""
     import sentencepiece as spm
+
     run.require(run.spm_model, "bpe")
     return spm.SentencePieceProcessor(model_file=str(run.spm_model))
 
@@ -129,9 +143,14 @@ def encode_file(sp, text: Path, prefix: Path, threads: int, bar, task) -> dict:
             longest = max(longest, max((len(s) for s in ids), default=0))
             bar.advance(task, len(chunk))
     n, t = writer.sentences, writer.tokens
-    return {"sentences": n, "tokens": t, "mean_length": round(t / n, 2) if n else 0.0,
-            "max_length": longest, "unk_rate": unk / t if t else 0.0,
-            "byte_fallback_rate": bytes_ / t if t else 0.0}
+    return {
+        "sentences": n,
+        "tokens": t,
+        "mean_length": round(t / n, 2) if n else 0.0,
+        "max_length": longest,
+        "unk_rate": unk / t if t else 0.0,
+        "byte_fallback_rate": bytes_ / t if t else 0.0,
+    }
 
 
 def run_bpe(config: BpeConfig, run: RunDir) -> dict:
@@ -157,20 +176,29 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
         task = bar.add_task("encode", total=total)
         for split in splits:
             for lang in (src, tgt):
-                stats[f"{split}.{lang}"] = encode_file(sp, run.text(split, lang),
-                                                       run.tokens(split, lang),
-                                                       config.threads, bar, task)
-                produced += [Path(f"{run.tokens(split, lang)}.bin"),
-                             Path(f"{run.tokens(split, lang)}.idx")]
-    run.record("bpe", produced, vocab_size=vocab_size,
-               dtype=dtype_for(vocab_size).name, stats=stats)
+                stats[f"{split}.{lang}"] = encode_file(
+                    sp, run.text(split, lang), run.tokens(split, lang), config.threads, bar, task
+                )
+                produced += [Path(f"{run.tokens(split, lang)}.bin"), Path(f"{run.tokens(split, lang)}.idx")]
+    run.record("bpe", produced, vocab_size=vocab_size, dtype=dtype_for(vocab_size).name, stats=stats)
     return {"vocab_size": vocab_size, "stats": stats}
 
 
 def show(result: dict) -> None:
     """The table of what `run_bpe` encoded."""
-    ui.table(f"nmt bpe: {result['vocab_size']} pieces",
-             ["file", "sentences", "tokens", "mean length", "max", "unknown", "byte fallback"],
-             [[name, f"{s['sentences']:,}", f"{s['tokens']:,}", f"{s['mean_length']:.1f}",
-               str(s["max_length"]), f"{s['unk_rate']:.3%}", f"{s['byte_fallback_rate']:.3%}"]
-              for name, s in result["stats"].items()])
+    ui.table(
+        f"nmt bpe: {result['vocab_size']} pieces",
+        ["file", "sentences", "tokens", "mean length", "max", "unknown", "byte fallback"],
+        [
+            [
+                name,
+                f"{s['sentences']:,}",
+                f"{s['tokens']:,}",
+                f"{s['mean_length']:.1f}",
+                str(s["max_length"]),
+                f"{s['unk_rate']:.3%}",
+                f"{s['byte_fallback_rate']:.3%}",
+            ]
+            for name, s in result["stats"].items()
+        ],
+    )

@@ -26,6 +26,7 @@ from nmt_cli.errors import NmtError
 
 _debug = bool(os.environ.get("NMT_DEBUG"))
 
+
 def _version(value: bool) -> None:
     if value:
         print(f"nmt {__version__}")
@@ -35,8 +36,9 @@ def _version(value: bool) -> None:
 @app.callback()
 def root(
     debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     global _debug
     _debug = _debug or debug
@@ -50,28 +52,44 @@ class RecipeName(str, Enum):
 
 @app.command()
 def prep(
-    recipe: Annotated[RecipeName, typer.Argument(help="The corpus: wmt14-en-de, multi30k-en-de "
-                                                      "or custom (your own files).")],
+    recipe: Annotated[
+        RecipeName, typer.Argument(help="The corpus: wmt14-en-de, multi30k-en-de or custom (your own files).")
+    ],
     run_dir: RunDirOption = Path("run"),
     src: Annotated[str, typer.Option(help="Source language.")] = "en",
     tgt: Annotated[str, typer.Option(help="Target language.")] = "de",
-    mirror: Annotated[Optional[Path], typer.Option(
-        envvar="NMT_MIRROR", help="Take the recipe's files from this local folder instead of "
-                                  "the network (same names, same checksums).")] = None,
-    max_words: Annotated[int, typer.Option(help="Drop training pairs with a side longer "
-                                                "than this many words.")] = 250,
-    max_ratio: Annotated[Optional[float], typer.Option(
-        help="Drop training pairs whose word-count ratio exceeds this (default: 9 for "
-             "multi30k-en-de, else 1.5).", show_default=False)] = None,
+    mirror: Annotated[
+        Optional[Path],
+        typer.Option(
+            envvar="NMT_MIRROR",
+            help="Take the recipe's files from this local folder instead of "
+            "the network (same names, same checksums).",
+        ),
+    ] = None,
+    max_words: Annotated[
+        int, typer.Option(help="Drop training pairs with a side longer than this many words.")
+    ] = 250,
+    max_ratio: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Drop training pairs whose word-count ratio exceeds this (default: 9 for "
+            "multi30k-en-de, else 1.5).",
+            show_default=False,
+        ),
+    ] = None,
     train_src: Annotated[Optional[Path], typer.Option(help="custom: training source (plain or .gz).")] = None,
     train_tgt: Annotated[Optional[Path], typer.Option(help="custom: training target.")] = None,
-    valid_src: Annotated[Optional[Path], typer.Option(
-        help="custom: validation source (default: every 100th training pair, up to 2000).")] = None,
+    valid_src: Annotated[
+        Optional[Path],
+        typer.Option(help="custom: validation source (default: every 100th training pair, up to 2000)."),
+    ] = None,
     valid_tgt: Annotated[Optional[Path], typer.Option(help="custom: validation target.")] = None,
     test_src: Annotated[Optional[Path], typer.Option(help="custom: test source.")] = None,
     test_tgt: Annotated[Optional[Path], typer.Option(help="custom: test target.")] = None,
-    workers: Annotated[Optional[int], typer.Option(
-        help="Processes for cleaning (default: 1 for small corpora, else up to 4).")] = None,
+    workers: Annotated[
+        Optional[int],
+        typer.Option(help="Processes for cleaning (default: 1 for small corpora, else up to 4)."),
+    ] = None,
 ) -> None:
     """Fetch, verify, extract and clean a corpus into the run directory."""
     from nmt_cli import prep as prep_mod
@@ -81,11 +99,20 @@ def prep(
     def opt(p: Optional[Path]) -> Optional[str]:
         return str(p) if p is not None else None
 
-    config = PrepConfig(recipe=recipe.value, src=src, tgt=tgt, mirror=opt(mirror),
-                        max_words=max_words, max_ratio=max_ratio,
-                        train_src=opt(train_src), train_tgt=opt(train_tgt),
-                        valid_src=opt(valid_src), valid_tgt=opt(valid_tgt),
-                        test_src=opt(test_src), test_tgt=opt(test_tgt))
+    config = PrepConfig(
+        recipe=recipe.value,
+        src=src,
+        tgt=tgt,
+        mirror=opt(mirror),
+        max_words=max_words,
+        max_ratio=max_ratio,
+        train_src=opt(train_src),
+        train_tgt=opt(train_tgt),
+        valid_src=opt(valid_src),
+        valid_tgt=opt(valid_tgt),
+        test_src=opt(test_src),
+        test_tgt=opt(test_tgt),
+    )
     if workers is not None and workers < 1:
         raise NmtError("--workers must be at least 1")
     prep_mod.check_inputs(config)
@@ -100,28 +127,41 @@ def prep(
 @app.command()
 def bpe(
     run_dir: RunDirOption = Path("run"),
-    vocab_size: Annotated[int, typer.Option(
-        help="Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, "
-             "else 32000).")] = 0,
-    sample_lines: Annotated[int, typer.Option(
-        help="Sentences (both sides) sampled to learn BPE from.")] = 500_000,
+    vocab_size: Annotated[
+        int,
+        typer.Option(
+            help="Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, else 32000)."
+        ),
+    ] = 0,
+    sample_lines: Annotated[
+        int, typer.Option(help="Sentences (both sides) sampled to learn BPE from.")
+    ] = 500_000,
     seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 1,
     threads: Annotated[int, typer.Option(help="Threads for learning and encoding.")] = os.cpu_count() or 1,
-    from_model: Annotated[Optional[Path], typer.Option(
-        "--from", help="Encode with this model's sentencepiece model (a run directory, a "
-                       "package, or a .model file) instead of learning one.")] = None,
+    from_model: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--from",
+            help="Encode with this model's sentencepiece model (a run directory, a "
+            "package, or a .model file) instead of learning one.",
+        ),
+    ] = None,
 ) -> None:
     """Learn a joint sentencepiece BPE model and binarize every split."""
     from nmt_cli import bpe as bpe_mod
     from nmt_cli.config import BpeConfig
     from nmt_cli.rundir import RunDir
 
-    config = BpeConfig(vocab_size=vocab_size, sample_lines=sample_lines, seed=seed, threads=threads,
-                       from_model=str(from_model) if from_model else None)
+    config = BpeConfig(
+        vocab_size=vocab_size,
+        sample_lines=sample_lines,
+        seed=seed,
+        threads=threads,
+        from_model=str(from_model) if from_model else None,
+    )
     run = RunDir(run_dir)
     if not run.root.is_dir():
-        raise NmtError(f"run directory {run.root} not found: run `nmt prep` first "
-                       "(or pass --run-dir)")
+        raise NmtError(f"run directory {run.root} not found: run `nmt prep` first (or pass --run-dir)")
     with run.lock("bpe"):
         run.save_config("bpe", config)
         result = bpe_mod.run_bpe(config, run)
@@ -153,36 +193,45 @@ def train(
     max_steps: Annotated[int, typer.Option(help="Stop after this many updates (0: no limit).")] = 100_000,
     max_epochs: Annotated[int, typer.Option(help="Stop after this many epochs (0: no limit).")] = 0,
     max_time: Annotated[float, typer.Option(help="Stop after this many minutes (0: no limit).")] = 0.0,
-    precision: Annotated[str, typer.Option(
-        help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")] = "auto",
+    precision: Annotated[
+        str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")
+    ] = "auto",
     eval_every: Annotated[int, typer.Option(help="Validate every N updates.")] = 1000,
     eval_bleu: Annotated[bool, typer.Option(help="Also log greedy BLEU on the validation set.")] = False,
     patience: Annotated[int, typer.Option(help="Stop after N validations without improvement (0: off).")] = 0,
     save_every: Annotated[int, typer.Option(help="Checkpoint every N updates.")] = 1000,
     keep_last: Annotated[int, typer.Option(help="Checkpoints kept.")] = 20,
-    init_from: Annotated[Optional[str], typer.Option(
-        help="Start from this model's weights (a run directory, a checkpoint or a package "
-             "from `nmt export`) with a fresh optimizer and schedule; its BPE must be this "
-             "run's (`nmt bpe --from`).")] = None,
-    keep_best: Annotated[int, typer.Option(help="Also keep the N best models by --best-metric, "
-                                           "in checkpoints/best (0: none).")] = 0,
-    best_metric: Annotated[str, typer.Option(help="nll, or bleu (with --eval-bleu): what "
-                                             "--keep-best and --patience watch.")] = "nll",
+    init_from: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Start from this model's weights (a run directory, a checkpoint or a package "
+            "from `nmt export`) with a fresh optimizer and schedule; its BPE must be this "
+            "run's (`nmt bpe --from`)."
+        ),
+    ] = None,
+    keep_best: Annotated[
+        int, typer.Option(help="Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
+    ] = 0,
+    best_metric: Annotated[
+        str, typer.Option(help="nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
+    ] = "nll",
     seed: Annotated[int, typer.Option(help="Seed of initialisation, dropout and batch order.")] = 1,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the model.")] = False,
     threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,
-    max_bad_steps: Annotated[int, typer.Option(help="Stop after this many non-finite updates "
-                                                    "in a row.")] = 20,
-    gpus: Annotated[int, typer.Option(help="GPUs on this node: one NCCL worker each, through "
-                                           "torch's elastic launcher.")] = 0,
-    procs: Annotated[int, typer.Option(help="CPU worker processes (gloo), e.g. --procs 2 "
-                                            "--device cpu.")] = 1,
+    max_bad_steps: Annotated[
+        int, typer.Option(help="Stop after this many non-finite updates in a row.")
+    ] = 20,
+    gpus: Annotated[
+        int, typer.Option(help="GPUs on this node: one NCCL worker each, through torch's elastic launcher.")
+    ] = 0,
+    procs: Annotated[int, typer.Option(help="CPU worker processes (gloo), e.g. --procs 2 --device cpu.")] = 1,
     nnodes: Annotated[int, typer.Option(help="Nodes taking part (run the same command on each).")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank among --nnodes.")] = 0,
     rdzv_endpoint: Annotated[str, typer.Option(help="HOST:PORT of node 0, for --nnodes > 1.")] = "",
-    max_restarts: Annotated[int, typer.Option(help="Restart failed workers up to N times; they "
-                                                   "resume from the last checkpoint.")] = 0,
+    max_restarts: Annotated[
+        int, typer.Option(help="Restart failed workers up to N times; they resume from the last checkpoint.")
+    ] = 0,
 ) -> None:
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
@@ -195,8 +244,7 @@ def train(
     run = RunDir(run_dir)
     if not run.root.is_dir():
         raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
-    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TrainConfig)
-             if f.name in ctx.params}
+    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TrainConfig) if f.name in ctx.params}
     explicit = {name for name in given if _given(ctx, name)}
     how = training.Launch(gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts)
     if how.needed:  # launch checks `how` before any work
@@ -212,8 +260,9 @@ def train(
             ui.say(str(e))
             raise typer.Exit(128 + e.signum) from None
     if rank == 0:
-        ui.done(f"step {result['step']}: checkpoints in {run.checkpoints}",
-                f"nmt average --run-dir {run.root}")
+        ui.done(
+            f"step {result['step']}: checkpoints in {run.checkpoints}", f"nmt average --run-dir {run.root}"
+        )
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -225,10 +274,12 @@ def _given(ctx: typer.Context, name: str) -> bool:
 @app.command()
 def average(
     run_dir: RunDirOption = Path("run"),
-    last: Annotated[int, typer.Option(help="Average the last N checkpoints (the paper: 5 for "
-                                           "base, 20 for big).")] = 5,
-    best: Annotated[int, typer.Option(help="Instead, average the N best models kept by "
-                                           "`nmt train --keep-best`.")] = 0,
+    last: Annotated[
+        int, typer.Option(help="Average the last N checkpoints (the paper: 5 for base, 20 for big).")
+    ] = 5,
+    best: Annotated[
+        int, typer.Option(help="Instead, average the N best models kept by `nmt train --keep-best`.")
+    ] = 0,
 ) -> None:
     """Average the last N checkpoints (or the N best) into the run's model."""
     from nmt_cli import ui
@@ -240,8 +291,10 @@ def average(
     run = RunDir(run_dir)
     with run.lock("average"):
         record = checkpoint.average_run(run, last, ui.say, best)
-        ui.say(f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) "
-               f"into {run.averaged}")
+        ui.say(
+            f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) "
+            f"into {run.averaged}"
+        )
 
 
 # translate, score, export, serve: the commands that use a trained model, declared there.
@@ -251,13 +304,15 @@ from nmt_cli import cli_use  # noqa: E402,F401
 @app.command()
 def plot(
     run_dir: RunDirOption = Path("run"),
-    out: Annotated[Optional[Path], typer.Option(help="PNG to write (default: curves.png in the "
-                                                     "run directory).")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option(help="PNG to write (default: curves.png in the run directory).")
+    ] = None,
 ) -> None:
     """Draw the run's training curves (loss, validation BLEU, lr, tokens/s) into a PNG."""
     from nmt_cli import plot as plot_mod
     from nmt_cli import ui
     from nmt_cli.rundir import RunDir
+
     path = plot_mod.plot(RunDir(run_dir), out)
     ui.say(f"curves drawn into {path}")
 
@@ -267,11 +322,15 @@ def plot(
 def quickstart(
     ctx: typer.Context,
     run_dir: RunDirOption = Path("quickstart"),
-    minutes: Annotated[float, typer.Option(help="Time budget of the whole pipeline; all but "
-                                                "a minute of it trains.")] = 15.0,
-    mirror: Annotated[Optional[Path], typer.Option(
-        envvar="NMT_MIRROR", help="Take Multi30k from this local folder instead of the "
-                                  "network.")] = None,
+    minutes: Annotated[
+        float, typer.Option(help="Time budget of the whole pipeline; all but a minute of it trains.")
+    ] = 15.0,
+    mirror: Annotated[
+        Optional[Path],
+        typer.Option(
+            envvar="NMT_MIRROR", help="Take Multi30k from this local folder instead of the network."
+        ),
+    ] = None,
     threads: ThreadsOption = 0,
 ) -> None:
     """Multi30k English-German end to end: prep, bpe, train, average, translate, score, plot.
@@ -283,34 +342,39 @@ def quickstart(
     from nmt_cli.rundir import RunDir
 
     # Options meant for `nmt train` are checked now, not after prep and bpe have run.
-    train_ctx = typer.main.get_command(app).get_command(ctx, "train").make_context(
-        "nmt train", list(ctx.args))
+    train_ctx = (
+        typer.main.get_command(app).get_command(ctx, "train").make_context("nmt train", list(ctx.args))
+    )
     import dataclasses
 
     from nmt_cli.config import TrainConfig
+
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    overrides = {name: value for name, value in train_ctx.params.items()
-                 if _given(train_ctx, name)}
+    overrides = {name: value for name, value in train_ctx.params.items() if _given(train_ctx, name)}
     for name in set(overrides) - fields:
-        raise NmtError(f"--{name.replace('_', '-')} is not for `nmt quickstart`, which trains "
-                       "in this process: run the steps one by one to use it")
+        raise NmtError(
+            f"--{name.replace('_', '-')} is not for `nmt quickstart`, which trains "
+            "in this process: run the steps one by one to use it"
+        )
     try:
-        quickstart_mod.run(RunDir(run_dir), minutes, str(mirror) if mirror else None, threads,
-                           overrides)
+        quickstart_mod.run(RunDir(run_dir), minutes, str(mirror) if mirror else None, threads, overrides)
     except trainer.Interrupted as e:  # its checkpoint is saved: a rerun resumes
         from nmt_cli import ui
+
         ui.say(str(e))
         raise typer.Exit(128 + e.signum) from None
 
 
 # -- output helpers -----------------------------------------------------------------------------
 
+
 def _error(message: str) -> None:
     # One line, whatever the message contains. A rank that torchrun started also hands it to
     # torchrun through its error file.
-    message = ' '.join(str(message).split())
+    message = " ".join(str(message).split())
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from nmt_cli.engine.distributed import record_worker_error
+
         record_worker_error(message)
     print(f"nmt: error: {message}", file=sys.stderr, flush=True)
 
@@ -346,7 +410,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except Exception as e:  # a bug of ours: still one line unless asked for the traceback
         if _debug:
             raise
-        _error(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback, "
-               "and please report it)")
+        _error(
+            f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback, "
+            "and please report it)"
+        )
         code = 1
     sys.exit(code)

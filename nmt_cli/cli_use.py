@@ -36,8 +36,9 @@ def translate(
     alpha: AlphaOption = 0.6,
     max_len_a: MaxLenA = 1.0,
     max_len_b: MaxLenB = 50,
-    nbest: Annotated[int, typer.Option(help="Hypotheses per line, printed as "
-                                            "'line<TAB>score<TAB>text'.")] = 1,
+    nbest: Annotated[
+        int, typer.Option(help="Hypotheses per line, printed as 'line<TAB>score<TAB>text'.")
+    ] = 1,
     max_tokens: Annotated[int, typer.Option(help="Padded source tokens per batch.")] = 4096,
     batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
     device: DeviceOption = "auto",
@@ -53,35 +54,59 @@ def translate(
     from nmt_cli.config import TranslateConfig
     from nmt_cli.translate import Translator
 
-    config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
-                             alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, nbest=nbest,
-                             max_tokens=max_tokens, batch_size=batch_size, device=device,
-                             precision=precision, int8=int8, engine=engine, threads=threads)
+    config = TranslateConfig(
+        checkpoint=str(checkpoint) if checkpoint else None,
+        beam=beam,
+        alpha=alpha,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        nbest=nbest,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        device=device,
+        precision=precision,
+        int8=int8,
+        engine=engine,
+        threads=threads,
+    )
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
     scoring.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
 
 
 @app.command()
 def score(
-    hyp: Annotated[Optional[Path], typer.Option(help="Translations (default: stdin, or with "
-                                                     "no --ref, the run's test set).")] = None,
+    hyp: Annotated[
+        Optional[Path],
+        typer.Option(help="Translations (default: stdin, or with no --ref, the run's test set)."),
+    ] = None,
     ref: Annotated[Optional[Path], typer.Option(help="References, line-aligned with --hyp.")] = None,
-    src: Annotated[Optional[Path], typer.Option(help="Translate this file (with --ref, instead "
-                                                     "of --hyp) with the model.")] = None,
+    src: Annotated[
+        Optional[Path],
+        typer.Option(help="Translate this file (with --ref, instead of --hyp) with the model."),
+    ] = None,
     model: ModelOption = None,
     run_dir: RunDirOption = Path("run"),
-    split: Annotated[str, typer.Option(
-        help="Without --ref: the run's split to translate and score.")] = "test",
+    split: Annotated[
+        str, typer.Option(help="Without --ref: the run's split to translate and score.")
+    ] = "test",
     metrics: Annotated[str, typer.Option(help="Comma-separated: bleu, chrf, ter.")] = "bleu,chrf,ter",
     tokenize: Annotated[str, typer.Option(help="sacreBLEU tokenizer for BLEU.")] = "13a",
     lowercase: Annotated[bool, typer.Option("--lowercase", help="Case-insensitive scores.")] = False,
-    moses_lc: Annotated[bool, typer.Option("--moses-lc", help="Lowercase + Moses normalise + "
-                                           "Moses tokenise both sides, BLEU with --tokenize none "
-                                           "(how Multi30k papers report).")] = False,
-    lang: Annotated[Optional[str], typer.Option(help="Target language for --moses-lc "
-                                                     "(default: the run's).")] = None,
-    compare: Annotated[Optional[Path], typer.Option(help="Another system's translations: "
-                                                         "paired bootstrap test against it.")] = None,
+    moses_lc: Annotated[
+        bool,
+        typer.Option(
+            "--moses-lc",
+            help="Lowercase + Moses normalise + "
+            "Moses tokenise both sides, BLEU with --tokenize none "
+            "(how Multi30k papers report).",
+        ),
+    ] = False,
+    lang: Annotated[
+        Optional[str], typer.Option(help="Target language for --moses-lc (default: the run's).")
+    ] = None,
+    compare: Annotated[
+        Optional[Path], typer.Option(help="Another system's translations: paired bootstrap test against it.")
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     checkpoint: CheckpointOption = None,
     beam: BeamOption = 4,
@@ -104,10 +129,18 @@ def score(
 
     metric_names = scoring.parse_metrics(metrics)
     run = RunDir(run_dir)
-    config = TranslateConfig(checkpoint=str(checkpoint) if checkpoint else None, beam=beam,
-                             alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                             device=device, precision=precision, int8=int8, engine=engine,
-                             threads=threads)
+    config = TranslateConfig(
+        checkpoint=str(checkpoint) if checkpoint else None,
+        beam=beam,
+        alpha=alpha,
+        max_len_a=max_len_a,
+        max_len_b=max_len_b,
+        device=device,
+        precision=precision,
+        int8=int8,
+        engine=engine,
+        threads=threads,
+    )
     found = None
     if src is not None:
         if ref is None or hyp is not None:
@@ -130,9 +163,15 @@ def score(
         prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
         lang = found.tgt if found is not None else prepped.get("tgt", "en")
     report = scoring.report(
-        hyps, refs, names, metric_names, tokenize=tokenize,
-        lowercase=lowercase, moses_lc_lang=lang if moses_lc else None,
-        baseline=(str(compare), list(read_lines(compare))) if compare is not None else None)
+        hyps,
+        refs,
+        names,
+        metric_names,
+        tokenize=tokenize,
+        lowercase=lowercase,
+        moses_lc_lang=lang if moses_lc else None,
+        baseline=(str(compare), list(read_lines(compare))) if compare is not None else None,
+    )
     if ref is None and model is None:
         atomic_write_json(run.scores(split), report)
     if json_out:
@@ -142,17 +181,24 @@ def score(
         print(f"{r['text']}\t{r['signature']}")
     for m, c in report.get("compare", {}).items():
         if m != "baseline":
-            print(f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
-                  f"p = {c['p_value']:.4f} (paired bootstrap)")
+            print(
+                f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
+                f"p = {c['p_value']:.4f} (paired bootstrap)"
+            )
 
 
 @app.command()
 def export(
     out: Annotated[Path, typer.Argument(help="The directory to write (new or empty).")],
-    fmt: Annotated[str, typer.Option("--format", help="nmt: a self-contained package "
-                                     "(safetensors); ctranslate2: a CTranslate2 model.")] = "nmt",
-    quantization: Annotated[str, typer.Option(help="ctranslate2: float32, int8, int8_float32, "
-                                              "float16, bfloat16.")] = "float32",
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format", help="nmt: a self-contained package (safetensors); ctranslate2: a CTranslate2 model."
+        ),
+    ] = "nmt",
+    quantization: Annotated[
+        str, typer.Option(help="ctranslate2: float32, int8, int8_float32, float16, bfloat16.")
+    ] = "float32",
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
@@ -167,6 +213,7 @@ def export(
         package.export_nmt(found, out)
     elif fmt == "ctranslate2":
         from nmt_cli import ct2
+
         ct2.export(found, out, quantization)
     else:
         raise NmtError(f"unknown --format {fmt!r}: choose nmt or ctranslate2")
@@ -179,11 +226,13 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port (0: any free one, printed).")] = 8080,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     beam: BeamOption = 4,
-    max_wait_ms: Annotated[float, typer.Option(help="How long a request may wait for others "
-                                               "to share its batch.")] = 5.0,
+    max_wait_ms: Annotated[
+        float, typer.Option(help="How long a request may wait for others to share its batch.")
+    ] = 5.0,
     max_batch: Annotated[int, typer.Option(help="Sentences decoded together at most.")] = 64,
-    batching: Annotated[bool, typer.Option("--batching/--no-batching", help="Decode concurrent "
-                                           "requests together.")] = True,
+    batching: Annotated[
+        bool, typer.Option("--batching/--no-batching", help="Decode concurrent requests together.")
+    ] = True,
     max_queue: Annotated[int, typer.Option(help="Sentences waiting at most; beyond, 503.")] = 1024,
     max_sentences: Annotated[int, typer.Option(help="Sentences per request; beyond, 413.")] = 256,
     engine: EngineOption = "auto",
@@ -196,15 +245,22 @@ def serve(
     from nmt_cli.config import ServeConfig, TranslateConfig
 
     translate_config = TranslateConfig(beam=beam, engine=engine, device=device, threads=threads)
-    config = ServeConfig(host=host, port=port, max_wait_ms=max_wait_ms, max_batch=max_batch,
-                         batching=batching,
-                         max_queue=max_queue, max_sentences=max_sentences)
+    config = ServeConfig(
+        host=host,
+        port=port,
+        max_wait_ms=max_wait_ms,
+        max_batch=max_batch,
+        batching=batching,
+        max_queue=max_queue,
+        max_sentences=max_sentences,
+    )
     serve_mod.run(package.from_dir(model), translate_config, config)
 
 
 def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str]):
     from nmt_cli import package
     from nmt_cli.rundir import RunDir
+
     if model is not None:
         if checkpoint:
             raise NmtError("--model and --checkpoint name two models: give one")
@@ -214,5 +270,6 @@ def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str])
 
 def _stdin_lines() -> list[str]:
     from nmt_cli.textio import Damage, decode_line
+
     damage = Damage()
     return [decode_line(raw, i, damage) for i, raw in enumerate(sys.stdin.buffer, 1)]

@@ -29,9 +29,9 @@ class ModelConfig:
     d_model: int = 512
     ffn: int = 2048
     heads: int = 8
-    dropout: float = 0.1             # on residual branches and embeddings
-    attention_dropout: float = 0.1   # on attention probabilities
-    relu_dropout: float = 0.1        # after the FFN ReLU
+    dropout: float = 0.1  # on residual branches and embeddings
+    attention_dropout: float = 0.1  # on attention probabilities
+    relu_dropout: float = 0.1  # after the FFN ReLU
     post_norm: bool = False
     max_positions: int = 1024
 
@@ -40,6 +40,7 @@ class ModelConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
 
 
+# fmt: off
 PRESETS: dict[str, dict] = {
     # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
     # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
@@ -55,6 +56,7 @@ PRESETS: dict[str, dict] = {
     "big": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=1024, ffn=4096, heads=16,
                 dropout=0.3, attention_dropout=0.1, relu_dropout=0.1),
 }
+# fmt: on
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,11 @@ class PrepConfig:
     recipe: str
     src: str = "en"
     tgt: str = "de"
-    mirror: str | None = None          # a local folder holding the recipe's files by name
-    max_words: int = 250               # training pairs with a longer side are dropped
-    max_ratio: float | None = None     # ... and pairs whose word-count ratio is larger;
-                                       # None: the recipe's (MAX_RATIO)
-    train_src: str | None = None       # custom recipe: the user's files (plain or .gz)
+    mirror: str | None = None  # a local folder holding the recipe's files by name
+    max_words: int = 250  # training pairs with a longer side are dropped
+    # ... and pairs whose length ratio is larger; None: the recipe's (MAX_RATIO)
+    max_ratio: float | None = None
+    train_src: str | None = None  # custom recipe: the user's files (plain or .gz)
     train_tgt: str | None = None
     valid_src: str | None = None
     valid_tgt: str | None = None
@@ -79,8 +81,9 @@ class PrepConfig:
         if self.src == self.tgt:
             raise NmtError(f"--src and --tgt are both {self.src!r}: give two languages")
         if self.recipe != "custom" and {self.src, self.tgt} != {"en", "de"}:
-            raise NmtError(f"recipe {self.recipe} is English-German: use --src en --tgt de "
-                           "or --src de --tgt en")
+            raise NmtError(
+                f"recipe {self.recipe} is English-German: use --src en --tgt de or --src de --tgt en"
+            )
         if self.max_ratio is None:
             object.__setattr__(self, "max_ratio", MAX_RATIO.get(self.recipe, 1.5))
         if self.max_words < 1 or self.max_ratio < 1:
@@ -95,17 +98,20 @@ class PrepConfig:
 
 @dataclass(frozen=True)
 class BpeConfig:
-    vocab_size: int = 0                # 0: chosen from the training set's size (see bpe.py)
-    from_model: str | None = None      # encode with this model's sentencepiece model (a run,
-                                       # a package or an .model file) instead of learning one
-    sample_lines: int = 500_000        # sentences (of both sides) the BPE model is learned from
+    vocab_size: int = 0  # 0: chosen from the training set's size (see bpe.py)
+    # Encode with this model's sentencepiece model (a run, a package or an .model file)
+    # instead of learning one.
+    from_model: str | None = None
+    sample_lines: int = 500_000  # sentences (of both sides) the BPE model is learned from
     seed: int = 1
     threads: int = max(1, os.cpu_count() or 1)
 
     def __post_init__(self) -> None:
         if self.vocab_size < 0 or (0 < self.vocab_size < 300):
-            raise NmtError(f"--vocab-size {self.vocab_size} is too small: the byte fallback "
-                           "alone takes 256 pieces; use at least 300 (8000-40000 is usual)")
+            raise NmtError(
+                f"--vocab-size {self.vocab_size} is too small: the byte fallback "
+                "alone takes 256 pieces; use at least 300 (8000-40000 is usual)"
+            )
         if self.from_model and self.vocab_size:
             raise NmtError("--from takes the vocabulary of that model: drop --vocab-size")
         if self.sample_lines < 1000:
@@ -119,8 +125,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    size: str = "base"                          # one of PRESETS
-    num_encoder_layers: int | None = None       # None: the preset's value
+    size: str = "base"  # one of PRESETS
+    num_encoder_layers: int | None = None  # None: the preset's value
     num_decoder_layers: int | None = None
     d_model: int | None = None
     ffn: int | None = None
@@ -129,42 +135,48 @@ class TrainConfig:
     attention_dropout: float | None = None
     relu_dropout: float | None = None
     post_norm: bool = False
-    max_tokens: int = 4096                      # per batch (and per rank), source or target side
-    update_freq: int = 1                        # batches whose gradients make one update
+    max_tokens: int = 4096  # per batch (and per rank), source or target side
+    update_freq: int = 1  # batches whose gradients make one update
     lr_scale: float = 1.0
     warmup: int = 4000
     beta1: float = 0.9
     beta2: float = 0.98
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
-    clip_norm: float = 0.0                      # 0: no clipping
-    max_steps: int = 100_000                    # 0: no limit
-    max_epochs: int = 0                         # 0: no limit
-    max_time: float = 0.0                       # minutes; 0: no limit
-    precision: str = "auto"                     # auto: bf16 on GPU, fp32 on CPU
+    clip_norm: float = 0.0  # 0: no clipping
+    max_steps: int = 100_000  # 0: no limit
+    max_epochs: int = 0  # 0: no limit
+    max_time: float = 0.0  # minutes; 0: no limit
+    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     eval_every: int = 1000
-    eval_bleu: bool = False                     # also log greedy BLEU of the validation set
-    patience: int = 0                           # evaluations without improvement; 0: off
+    eval_bleu: bool = False  # also log greedy BLEU of the validation set
+    patience: int = 0  # evaluations without improvement; 0: off
     save_every: int = 1000
-    keep_last: int = 20                         # enough to average the last 20 (big)
-    init_from: str | None = None                # start from this model's weights (a run, a
-                                                # checkpoint or a package); fresh optimizer
-    keep_best: int = 0                          # also keep the N best models by best_metric
-    best_metric: str = "nll"                    # nll, or bleu (with eval_bleu); for patience too
+    keep_last: int = 20  # enough to average the last 20 (big)
+    # Start from this model's weights (a run, a checkpoint or a package); fresh optimizer.
+    init_from: str | None = None
+    keep_best: int = 0  # also keep the N best models by best_metric
+    best_metric: str = "nll"  # nll, or bleu (with eval_bleu); for patience too
     seed: int = 1
     device: str = "auto"
     compile: bool = False
-    threads: int = 0                            # 0: torch's default
-    max_bad_steps: int = 20                     # non-finite steps in a row before stopping
+    threads: int = 0  # 0: torch's default
+    max_bad_steps: int = 20  # non-finite steps in a row before stopping
 
     def __post_init__(self) -> None:
         if self.size not in PRESETS:
             raise NmtError(f"unknown --size {self.size!r}: choose one of {', '.join(PRESETS)}")
         if self.precision not in PRECISIONS:
-            raise NmtError(f"unknown --precision {self.precision!r}: choose one of "
-                           f"{', '.join(PRECISIONS)}")
-        for name in ("max_tokens", "update_freq", "warmup", "eval_every", "save_every",
-                     "keep_last", "max_bad_steps"):
+            raise NmtError(f"unknown --precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        for name in (
+            "max_tokens",
+            "update_freq",
+            "warmup",
+            "eval_every",
+            "save_every",
+            "keep_last",
+            "max_bad_steps",
+        ):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("max_steps", "max_epochs", "max_time", "patience", "clip_norm", "threads"):
@@ -192,8 +204,9 @@ class TrainConfig:
             if getattr(self, name, None) is not None:
                 shape[name] = getattr(self, name)
         try:
-            return ModelConfig(vocab_size=vocab_size, post_norm=self.post_norm,
-                               max_positions=max_positions, **shape)
+            return ModelConfig(
+                vocab_size=vocab_size, post_norm=self.post_norm, max_positions=max_positions, **shape
+            )
         except ValueError as e:
             raise NmtError(f"bad model shape: {e}") from None
 
@@ -203,20 +216,19 @@ ENGINES = ("auto", "nmt", "ctranslate2")
 
 @dataclass(frozen=True)
 class TranslateConfig:
-    checkpoint: str | None = None      # default: the averaged model, else the latest checkpoint
+    checkpoint: str | None = None  # default: the averaged model, else the latest checkpoint
     beam: int = 4
     alpha: float = 0.6
-    max_len_a: float = 1.0             # output length <= a * source length + b
+    max_len_a: float = 1.0  # output length <= a * source length + b
     max_len_b: int = 50
     nbest: int = 1
-    max_tokens: int = 4096             # padded source tokens per batch
-    batch_size: int = 32               # sentences per batch
-    chunk: int = 10_000                # lines read (and held) at a time
+    max_tokens: int = 4096  # padded source tokens per batch
+    batch_size: int = 32  # sentences per batch
+    chunk: int = 10_000  # lines read (and held) at a time
     device: str = "auto"
-    precision: str = "auto"            # auto: fp32 on CPU, bf16 on GPU
-    int8: bool = False                 # int8 weights, through CTranslate2
-    engine: str = "auto"               # nmt or ctranslate2; auto: nmt, but ctranslate2 for an
-                                       # export or --int8
+    precision: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    int8: bool = False  # int8 weights, through CTranslate2
+    engine: str = "auto"  # nmt or ctranslate2; auto: nmt, but ctranslate2 for an export or --int8
     threads: int = 0
 
     def __post_init__(self) -> None:
@@ -228,8 +240,7 @@ class TranslateConfig:
         if self.alpha < 0 or self.max_len_a < 0 or self.max_len_b < 0:
             raise NmtError("--alpha, --max-len-a and --max-len-b must not be negative")
         if self.precision not in PRECISIONS:
-            raise NmtError(f"unknown --precision {self.precision!r}: choose one of "
-                           f"{', '.join(PRECISIONS)}")
+            raise NmtError(f"unknown --precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.int8 and self.precision not in ("auto", "fp32"):
             raise NmtError("--int8 quantises an fp32 model: drop --precision or use fp32")
         if self.engine not in ENGINES:
@@ -242,14 +253,14 @@ class TranslateConfig:
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    max_wait_ms: float = 5.0           # a request waits this long for others to batch with
-    max_batch: int = 64                # sentences decoded together at most
-    batching: bool = True              # False: one request per decoding batch
-    max_queue: int = 1024              # sentences waiting or in flight; beyond, 503
-    max_sentences: int = 256           # per request; beyond, 413
-    max_chars: int = 2000              # per sentence; beyond, 400
-    max_body: int = 1 << 20            # bytes per request; beyond, 413
-    shutdown_timeout: float = 60.0     # seconds SIGTERM waits for requests in flight
+    max_wait_ms: float = 5.0  # a request waits this long for others to batch with
+    max_batch: int = 64  # sentences decoded together at most
+    batching: bool = True  # False: one request per decoding batch
+    max_queue: int = 1024  # sentences waiting or in flight; beyond, 503
+    max_sentences: int = 256  # per request; beyond, 413
+    max_chars: int = 2000  # per sentence; beyond, 400
+    max_body: int = 1 << 20  # bytes per request; beyond, 413
+    shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_sentences", "max_chars", "max_body"):

@@ -20,22 +20,23 @@ from nmt_cli.package import CT2, SETTINGS, Model, settings, writing
 from nmt_cli.rundir import atomic_write_json, sha256_file
 from nmt_cli.shards import EOS
 
-QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16",
-                 "bfloat16")
+QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16")
 
 
 def require():
     try:
         import ctranslate2
     except ImportError:
-        raise NmtError("CTranslate2 is not installed: pip install 'nmt-cli[ct2]' "
-                       "(or pip install ctranslate2)") from None
+        raise NmtError(
+            "CTranslate2 is not installed: pip install 'nmt-cli[ct2]' (or pip install ctranslate2)"
+        ) from None
     return ctranslate2
 
 
 def pieces(model: Model) -> list[str]:
     """The vocabulary as CTranslate2 takes it: the sentencepiece pieces, in id order."""
     import sentencepiece as spm
+
     sp = spm.SentencePieceProcessor(model_file=str(model.spm))
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
@@ -52,9 +53,11 @@ def build_spec(model: Model):
     """A TransformerSpec holding `model`'s weights (float32), with its vocabulary."""
     ct2 = require()
     from nmt_cli.engine.model import sinusoids
+
     c, w = model.config, {k: v.float().numpy() for k, v in model.load_weights().items()}
     spec = ct2.specs.TransformerSpec.from_config(
-        (c.num_encoder_layers, c.num_decoder_layers), c.heads, pre_norm=not c.post_norm)
+        (c.num_encoder_layers, c.num_decoder_layers), c.heads, pre_norm=not c.post_norm
+    )
     spec.config.layer_norm_epsilon = 1e-6
     spec.config.add_source_eos = True
     table = sinusoids(c.max_positions, c.d_model).numpy()
@@ -99,13 +102,14 @@ def export(model: Model, out: Path, quantization: str = "float32") -> None:
     if model.ct2_dir is not None:
         raise NmtError(f"{model.where} is already a CTranslate2 export")
     if quantization not in QUANTIZATIONS:
-        raise NmtError(f"unknown --quantization {quantization!r}: choose one of "
-                       f"{', '.join(QUANTIZATIONS)}")
+        raise NmtError(f"unknown --quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
     require()
     with writing(model, out) as staging:
         save(model, staging, quantization)
-        atomic_write_json(staging / SETTINGS, settings(
-            model, CT2, sha256_file(staging / "model.bin"), quantization=quantization))
+        atomic_write_json(
+            staging / SETTINGS,
+            settings(model, CT2, sha256_file(staging / "model.bin"), quantization=quantization),
+        )
 
 
 class Engine:
@@ -120,18 +124,24 @@ class Engine:
             where = Path(self._tmp.name)
             save(model, where)
         try:
-            self.translator = ct2.Translator(str(where), device=device.type,
-                                             device_index=device.index or 0,
-                                             compute_type=compute_type,
-                                             inter_threads=1, intra_threads=threads)
+            self.translator = ct2.Translator(
+                str(where),
+                device=device.type,
+                device_index=device.index or 0,
+                compute_type=compute_type,
+                inter_threads=1,
+                intra_threads=threads,
+            )
         except (RuntimeError, ValueError) as e:
-            raise NmtError(f"CTranslate2 cannot load {model.where} on {device} as "
-                           f"{compute_type}: {e}") from None
+            raise NmtError(
+                f"CTranslate2 cannot load {model.where} on {device} as {compute_type}: {e}"
+            ) from None
         self.pieces = pieces(model)
         self.ids = {p: i for i, p in enumerate(self.pieces)}
 
-    def search(self, batch: list[list[int]], beam: int, alpha: float, max_lens: list[int],
-               nbest: int) -> list[list[Hypothesis]]:
+    def search(
+        self, batch: list[list[int]], beam: int, alpha: float, max_lens: list[int], nbest: int
+    ) -> list[list[Hypothesis]]:
         """nmt's beam search on `batch` (source ids without EOS), `max_lens` counting the EOS.
 
         CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
@@ -141,16 +151,23 @@ class Engine:
         batches hold sentences of close lengths, and a trained model rarely meets its limit).
         """
         results = self.translator.translate_batch(
-            [[self.pieces[i] for i in x] for x in batch], beam_size=beam, length_penalty=0.0,
-            num_hypotheses=beam, max_decoding_length=max(max_lens), max_input_length=0,
-            return_scores=True, return_end_token=True)
+            [[self.pieces[i] for i in x] for x in batch],
+            beam_size=beam,
+            length_penalty=0.0,
+            num_hypotheses=beam,
+            max_decoding_length=max(max_lens),
+            max_input_length=0,
+            return_scores=True,
+            return_end_token=True,
+        )
         out = []
         for r in results:
             hyps = []
             for tokens, score in zip(r.hypotheses, r.scores):
                 ids = [self.ids[t] for t in tokens]
                 # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
-                hyps.append(Hypothesis([i for i in ids if i != EOS],
-                                       float(score) / length_penalty(len(ids), alpha)))
+                hyps.append(
+                    Hypothesis([i for i in ids if i != EOS], float(score) / length_penalty(len(ids), alpha))
+                )
             out.append(sorted(hyps, key=lambda h: -h.score)[:nbest])
         return out

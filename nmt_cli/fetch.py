@@ -30,6 +30,7 @@ CHUNK = 1 << 20
 @dataclass(frozen=True)
 class Source:
     """One file of a recipe: where it comes from and the sha256 it must have."""
+
     url: str
     sha256: str
     size: int | None = None
@@ -39,14 +40,17 @@ class Source:
         return posixpath.basename(self.url)
 
 
-def fetch(source: Source, downloads: Path, mirror: Path | None = None,
-          retries: int = 5, wait: float = 2.0) -> Path:
+def fetch(
+    source: Source, downloads: Path, mirror: Path | None = None, retries: int = 5, wait: float = 2.0
+) -> Path:
     """A verified local copy of `source`: from `mirror` if given, else downloaded (resuming)."""
     if mirror is not None:
         path = Path(mirror) / source.name
         if not path.is_file():
-            raise NmtError(f"{source.name} not found in mirror {mirror}: put the file from "
-                           f"{source.url} there, or drop --mirror to download it")
+            raise NmtError(
+                f"{source.name} not found in mirror {mirror}: put the file from "
+                f"{source.url} there, or drop --mirror to download it"
+            )
         verify(path, source, keep_aside=False)
         return path
     path = Path(downloads) / source.name
@@ -89,8 +93,9 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
         if have:
             headers["Range"] = f"bytes={have}-"
         try:
-            with urllib.request.urlopen(urllib.request.Request(source.url, headers=headers),
-                                        timeout=60) as response:
+            with urllib.request.urlopen(
+                urllib.request.Request(source.url, headers=headers), timeout=60
+            ) as response:
                 resumed = have > 0 and response.status == 206
                 if not resumed:
                     have = 0  # the server sent the whole file
@@ -117,14 +122,19 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             last_error = str(getattr(e, "reason", e)) or type(e).__name__
         if attempt < retries:
-            ui.warn(f"download of {source.name} interrupted ({last_error}); "
-                    f"resuming in {wait * 2 ** (attempt - 1):.0f}s (try {attempt + 1}/{retries})")
+            ui.warn(
+                f"download of {source.name} interrupted ({last_error}); "
+                f"resuming in {wait * 2 ** (attempt - 1):.0f}s (try {attempt + 1}/{retries})"
+            )
             time.sleep(wait * 2 ** (attempt - 1))
-    raise NmtError(f"could not download {source.url} after {retries} tries ({last_error}); "
-                   f"rerun to resume, or put the file in a folder and pass --mirror")
+    raise NmtError(
+        f"could not download {source.url} after {retries} tries ({last_error}); "
+        f"rerun to resume, or put the file in a folder and pass --mirror"
+    )
 
 
 # -- extraction -------------------------------------------------------------------------------
+
 
 def _unsafe(name: str, link: str | None, archive: Path) -> NmtError | None:
     """Why a member may not be extracted: absolute, climbing out with `..`, or a link out."""
@@ -135,8 +145,9 @@ def _unsafe(name: str, link: str | None, archive: Path) -> NmtError | None:
     if link is not None:
         target = posixpath.normpath(posixpath.join(posixpath.dirname(name), link))
         if posixpath.isabs(link) or target == ".." or target.startswith("../"):
-            return NmtError(f"{archive} has a link {name!r} pointing outside the folder "
-                            f"({link!r}); refusing it")
+            return NmtError(
+                f"{archive} has a link {name!r} pointing outside the folder ({link!r}); refusing it"
+            )
     return None
 
 

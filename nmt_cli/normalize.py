@@ -12,6 +12,7 @@ def normalize(line: str, lang: str) -> str:
     normalizer = _normalizers.get(lang)
     if normalizer is None:
         from sacremoses import MosesPunctNormalizer
+
         normalizer = _normalizers[lang] = MosesPunctNormalizer(lang=lang)
     line = normalizer.normalize(line)
     if not line.isprintable():  # fast path: most lines have nothing to remove

@@ -37,12 +37,13 @@ VERSION = 1
 @dataclass
 class Model:
     """A trained model and what translating with it needs, wherever it lies."""
-    where: Path                      # what the user named: a checkpoint file or a directory
+
+    where: Path  # what the user named: a checkpoint file or a directory
     config: ModelConfig
     spm: Path
     src: str
     tgt: str
-    sha256: str                      # of the weights: identifies the model in caches
+    sha256: str  # of the weights: identifies the model in caches
     load_weights: Callable[[], dict[str, torch.Tensor]] | None  # None: a CTranslate2 export
     ct2_dir: Path | None = None
     provenance: dict = field(default_factory=dict)
@@ -57,6 +58,7 @@ class Model:
 def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
     """The run's model: --checkpoint, else the averaged model, else the latest checkpoint."""
     from nmt_cli.engine import checkpoint
+
     if checkpoint_path:
         path = Path(checkpoint_path)
     elif run.averaged.exists() and run.averaged.with_suffix(".json").exists():
@@ -72,14 +74,23 @@ def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
         raise NmtError(f"{path} not found")
     record_path = path.with_suffix(".json")
     if not record_path.exists():
-        raise NmtError(f"{path} is not an nmt model (expected a .pt file with its .json record, "
-                       "or a directory from `nmt export`)")
+        raise NmtError(
+            f"{path} is not an nmt model (expected a .pt file with its .json record, "
+            "or a directory from `nmt export`)"
+        )
     tensors, meta = checkpoint.load_tensors(path)  # verifies the sha256 once, here
     run.require(run.spm_model, "bpe")
     weights = {k: v.float() for k, v in tensors["model"].items()}
-    return Model(where=path, config=ModelConfig(**meta["model"]), spm=run.spm_model,
-                 src=meta.get("src", "en"), tgt=meta.get("tgt", "de"), sha256=meta["sha256"],
-                 load_weights=lambda: weights, provenance=_provenance(run, path, meta))
+    return Model(
+        where=path,
+        config=ModelConfig(**meta["model"]),
+        spm=run.spm_model,
+        src=meta.get("src", "en"),
+        tgt=meta.get("tgt", "de"),
+        sha256=meta["sha256"],
+        load_weights=lambda: weights,
+        provenance=_provenance(run, path, meta),
+    )
 
 
 def from_dir(path: Path) -> Model:
@@ -94,23 +105,23 @@ def from_dir(path: Path) -> Model:
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise NmtError(f"{settings_path} is damaged ({type(e).__name__}: {e})") from None
     if s.get("version", 0) > VERSION:
-        raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): "
-                       "upgrade nmt")
+        raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): upgrade nmt")
     spm = Path(path) / SPM
     provenance_path = Path(path) / PROVENANCE
     provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
     if fmt == CT2:
-        return Model(Path(path), config, spm, src, tgt, sha, None, ct2_dir=Path(path),
-                     provenance=provenance)
+        return Model(Path(path), config, spm, src, tgt, sha, None, ct2_dir=Path(path), provenance=provenance)
     if fmt != NMT:
         raise NmtError(f"{settings_path}: unknown format {fmt!r}")
     weights_path = Path(path) / WEIGHTS
 
     def load_weights() -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
+
         if sha256_file(weights_path) != sha:
-            raise NmtError(f"{weights_path} does not match the sha256 in {SETTINGS}: it is "
-                           "corrupt or was changed")
+            raise NmtError(
+                f"{weights_path} does not match the sha256 in {SETTINGS}: it is corrupt or was changed"
+            )
         return load_file(str(weights_path))
 
     for needed in (weights_path, spm):
@@ -122,20 +133,31 @@ def from_dir(path: Path) -> Model:
 def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
     from nmt_cli import __version__
     from nmt_cli.config import TranslateConfig
+
     d = TranslateConfig()
-    return {"format": fmt, "version": VERSION, "nmt": __version__, "exported": now(),
-            "model": dataclasses.asdict(model.config), "src": model.src, "tgt": model.tgt,
-            "text": model.text_settings, "sha256": sha256,
-            "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a,
-                         "max_len_b": d.max_len_b}, **extra}
+    return {
+        "format": fmt,
+        "version": VERSION,
+        "nmt": __version__,
+        "exported": now(),
+        "model": dataclasses.asdict(model.config),
+        "src": model.src,
+        "tgt": model.tgt,
+        "text": model.text_settings,
+        "sha256": sha256,
+        "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a, "max_len_b": d.max_len_b},
+        **extra,
+    }
 
 
 def export_nmt(model: Model, out: Path) -> None:
     """Write the package of `model` into the new directory `out`."""
     from safetensors.torch import save_file
+
     if model.load_weights is None:
-        raise NmtError(f"{model.where} is a CTranslate2 export: export from the run directory or "
-                       "an nmt package instead")
+        raise NmtError(
+            f"{model.where} is a CTranslate2 export: export from the run directory or an nmt package instead"
+        )
     with writing(model, out) as staging:
         weights = {k: v.contiguous() for k, v in model.load_weights().items()}
         save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
@@ -171,15 +193,23 @@ def _provenance(run: RunDir, path: Path, meta: dict) -> dict:
         made = json.loads(key.read_text()) if key.exists() else {}
         if p.exists() and made and made.get("model_sha256") == meta.get("sha256"):
             report = json.loads(p.read_text(encoding="utf-8"))
-            scores[split] = {"settings": made.get("settings"),
-                             "scores": [{k: s[k] for k in ("metric", "score", "signature")}
-                                        for s in report.get("scores", [])]}
+            scores[split] = {
+                "settings": made.get("settings"),
+                "scores": [
+                    {k: s[k] for k in ("metric", "score", "signature")} for s in report.get("scores", [])
+                ],
+            }
     configs = {}
     for step in ("prep", "bpe", "train"):
         p = run.config_path(step)
         if p.exists():
             configs[step] = json.loads(p.read_text(encoding="utf-8"))
-    return {"model_file": path.name, "model_sha256": meta.get("sha256"), "step": meta.get("step"),
-            "averaged": meta.get("averaged"), "configs": configs,
-            "data": {k: manifest[k] for k in ("prep", "bpe") if k in manifest},
-            "scores": scores}
+    return {
+        "model_file": path.name,
+        "model_sha256": meta.get("sha256"),
+        "step": meta.get("step"),
+        "averaged": meta.get("averaged"),
+        "configs": configs,
+        "data": {k: manifest[k] for k in ("prep", "bpe") if k in manifest},
+        "scores": scores,
+    }

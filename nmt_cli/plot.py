@@ -34,6 +34,7 @@ def _column(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 def _minutes_axis(ax, steps: np.ndarray, minutes: np.ndarray) -> None:
     """A top axis labelled in minutes of training at the steps they were reached."""
     from matplotlib.ticker import MaxNLocator
+
     marks = [m for m in MaxNLocator(nbins=6).tick_values(0, minutes[-1]) if 0 <= m <= minutes[-1]]
     top = ax.twiny()
     top.set_xlim(ax.get_xlim())
@@ -46,18 +47,20 @@ def _smooth(y: np.ndarray, width: int = 10) -> np.ndarray:
     if len(y) < width:
         return y
     kernel = np.ones(width) / width
-    head = np.cumsum(y[:width - 1]) / np.arange(1, width)
+    head = np.cumsum(y[: width - 1]) / np.arange(1, width)
     return np.concatenate([head, np.convolve(y, kernel, mode="valid")])
 
 
 def plot(run: RunDir, out: Path | None = None) -> Path:
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        raise NmtError("`nmt plot` needs matplotlib: pip install 'nmt-cli[plot]' "
-                       "(or pip install matplotlib)") from None
+        raise NmtError(
+            "`nmt plot` needs matplotlib: pip install 'nmt-cli[plot]' (or pip install matplotlib)"
+        ) from None
     if not run.metrics.exists():
         raise NmtError(f"{run.metrics} not found: run `nmt train` first")
     rows = by_kind(run.metric_records())
@@ -71,9 +74,14 @@ def plot(run: RunDir, out: Path | None = None) -> Path:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     panels = [
-        (axes[0, 0], "loss (nats per token)", [
-            (train, "nll", "training NLL (running mean)", "-"),
-            (valid, "valid_nll", "validation NLL", "o-")]),
+        (
+            axes[0, 0],
+            "loss (nats per token)",
+            [
+                (train, "nll", "training NLL (running mean)", "-"),
+                (valid, "valid_nll", "validation NLL", "o-"),
+            ],
+        ),
         (axes[0, 1], "validation BLEU (greedy)", [(valid, "valid_bleu", "BLEU", "o-")]),
         (axes[1, 0], "learning rate", [(train, "lr", "lr", "-")]),
         (axes[1, 1], "tokens per second", [(train, "tokens_per_s", "target tokens/s", "-")]),
@@ -92,8 +100,7 @@ def plot(run: RunDir, out: Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         if not drawn:
             hint = "run `nmt train --eval-bleu`" if "BLEU" in title else "nothing logged"
-            ax.text(0.5, 0.5, hint, ha="center", va="center", transform=ax.transAxes,
-                    color="grey")
+            ax.text(0.5, 0.5, hint, ha="center", va="center", transform=ax.transAxes, color="grey")
         elif len(series) > 1:
             ax.legend()
         if drawn and len(t_steps) > 1:

@@ -38,9 +38,10 @@ TRAIN = "train"
 @dataclass(frozen=True)
 class Part:
     """One language side of one corpus: a downloaded file, or a member of a downloaded archive."""
-    source: Source | None       # None: a local file of the user's (`path`)
-    member: str | None = None   # inside the archive; None: the file itself (plain or .gz)
-    sgm: bool = False           # WMT's SGML test-set format
+
+    source: Source | None  # None: a local file of the user's (`path`)
+    member: str | None = None  # inside the archive; None: the file itself (plain or .gz)
+    sgm: bool = False  # WMT's SGML test-set format
     path: str | None = None
 
     def describe(self) -> str:
@@ -49,21 +50,33 @@ class Part:
         return f"{self.source.name}:{self.member}" if self.member else self.source.name
 
 
-Corpus = dict[str, Part]                 # lang -> part
-Recipe = dict[str, list[Corpus]]         # split -> corpora, concatenated in order
+Corpus = dict[str, Part]  # lang -> part
+Recipe = dict[str, list[Corpus]]  # split -> corpora, concatenated in order
 
 # -- WMT14 English-German, the paper's data -----------------------------------------------------
 # Checksums as recorded by Hugging Face `datasets` (dataset_infos.json of wmt14, revision
 # 22d3b80586cab756b70d6c939ceace94bb356a8c); statmt.org publishes none (docs/data.md).
-EUROPARL = Source("http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz",
-                  "0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7", 657632379)
-COMMONCRAWL = Source("http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz",
-                     "c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5", 918311367)
-NEWS_COMMENTARY = Source("http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz",
-                         "cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485", 80418416)
+EUROPARL = Source(
+    "http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz",
+    "0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7",
+    657632379,
+)
+COMMONCRAWL = Source(
+    "http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz",
+    "c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5",
+    918311367,
+)
+NEWS_COMMENTARY = Source(
+    "http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz",
+    "cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485",
+    80418416,
+)
 # WMT19's dev archive holds newstest2013 as plain text and the full (3003-line) newstest2014.
-WMT_DEV = Source("http://data.statmt.org/wmt19/translation-task/dev.tgz",
-                 "7a7deccf82ebb05ba508dba5eb21356492224e8f630ec4f992132b029b4b25e7", 38654961)
+WMT_DEV = Source(
+    "http://data.statmt.org/wmt19/translation-task/dev.tgz",
+    "7a7deccf82ebb05ba508dba5eb21356492224e8f630ec4f992132b029b4b25e7",
+    38654961,
+)
 
 
 def _pair(source: Source, en: str, de: str, sgm: bool = False) -> Corpus:
@@ -74,32 +87,46 @@ WMT14_EN_DE: Recipe = {
     TRAIN: [
         _pair(EUROPARL, "training/europarl-v7.de-en.en", "training/europarl-v7.de-en.de"),
         _pair(COMMONCRAWL, "commoncrawl.de-en.en", "commoncrawl.de-en.de"),
-        _pair(NEWS_COMMENTARY, "training/news-commentary-v9.de-en.en",
-              "training/news-commentary-v9.de-en.de"),
+        _pair(
+            NEWS_COMMENTARY, "training/news-commentary-v9.de-en.en", "training/news-commentary-v9.de-en.de"
+        ),
     ],
     "valid": [_pair(WMT_DEV, "dev/newstest2013.en", "dev/newstest2013.de")],
-    "test": [_pair(WMT_DEV, "dev/newstest2014-deen-src.en.sgm",
-                   "dev/newstest2014-deen-ref.de.sgm", sgm=True)],
+    "test": [
+        _pair(WMT_DEV, "dev/newstest2014-deen-src.en.sgm", "dev/newstest2014-deen-ref.de.sgm", sgm=True)
+    ],
 }
 
 # -- Multi30k task 1, raw files of the multi30k/dataset repository, pinned to one commit ----------
-MULTI30K_BASE = ("https://raw.githubusercontent.com/multi30k/dataset/"
-                 "a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw/")
+MULTI30K_BASE = (
+    "https://raw.githubusercontent.com/multi30k/dataset/"
+    "a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw/"
+)
 MULTI30K_FILES = {  # (split, name): (sha256, bytes)
-    ("train", "train"): {"en": ("d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f", 568929),
-                         "de": ("726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6", 637044)},
-    ("valid", "val"): {"en": ("14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28", 21650),
-                       "de": ("f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a", 24681)},
+    ("train", "train"): {
+        "en": ("d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f", 568929),
+        "de": ("726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6", 637044),
+    },
+    ("valid", "val"): {
+        "en": ("14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28", 21650),
+        "de": ("f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a", 24681),
+    },
     ("test", "test_2016_flickr"): {
         "en": ("611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9", 21077),
-        "de": ("9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8", 22890)},
+        "de": ("9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8", 22890),
+    },
     ("test2017", "test_2017_flickr"): {
         "en": ("76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074", 19138),
-        "de": ("a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee", 21471)},
+        "de": ("a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee", 21471),
+    },
 }
 MULTI30K_EN_DE: Recipe = {
-    split: [{lang: Part(Source(f"{MULTI30K_BASE}{name}.{lang}.gz", sha, size))
-             for lang, (sha, size) in sides.items()}]
+    split: [
+        {
+            lang: Part(Source(f"{MULTI30K_BASE}{name}.{lang}.gz", sha, size))
+            for lang, (sha, size) in sides.items()
+        }
+    ]
     for (split, name), sides in MULTI30K_FILES.items()
 }
 
@@ -122,6 +149,7 @@ def recipe_for(config: PrepConfig) -> Recipe:
 
 
 # -- cleaning ----------------------------------------------------------------------------------
+
 
 def _normalize_chunk(langs: tuple[str, str], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     a, b = langs
@@ -170,8 +198,9 @@ def _read_part(part: Part, path: Path, damage: Damage) -> Iterator[str]:
             yield " ".join(text.split())  # as sacrebleu reads WMT's SGML
 
 
-def _pairs(corpus: Corpus, paths: dict[str, Path], src: str, tgt: str,
-           damage: dict[str, Damage]) -> Iterator[tuple[str, str]]:
+def _pairs(
+    corpus: Corpus, paths: dict[str, Path], src: str, tgt: str, damage: dict[str, Damage]
+) -> Iterator[tuple[str, str]]:
     """The pairs of one corpus; different line counts are an error naming both files."""
     a = _read_part(corpus[src], paths[src], damage[src])
     b = _read_part(corpus[tgt], paths[tgt], damage[tgt])
@@ -180,9 +209,11 @@ def _pairs(corpus: Corpus, paths: dict[str, Path], src: str, tgt: str,
         if x is None or y is None:
             na = n - 1 + (x is not None) + sum(1 for _ in a)
             nb = n - 1 + (y is not None) + sum(1 for _ in b)
-            raise NmtError(f"{corpus[src].describe()} has {na} lines but "
-                           f"{corpus[tgt].describe()} has {nb}: a parallel corpus needs "
-                           "the same number of lines on both sides")
+            raise NmtError(
+                f"{corpus[src].describe()} has {na} lines but "
+                f"{corpus[tgt].describe()} has {nb}: a parallel corpus needs "
+                "the same number of lines on both sides"
+            )
         yield x, y
 
 
@@ -204,9 +235,15 @@ def _normalized(chunks: Iterator[list], langs: tuple[str, str], workers: int) ->
             yield raw, future.result()
 
 
-def clean_split(split: str, corpora: list[Corpus], paths: list[dict[str, Path]],
-                config: PrepConfig, run: RunDir, holdout: bool = False,
-                workers: int = 1) -> dict[str, SplitStats]:
+def clean_split(
+    split: str,
+    corpora: list[Corpus],
+    paths: list[dict[str, Path]],
+    config: PrepConfig,
+    run: RunDir,
+    holdout: bool = False,
+    workers: int = 1,
+) -> dict[str, SplitStats]:
     """Clean one split into text/; with `holdout`, every 100th kept training pair (up to 2000)
     goes to a validation split instead. All outputs appear together or not at all."""
     src, tgt = config.src, config.tgt
@@ -216,11 +253,16 @@ def clean_split(split: str, corpora: list[Corpus], paths: list[dict[str, Path]],
         stats["valid"] = SplitStats()
     seen = SeenPairs()
     damage = {src: Damage(), tgt: Damage()}
-    outputs = [(s, lang, raw) for s in stats for lang in (src, tgt)
-               for raw in ((False,) if s == TRAIN else (False, True))]
+    outputs = [
+        (s, lang, raw)
+        for s in stats
+        for lang in (src, tgt)
+        for raw in ((False,) if s == TRAIN else (False, True))
+    ]
     with contextlib.ExitStack() as stack, ui.progress() as bar:
-        files = {key: stack.enter_context(atomic_open(run.text(key[0], key[1], raw=key[2])))
-                 for key in outputs}
+        files = {
+            key: stack.enter_context(atomic_open(run.text(key[0], key[1], raw=key[2]))) for key in outputs
+        }
         task = bar.add_task(f"clean {split}", total=None)
         accepted = 0
 
@@ -255,13 +297,17 @@ def clean_split(split: str, corpora: list[Corpus], paths: list[dict[str, Path]],
                         write(split, (a, b), raw)
         if stats[split].kept == 0:
             what = ", ".join(f"{n} {r}" for r, n in stats[split].dropped.items()) or "none read"
-            raise NmtError(f"no pairs left in {split} after cleaning ({stats[split].read} read; "
-                           f"dropped: {what}); check the input files and --max-words/--max-ratio")
+            raise NmtError(
+                f"no pairs left in {split} after cleaning ({stats[split].read} read; "
+                f"dropped: {what}); check the input files and --max-words/--max-ratio"
+            )
     for lang, d in damage.items():
         stats[split].not_utf8 += d.not_utf8
         if d.not_utf8:
-            ui.warn(f"{split}.{lang}: {d.not_utf8} lines had bytes that are not UTF-8 (first at "
-                    f"line {d.first_bad_line}); they were replaced with U+FFFD")
+            ui.warn(
+                f"{split}.{lang}: {d.not_utf8} lines had bytes that are not UTF-8 (first at "
+                f"line {d.first_bad_line}); they were replaced with U+FFFD"
+            )
     return stats
 
 
@@ -269,10 +315,18 @@ def clean_split(split: str, corpora: list[Corpus], paths: list[dict[str, Path]],
 # letters carries, from translations of the Universal Declaration of Human Rights, article 1
 # (English 30 words; Chinese 40 Han characters; Japanese about 30 kanji and 50 kana; Thai
 # about 95 letters besides its combining vowel and tone marks): about 0.7, 0.3 and 0.3.
-UNSPACED = [(0x3400, 0x4DBF, 0.7), (0x4E00, 0x9FFF, 0.7), (0xF900, 0xFAFF, 0.7),
-            (0x20000, 0x2FA1F, 0.7),                                   # Han
-            (0x3040, 0x30FF, 0.3), (0x31F0, 0x31FF, 0.3), (0xFF66, 0xFF9F, 0.3),  # kana
-            (0x0E00, 0x0EFF, 0.3), (0x1000, 0x109F, 0.3), (0x1780, 0x17FF, 0.3)]  # Thai, Lao,
+UNSPACED = [
+    (0x3400, 0x4DBF, 0.7),
+    (0x4E00, 0x9FFF, 0.7),
+    (0xF900, 0xFAFF, 0.7),
+    (0x20000, 0x2FA1F, 0.7),  # Han
+    (0x3040, 0x30FF, 0.3),
+    (0x31F0, 0x31FF, 0.3),
+    (0xFF66, 0xFF9F, 0.3),  # kana
+    (0x0E00, 0x0EFF, 0.3),
+    (0x1000, 0x109F, 0.3),
+    (0x1780, 0x17FF, 0.3),
+]  # Thai, Lao,
 #                                                                  Myanmar, Khmer
 
 
@@ -321,6 +375,7 @@ def _drop_reason(a: str, b: str, config: PrepConfig) -> str | None:
 
 # -- the step ----------------------------------------------------------------------------------
 
+
 def local_paths(recipe: Recipe, config: PrepConfig, run: RunDir) -> dict[str, list[dict[str, Path]]]:
     """Fetch, verify and extract what the recipe needs; the local path of every part."""
     mirror = Path(config.mirror) if config.mirror else None
@@ -335,8 +390,9 @@ def local_paths(recipe: Recipe, config: PrepConfig, run: RunDir) -> dict[str, li
                     fetched[part.source.name] = fetch.fetch(part.source, run.downloads, mirror)
                 if part.member:
                     members[part.source.name].append(part.member)
-    extracted = {name: fetch.extract(fetched[name], wanted, run.extracted / name)
-                 for name, wanted in members.items()}
+    extracted = {
+        name: fetch.extract(fetched[name], wanted, run.extracted / name) for name, wanted in members.items()
+    }
 
     def where(part: Part) -> Path:
         if part.source is None:
@@ -345,8 +401,10 @@ def local_paths(recipe: Recipe, config: PrepConfig, run: RunDir) -> dict[str, li
             return extracted[part.source.name][part.member]
         return fetched[part.source.name]
 
-    return {split: [{lang: where(p) for lang, p in corpus.items()} for corpus in corpora]
-            for split, corpora in recipe.items()}
+    return {
+        split: [{lang: where(p) for lang, p in corpus.items()} for corpus in corpora]
+        for split, corpora in recipe.items()
+    }
 
 
 def check_inputs(config: PrepConfig) -> None:
@@ -358,8 +416,9 @@ def check_inputs(config: PrepConfig) -> None:
             for lang in (config.src, config.tgt):
                 part = corpus[lang]
                 if part.source is None and not Path(part.path).is_file():  # type: ignore[arg-type]
-                    raise NmtError(f"--{split}-{'src' if lang == config.src else 'tgt'} "
-                                   f"{part.path}: file not found")
+                    raise NmtError(
+                        f"--{split}-{'src' if lang == config.src else 'tgt'} {part.path}: file not found"
+                    )
 
 
 def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict:
@@ -373,19 +432,38 @@ def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict
     holdout = "valid" not in recipe
     all_stats: dict[str, SplitStats] = {}
     for split, corpora in recipe.items():
-        all_stats.update(clean_split(split, corpora, paths[split], config, run,
-                                     holdout=holdout and split == TRAIN, workers=workers))
-    produced = [run.text(s, lang, raw) for s in all_stats for lang in (config.src, config.tgt)
-                for raw in ((False,) if s == TRAIN else (False, True))]
-    summary = {s: {"read": st.read, "kept": st.kept, "dropped": dict(st.dropped),
-                   "not_utf8": st.not_utf8} for s, st in all_stats.items()}
+        all_stats.update(
+            clean_split(
+                split, corpora, paths[split], config, run, holdout=holdout and split == TRAIN, workers=workers
+            )
+        )
+    produced = [
+        run.text(s, lang, raw)
+        for s in all_stats
+        for lang in (config.src, config.tgt)
+        for raw in ((False,) if s == TRAIN else (False, True))
+    ]
+    summary = {
+        s: {"read": st.read, "kept": st.kept, "dropped": dict(st.dropped), "not_utf8": st.not_utf8}
+        for s, st in all_stats.items()
+    }
     run.record("prep", produced, splits=summary, src=config.src, tgt=config.tgt)
     return summary
 
 
 def show(summary: dict) -> None:
     """The table of what `prepare` kept and dropped."""
-    ui.table("nmt prep", ["split", "read", "kept", "dropped", "not UTF-8"],
-             [[s, f"{v['read']:,}", f"{v['kept']:,}",
-               ", ".join(f"{n:,} {r}" for r, n in v["dropped"].items()) or "-",
-               f"{v['not_utf8']:,}"] for s, v in summary.items()])
+    ui.table(
+        "nmt prep",
+        ["split", "read", "kept", "dropped", "not UTF-8"],
+        [
+            [
+                s,
+                f"{v['read']:,}",
+                f"{v['kept']:,}",
+                ", ".join(f"{n:,} {r}" for r, n in v["dropped"].items()) or "-",
+                f"{v['not_utf8']:,}",
+            ]
+            for s, v in summary.items()
+        ],
+    )

@@ -17,21 +17,23 @@ from nmt_cli.textio import read_lines
 # The CPU recipe measured in docs/benchmarks.md (Multi30k quality). Small batches: on Multi30k
 # in a fixed CPU time, more updates beat bigger ones.
 VOCAB_SIZE = 8000
-TRAIN = dict(size="small", max_tokens=1024, warmup=1000, eval_bleu=True, eval_every=500,
-             save_every=250, keep_last=10)
+TRAIN = dict(
+    size="small", max_tokens=1024, warmup=1000, eval_bleu=True, eval_every=500, save_every=250, keep_last=10
+)
 AVERAGE = 5
 # Prep, BPE, decoding the test set and scoring take about 30 s on 2 CPU cores; the rest trains.
 RESERVE_MINUTES = 1.0
 STEPS = 6
 
 
-def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int,
-        train_options: dict) -> None:
+def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int, train_options: dict) -> None:
     """The whole pipeline in `run_dir`; `train_options` (TrainConfig fields) override the
     recipe's. A rerun keeps the data steps already done and resumes training."""
     if minutes < RESERVE_MINUTES + 1:
-        raise NmtError(f"--minutes {minutes:g} is too short: give at least "
-                       f"{RESERVE_MINUTES + 1:g} (15 shows a readable model)")
+        raise NmtError(
+            f"--minutes {minutes:g} is too short: give at least "
+            f"{RESERVE_MINUTES + 1:g} (15 shows a readable model)"
+        )
     started = time.monotonic()
     done = _data_steps_done(run_dir)
     _step(1, "prep Multi30k")
@@ -72,8 +74,7 @@ def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int,
 
 
 def _train(run_dir: RunDir, minutes: float, threads: int, options: dict) -> None:
-    recipe = {**TRAIN, "max_steps": 0, "max_time": minutes, **({"threads": threads} if threads
-                                                                 else {})}
+    recipe = {**TRAIN, "max_steps": 0, "max_time": minutes, **({"threads": threads} if threads else {})}
     given = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **recipe, **options}
     with run_dir.lock("train"):
         config = training.settings(run_dir, given, set(recipe) | set(options))
@@ -88,8 +89,10 @@ def _data_steps_done(run_dir: RunDir) -> set[str]:
     prep_config = run_dir.config_path("prep")
     recipe = json.loads(prep_config.read_text()).get("recipe") if prep_config.exists() else None
     if "prep" in manifest and (recipe != "multi30k-en-de" or manifest["prep"].get("src") != "en"):
-        raise NmtError(f"{run_dir.root} holds another corpus or direction ({recipe}): give "
-                       "`nmt quickstart` a new --run-dir")
+        raise NmtError(
+            f"{run_dir.root} holds another corpus or direction ({recipe}): give "
+            "`nmt quickstart` a new --run-dir"
+        )
     done = {step for step in ("prep", "bpe") if step in manifest}
     return done if "prep" in done else set()
 
@@ -99,19 +102,27 @@ def _step(i: int, title: str) -> None:
 
 
 def _summary(run_dir: RunDir, report: dict, lc: dict, picture: str, seconds: float) -> None:
-    named = [("BLEU" if s["metric"] == "bleu" else "chrF", s["score"], s["signature"])
-             for s in report["scores"]]
+    named = [
+        ("BLEU" if s["metric"] == "bleu" else "chrF", s["score"], s["signature"]) for s in report["scores"]
+    ]
     named.append(("BLEU, lowercased + Moses-tokenized", lc["score"], lc["signature"]))
-    ui.table(f"nmt quickstart: Multi30k test2016 en-de, {seconds / 60:.1f} minutes",
-             ["score", "test2016"], [[name, f"{value:.2f}"] for name, value, _ in named])
+    ui.table(
+        f"nmt quickstart: Multi30k test2016 en-de, {seconds / 60:.1f} minutes",
+        ["score", "test2016"],
+        [[name, f"{value:.2f}"] for name, value, _ in named],
+    )
     for name, _, signature in named:
         ui.say(f"{name}: {signature}")
     # Paths as plain lines, not table cells: a narrow terminal must not fold them.
-    for what, where in [("run directory", str(run_dir.root)),
-                        ("model (averaged)", str(run_dir.averaged)),
-                        ("test translations", report["hyp"]),
-                        ("scores", str(run_dir.scores("test"))),
-                        ("training figures", str(run_dir.metrics)), ("curves", picture)]:
+    for what, where in [
+        ("run directory", str(run_dir.root)),
+        ("model (averaged)", str(run_dir.averaged)),
+        ("test translations", report["hyp"]),
+        ("scores", str(run_dir.scores("test"))),
+        ("training figures", str(run_dir.metrics)),
+        ("curves", picture),
+    ]:
         ui.say(f"{what}: {where}")
-    ui.say(f"translate your own text: echo 'A man is riding a bike.' | nmt translate --run-dir "
-           f"{run_dir.root}")
+    ui.say(
+        f"translate your own text: echo 'A man is riding a bike.' | nmt translate --run-dir {run_dir.root}"
+    )

@@ -67,8 +67,9 @@ def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> 
     binary = "b" in mode
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, mode, encoding=None if binary else encoding,
-                       newline=None if binary else "\n") as f:
+        with os.fdopen(
+            fd, mode, encoding=None if binary else encoding, newline=None if binary else "\n"
+        ) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -208,12 +209,12 @@ class RunDir:
     def require(self, path: Path, step: str) -> Path:
         """Fail with the fix when a step's input is missing."""
         if not path.exists():
-            raise NmtError(f"{path} not found: run `nmt {step}` first "
-                           f"(with --run-dir {self.root})")
+            raise NmtError(f"{path} not found: run `nmt {step}` first (with --run-dir {self.root})")
         return path
 
     def save_config(self, step: str, config: Any) -> None:
         from nmt_cli.config import to_json
+
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config_path(step), to_json(config))
 
@@ -221,8 +222,9 @@ class RunDir:
         """The splits `nmt prep` produced, train first."""
         entry = self.load_manifest().get("prep")
         if not entry:
-            raise NmtError(f"{self.root} has no prepared data: run `nmt prep` first "
-                           f"(with --run-dir {self.root})")
+            raise NmtError(
+                f"{self.root} has no prepared data: run `nmt prep` first (with --run-dir {self.root})"
+            )
         return list(entry["splits"])
 
     def metric_records(self) -> list[dict]:
@@ -245,13 +247,13 @@ class RunDir:
         try:
             return json.loads(self.manifest_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise NmtError(f"{self.manifest_path} is not valid JSON ({e}); "
-                           "delete it and rerun the steps") from None
+            raise NmtError(
+                f"{self.manifest_path} is not valid JSON ({e}); delete it and rerun the steps"
+            ) from None
 
     def record(self, step: str, files: list[Path], **facts: Any) -> dict:
         """Record in the manifest what `step` produced: each file's size, sha256 and lines."""
-        entry = {"finished": now(), **facts,
-                 "files": {self.relative(p): file_stats(p) for p in files}}
+        entry = {"finished": now(), **facts, "files": {self.relative(p): file_stats(p) for p in files}}
         manifest = self.load_manifest()
         manifest[step] = entry
         atomic_write_json(self.manifest_path, manifest)
@@ -265,6 +267,7 @@ class RunDir:
         holder but can be locked belonged to a process that was killed.
         """
         from nmt_cli import ui
+
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -278,13 +281,15 @@ class RunDir:
                     f"run directory {self.root} is in use by `nmt {holder.get('command', '?')}` "
                     f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
                     f"{holder.get('started', '?')}): wait for it to finish or use another "
-                    "--run-dir") from None
+                    "--run-dir"
+                ) from None
             stale = _read_holder(fd)
             if stale:
-                ui.warn(f"taking over the lock of `nmt {stale.get('command', '?')}` "
-                        f"(pid {stale.get('pid', '?')}), which ended without releasing it")
-            me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                  "started": now()}
+                ui.warn(
+                    f"taking over the lock of `nmt {stale.get('command', '?')}` "
+                    f"(pid {stale.get('pid', '?')}), which ended without releasing it"
+                )
+            me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": now()}
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(me).encode(), 0)
             os.fsync(fd)

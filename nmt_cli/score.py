@@ -20,23 +20,25 @@ class Score:
     metric: str
     score: float
     signature: str
-    text: str      # sacrebleu's own formatting, e.g. "BLEU = 34.2 65.1/40.0/... (BP = ...)"
+    text: str  # sacrebleu's own formatting, e.g. "BLEU = 34.2 65.1/40.0/... (BP = ...)"
 
     def as_dict(self) -> dict:
-        return {"metric": self.metric, "score": self.score, "signature": self.signature,
-                "text": self.text}
+        return {"metric": self.metric, "score": self.score, "signature": self.signature, "text": self.text}
 
 
 def moses_lc(lines: list[str], lang: str) -> list[str]:
     """Lowercase, Moses punctuation normalisation, Moses tokenisation with escaping."""
     from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
     normalizer, tokenizer = MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
-    return [tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True)
-            for line in lines]
+    return [
+        tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True) for line in lines
+    ]
 
 
 def _metric(name: str, tokenize: str, lowercase: bool):
     from sacrebleu.metrics import BLEU, CHRF, TER
+
     if name == "bleu":
         # --tokenize none scores tokenized text on purpose (--moses-lc): no warning about it.
         return BLEU(tokenize=tokenize, lowercase=lowercase, force=tokenize == "none")
@@ -49,12 +51,15 @@ def _metric(name: str, tokenize: str, lowercase: bool):
 
 def check_lengths(hyps: list[str], refs: list[str], hyp_name: str, ref_name: str) -> None:
     if len(hyps) != len(refs):
-        raise NmtError(f"{hyp_name} has {len(hyps)} lines but {ref_name} has {len(refs)}: "
-                       "hypotheses and references must be line-aligned")
+        raise NmtError(
+            f"{hyp_name} has {len(hyps)} lines but {ref_name} has {len(refs)}: "
+            "hypotheses and references must be line-aligned"
+        )
 
 
-def score(hyps: list[str], refs: list[str], metrics: list[str], tokenize: str = "13a",
-          lowercase: bool = False) -> list[Score]:
+def score(
+    hyps: list[str], refs: list[str], metrics: list[str], tokenize: str = "13a", lowercase: bool = False
+) -> list[Score]:
     out = []
     for name in metrics:
         metric = _metric(name, tokenize, lowercase)
@@ -64,21 +69,37 @@ def score(hyps: list[str], refs: list[str], metrics: list[str], tokenize: str = 
     return out
 
 
-def compare(hyps: list[str], other: list[str], refs: list[str], metrics: list[str],
-            tokenize: str = "13a", lowercase: bool = False, samples: int = 1000) -> dict:
+def compare(
+    hyps: list[str],
+    other: list[str],
+    refs: list[str],
+    metrics: list[str],
+    tokenize: str = "13a",
+    lowercase: bool = False,
+    samples: int = 1000,
+) -> dict:
     """sacrebleu's paired bootstrap test of `hyps` against the baseline `other`."""
     from sacrebleu.significance import PairedTest
-    test = PairedTest([("baseline", other), ("system", hyps)],
-                      {m: _metric(m, tokenize, lowercase) for m in metrics},
-                      references=[refs], test_type="bs", n_samples=samples)
+
+    test = PairedTest(
+        [("baseline", other), ("system", hyps)],
+        {m: _metric(m, tokenize, lowercase) for m in metrics},
+        references=[refs],
+        test_type="bs",
+        n_samples=samples,
+    )
     _, results = test()
     out = {}
     # Results are keyed by sacrebleu's display names (BLEU, chrF2, TER), in our order.
     for m, key in zip(metrics, [k for k in results if k != "System"]):
         base, system = results[key]
-        out[m] = {"baseline": float(base.score), "system": float(system.score),
-                  "p_value": float(system.p_value), "system_mean": float(system.mean),
-                  "system_ci": float(system.ci)}
+        out[m] = {
+            "baseline": float(base.score),
+            "system": float(system.score),
+            "p_value": float(system.p_value),
+            "system_mean": float(system.mean),
+            "system_ci": float(system.ci),
+        }
     return out
 
 
@@ -86,6 +107,7 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
     token ids of the validation set, against its references as released."""
     from nmt_cli import bpe
+
     path = run.text("valid", tgt_lang, raw=True)
     if not path.exists():
         path = run.text("valid", tgt_lang)
@@ -93,6 +115,6 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     sp = bpe.load(run)
 
     def bleu(ids: list[list[int]]) -> float:
-        return score(sp.decode(ids)[:len(refs)], refs[:len(ids)], ["bleu"])[0].score
+        return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"])[0].score
 
     return bleu

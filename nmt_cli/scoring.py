@@ -21,14 +21,21 @@ def parse_metrics(text: str) -> list[str]:
     names = [m.strip().lower() for m in text.split(",") if m.strip()]
     for m in names:
         if m not in score.METRICS:
-            raise NmtError(f"unknown metric {m!r} in --metrics: choose from "
-                           f"{', '.join(score.METRICS)}")
+            raise NmtError(f"unknown metric {m!r} in --metrics: choose from {', '.join(score.METRICS)}")
     return names
 
 
-def report(hyps: list[str], refs: list[str], names: tuple[str, str], metrics: list[str], *,
-           tokenize: str = "13a", lowercase: bool = False, moses_lc_lang: str | None = None,
-           baseline: tuple[str, list[str]] | None = None) -> dict:
+def report(
+    hyps: list[str],
+    refs: list[str],
+    names: tuple[str, str],
+    metrics: list[str],
+    *,
+    tokenize: str = "13a",
+    lowercase: bool = False,
+    moses_lc_lang: str | None = None,
+    baseline: tuple[str, list[str]] | None = None,
+) -> dict:
     """The scores of `hyps` (and the comparison with a baseline's lines) as `nmt score` reports
     them. `names` are the hypotheses' and references' sources; `moses_lc_lang` lowercases and
     Moses-tokenizes both sides in that language first (and BLEU then tokenizes nothing)."""
@@ -42,43 +49,51 @@ def report(hyps: list[str], refs: list[str], names: tuple[str, str], metrics: li
         other = score.moses_lc(other, moses_lc_lang) if other is not None else None
         tokenize = "none"
     results = score.score(hyps, refs, metrics, tokenize=tokenize, lowercase=lowercase)
-    out = {"hyp": names[0], "ref": names[1], "lines": len(hyps),
-           "moses_lc": moses_lc_lang is not None, "scores": [r.as_dict() for r in results]}
+    out = {
+        "hyp": names[0],
+        "ref": names[1],
+        "lines": len(hyps),
+        "moses_lc": moses_lc_lang is not None,
+        "scores": [r.as_dict() for r in results],
+    }
     if other is not None:
-        out["compare"] = {"baseline": baseline[0],
-                          **score.compare(hyps, other, refs, metrics, tokenize, lowercase)}
+        out["compare"] = {
+            "baseline": baseline[0],
+            **score.compare(hyps, other, refs, metrics, tokenize, lowercase),
+        }
     return out
 
 
-def translate_split(run: RunDir, split: str, config: TranslateConfig,
-                    model: Model | None = None) -> tuple[Path, Path]:
+def translate_split(
+    run: RunDir, split: str, config: TranslateConfig, model: Model | None = None
+) -> tuple[Path, Path]:
     """Translate the run's split with `model` (default: the run's) unless a translation by the
     same model and settings exists."""
     manifest = run.load_manifest().get("prep")
     if not manifest:
         raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
     if split not in manifest["splits"]:
-        raise NmtError(f"split {split!r} is not in {run.root} (it has "
-                       f"{', '.join(manifest['splits'])})")
+        raise NmtError(f"split {split!r} is not in {run.root} (it has {', '.join(manifest['splits'])})")
     src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
     ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
     out = run.translation(split, manifest["tgt"])
     model = model or from_run(run, config.checkpoint)
-    key = {"model": str(model.where), "model_sha256": model.sha256,
-           "settings": dataclasses.asdict(config)}
+    key = {"model": str(model.where), "model_sha256": model.sha256, "settings": dataclasses.asdict(config)}
     key_path = out.with_suffix(out.suffix + ".json")
     if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
         ui.say(f"reusing {out} (same model and settings)")
         return out, ref_path
     with open(src_path, "rb") as source, atomic_open(out) as sink:
-        stream(Translator(model, config), source, sink, f"translate {split}",
-               manifest["splits"][split]["kept"])
+        stream(
+            Translator(model, config), source, sink, f"translate {split}", manifest["splits"][split]["kept"]
+        )
     atomic_write_json(key_path, key)
     return out, ref_path
 
 
-def stream(translator: Translator, source: BinaryIO, sink: TextIO, what: str,
-           lines: int | None = None) -> None:
+def stream(
+    translator: Translator, source: BinaryIO, sink: TextIO, what: str, lines: int | None = None
+) -> None:
     """`translator.stream` with a progress bar, then a warning for each kind of line it had
     to change."""
     with ui.progress() as bar:
@@ -90,16 +105,21 @@ def stream(translator: Translator, source: BinaryIO, sink: TextIO, what: str,
 def report_counts(counts: Counts, max_src: int) -> None:
     """Warn about the lines a translation had to change."""
     if counts.truncated:
-        ui.warn(f"{counts.truncated} lines were longer than {max_src} tokens and were "
-                "truncated before translating")
+        ui.warn(
+            f"{counts.truncated} lines were longer than {max_src} tokens and were "
+            "truncated before translating"
+        )
     if counts.damage.not_utf8:
-        ui.warn(f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
-                f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD")
+        ui.warn(
+            f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
+            f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD"
+        )
 
 
 def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[str]:
     """The translations of the file `src`, one per line."""
     import io
+
     if not Path(src).is_file():
         raise NmtError(f"{src} not found")
     sink = io.StringIO()

@@ -34,8 +34,9 @@ def require():
     try:
         from aiohttp import web
     except ImportError:
-        raise NmtError("aiohttp is not installed: pip install 'nmt-cli[serve]' "
-                       "(or pip install aiohttp)") from None
+        raise NmtError(
+            "aiohttp is not installed: pip install 'nmt-cli[serve]' (or pip install aiohttp)"
+        ) from None
     return web
 
 
@@ -74,8 +75,9 @@ class Batcher:
         taken, size = [first], len(first.sentences)
         if self.config.batching:
             for job in list(self.jobs):
-                if (job.beam, job.nbest) == (first.beam, first.nbest) and \
-                        size + len(job.sentences) <= self.config.max_batch:
+                if (job.beam, job.nbest) == (first.beam, first.nbest) and size + len(
+                    job.sentences
+                ) <= self.config.max_batch:
                     self.jobs.remove(job)
                     taken.append(job)
                     size += len(job.sentences)
@@ -85,8 +87,11 @@ class Batcher:
         first = self.jobs[0]
         waited = time.monotonic() - first.arrived
         queued = sum(len(j.sentences) for j in self.jobs)
-        return (not self.config.batching or queued >= self.config.max_batch
-                or waited * 1000 >= self.config.max_wait_ms)
+        return (
+            not self.config.batching
+            or queued >= self.config.max_batch
+            or waited * 1000 >= self.config.max_wait_ms
+        )
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -104,8 +109,9 @@ class Batcher:
             jobs = self._take()
             sentences = [s for j in jobs for s in j.sentences]
             try:
-                texts, hyps = await loop.run_in_executor(self.decoder, self._decode, sentences,
-                                                         jobs[0].beam, jobs[0].nbest)
+                texts, hyps = await loop.run_in_executor(
+                    self.decoder, self._decode, sentences, jobs[0].beam, jobs[0].nbest
+                )
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error
                 for j in jobs:
                     if not j.done.done():
@@ -128,8 +134,7 @@ class Batcher:
 def _answer(texts: list[list[str]], hyps, nbest: int) -> list:
     if nbest == 1:
         return [t[0] for t in texts]
-    return [[{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)]
-            for ts, hs in zip(texts, hyps)]
+    return [[{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
 
 
 def error(web, status: int, message: str, **headers: str):
@@ -155,12 +160,10 @@ def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str
     if not text:
         raise ValueError('"text" is empty')
     if len(text) > config.max_sentences:
-        raise OverflowError(f"{len(text)} sentences in one request; the limit is "
-                            f"{config.max_sentences}")
+        raise OverflowError(f"{len(text)} sentences in one request; the limit is {config.max_sentences}")
     for i, s in enumerate(text):
         if len(s) > config.max_chars:
-            raise ValueError(f"sentence {i} has {len(s)} characters; the limit is "
-                             f"{config.max_chars}")
+            raise ValueError(f"sentence {i} has {len(s)} characters; the limit is {config.max_chars}")
     beam, nbest = data.get("beam", default_beam), data.get("nbest", 1)
     for name, value in (("beam", beam), ("nbest", nbest)):
         if type(value) is not int or not 1 <= value <= MAX_BEAM:
@@ -195,13 +198,17 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
             return error(web, 500, f"{type(e).__name__}: {e}")
 
     async def health(request):
-        return web.json_response({"status": "ok", "model": str(model.where),
-                                  "engine": translator.engine,
-                                  "queued": request.app[batcher_key].pending})
+        return web.json_response(
+            {
+                "status": "ok",
+                "model": str(model.where),
+                "engine": translator.engine,
+                "queued": request.app[batcher_key].pending,
+            }
+        )
 
     async def not_allowed(request):
-        return error(web, 405, f"{request.method} {request.path} is not served: "
-                               "POST /translate, GET /health")
+        return error(web, 405, f"{request.method} {request.path} is not served: POST /translate, GET /health")
 
     @web.middleware
     async def json_errors(request, handler):  # aiohttp's own 404/405 pages as JSON too
@@ -233,8 +240,9 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
     app = make_app(translator, model, config)
 
     async def main() -> None:
-        runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                               shutdown_timeout=config.shutdown_timeout)
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=config.shutdown_timeout
+        )
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         try:

@@ -67,23 +67,26 @@ class Shard:
                 raise NmtError(f"{p} not found: run `nmt bpe` first")
         with open(idx_path, "rb") as f:
             header = f.read(HEADER)
-        if header[:len(MAGIC)] != MAGIC:
+        if header[: len(MAGIC)] != MAGIC:
             raise NmtError(f"{idx_path} is not an nmt token index (bad header); rerun `nmt bpe`")
-        self.dtype = np.dtype(header[len(MAGIC):].rstrip(b"\0").decode())
+        self.dtype = np.dtype(header[len(MAGIC) :].rstrip(b"\0").decode())
         self.offsets = np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER)
         size = bin_path.stat().st_size
         if size != int(self.offsets[-1]) * self.dtype.itemsize:
-            raise NmtError(f"{bin_path} has {size} bytes but its index expects "
-                           f"{int(self.offsets[-1]) * self.dtype.itemsize}; rerun `nmt bpe`")
+            raise NmtError(
+                f"{bin_path} has {size} bytes but its index expects "
+                f"{int(self.offsets[-1]) * self.dtype.itemsize}; rerun `nmt bpe`"
+            )
         # np.memmap refuses empty files; an empty split is an empty array.
-        self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if size
-                       else np.zeros(0, dtype=self.dtype))
+        self.tokens = (
+            np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
+        )
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def __getitem__(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -95,8 +98,10 @@ class Shard:
 
 # -- token batching ------------------------------------------------------------------------------
 
-def make_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
-                 seed: int, epoch: int) -> list[np.ndarray]:
+
+def make_batches(
+    src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int, seed: int, epoch: int
+) -> list[np.ndarray]:
     """Sentence indices grouped into batches of similar lengths, at most `max_tokens` padded
     tokens on either side, in an order shuffled from (seed, epoch).
 
@@ -106,8 +111,7 @@ def make_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: i
     """
     rng = np.random.default_rng([seed, epoch])
     n = len(src_lengths)
-    order = np.lexsort((rng.random(n), tgt_lengths, src_lengths,
-                        np.maximum(src_lengths, tgt_lengths)))
+    order = np.lexsort((rng.random(n), tgt_lengths, src_lengths, np.maximum(src_lengths, tgt_lengths)))
     batches: list[np.ndarray] = []
     start, longest = 0, 0
     src_l, tgt_l = src_lengths[order], tgt_lengths[order]
@@ -123,8 +127,7 @@ def make_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: i
     return batches
 
 
-def padding_share(batches: list[np.ndarray], src_lengths: np.ndarray,
-                  tgt_lengths: np.ndarray) -> float:
+def padding_share(batches: list[np.ndarray], src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> float:
     """The share of batch positions (both sides) that are padding."""
     real = padded = 0
     for b in batches:
@@ -138,7 +141,7 @@ def pad_sources(sentences: Sequence[Sequence[int]]) -> np.ndarray:
     """(B, S): each sentence's ids and its EOS, then PAD."""
     source = np.full((len(sentences), max(len(x) for x in sentences) + 1), PAD, dtype=np.int64)
     for row, x in enumerate(sentences):
-        source[row, :len(x)] = x
+        source[row, : len(x)] = x
         source[row, len(x)] = EOS
     return source
 
@@ -151,7 +154,7 @@ def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np
     tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
     for row, y in enumerate(ys):
         tgt_in[row, 0] = BOS
-        tgt_in[row, 1:len(y) + 1] = y
-        tgt_out[row, :len(y)] = y
+        tgt_in[row, 1 : len(y) + 1] = y
+        tgt_out[row, : len(y)] = y
         tgt_out[row, len(y)] = EOS
     return pad_sources([src[int(i)] for i in indices]), tgt_in, tgt_out

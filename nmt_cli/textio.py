@@ -18,6 +18,7 @@ T = TypeVar("T")
 @dataclass
 class Damage:
     """What reading had to repair: lines with bytes that are not UTF-8 (replaced by U+FFFD)."""
+
     not_utf8: int = 0
     first_bad_line: int = 0
 
@@ -52,8 +53,7 @@ def read_lines(path: Path, damage: Damage | None = None) -> Iterator[str]:
             for lineno, raw in enumerate(f, 1):
                 yield decode_line(raw, lineno, damage)
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise NmtError(f"{path} is truncated or corrupt after line {lineno} ({e}); "
-                       "fetch it again") from None
+        raise NmtError(f"{path} is truncated or corrupt after line {lineno} ({e}); fetch it again") from None
 
 
 def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:

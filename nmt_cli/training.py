@@ -23,8 +23,7 @@ def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
     """The run's TrainConfig: a resume keeps the saved settings, and the options set on the
     command line (`explicit`) override them; a new run takes `given` whole."""
     if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
-        saved = from_json(TrainConfig, run.config_path("train").read_text(),
-                          str(run.config_path("train")))
+        saved = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
         return dataclasses.replace(saved, **{k: given[k] for k in explicit})
     return TrainConfig(**given)
 
@@ -38,8 +37,8 @@ def train_here(run: RunDir, config: TrainConfig, rank: int) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    gpus: int = 0                 # one NCCL worker per GPU
-    procs: int = 1                # or this many CPU (gloo) workers
+    gpus: int = 0  # one NCCL worker per GPU
+    procs: int = 1  # or this many CPU (gloo) workers
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = ""
@@ -51,15 +50,14 @@ class Launch:
 
     def check(self, device: str) -> None:
         if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0:
-            raise NmtError("--gpus, --max-restarts must not be negative; --procs and --nnodes "
-                           "must be at least 1")
+            raise NmtError(
+                "--gpus, --max-restarts must not be negative; --procs and --nnodes must be at least 1"
+            )
         if self.gpus and self.procs > 1:
-            raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), "
-                           "not both")
+            raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
         if self.gpus:
             if device == "cpu":
-                raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N "
-                               "instead")
+                raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N instead")
             distributed.check_gpus(self.gpus)
         elif device.startswith("cuda"):
             raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
@@ -71,16 +69,25 @@ def launch(run: RunDir, config: TrainConfig, how: Launch) -> None:
     if not how.gpus and config.device == "auto":
         config = dataclasses.replace(config, device="cpu")
     workers = how.gpus or how.procs
-    ui.say(f"starting {workers} worker{'s' if workers > 1 else ''} on node {how.node_rank} "
-           f"({'NCCL, one GPU each' if how.gpus else 'gloo, CPU'}); effective batch: "
-           f"{config.max_tokens} tokens x {workers * how.nnodes} ranks x {config.update_freq} = "
-           f"{config.max_tokens * workers * how.nnodes * config.update_freq:,} tokens per update")
+    ui.say(
+        f"starting {workers} worker{'s' if workers > 1 else ''} on node {how.node_rank} "
+        f"({'NCCL, one GPU each' if how.gpus else 'gloo, CPU'}); effective batch: "
+        f"{config.max_tokens} tokens x {workers * how.nnodes} ranks x {config.update_freq} = "
+        f"{config.max_tokens * workers * how.nnodes * config.update_freq:,} tokens per update"
+    )
     # Node 0 holds the run directory's lock for the whole job; the other nodes share that
     # directory (or it is their own copy, whose checkpoints the ranks then compare on resume).
     with run.lock("train") if how.node_rank == 0 else contextlib.nullcontext():
         run.save_config("train", config)
-        distributed.launch(workers, ["-m", "nmt_cli.training", str(run.root)], how.nnodes,
-                           how.node_rank, how.rdzv_endpoint, how.max_restarts, ui.say)
+        distributed.launch(
+            workers,
+            ["-m", "nmt_cli.training", str(run.root)],
+            how.nnodes,
+            how.node_rank,
+            how.rdzv_endpoint,
+            how.max_restarts,
+            ui.say,
+        )
 
 
 def worker(run_dir: str) -> int:
@@ -89,16 +96,18 @@ def worker(run_dir: str) -> int:
     if os.environ.get("RANK", "0") == "0":  # the launcher holds the run; rank 0 speaks for it
         ui.log_to(run.log, f"nmt train: rank 0 (pid {os.getpid()})")
     try:
-        config = from_json(TrainConfig, run.config_path("train").read_text(),
-                           str(run.config_path("train")))
+        config = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
         _train(run, config)
         return 0
     except trainer.Interrupted as e:
         ui.say(str(e))
         return 128 + e.signum
     except Exception as e:  # noqa: BLE001 - every failure becomes the job's one error line
-        message = " ".join(str(e).split()) if isinstance(e, NmtError) else \
-            f"internal error: {type(e).__name__}: {e}"
+        message = (
+            " ".join(str(e).split())
+            if isinstance(e, NmtError)
+            else f"internal error: {type(e).__name__}: {e}"
+        )
         distributed.record_worker_error(message)
         print(f"nmt: rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
         return 1
@@ -108,6 +117,7 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
     bleu_of = None
     if config.eval_bleu:
         from nmt_cli.score import bleu_of_ids
+
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     init = initial_model(run, config.init_from) if config.init_from else None
     with ui.TrainDisplay() as display:
@@ -121,23 +131,28 @@ def initial_model(run: RunDir, where: str) -> trainer.Initial:
 
     from nmt_cli import package
     from nmt_cli.rundir import sha256_file
+
     path = Path(where)
     if path.is_dir() and (path / package.SETTINGS).is_file():
         model = package.from_dir(path)
     elif path.is_dir():
         model = package.from_run(RunDir(path), None)
     elif path.is_file():  # a checkpoint, in its run's checkpoints/ (or averaged.pt at the top)
-        model = package.from_run(RunDir(path.parent.parent if path.parent.name == "checkpoints"
-                                        else path.parent), str(path))
+        model = package.from_run(
+            RunDir(path.parent.parent if path.parent.name == "checkpoints" else path.parent), str(path)
+        )
     else:
         raise NmtError(f"--init-from {where} not found")
     if model.load_weights is None:
-        raise NmtError(f"--init-from {where} is a CTranslate2 export: give the run directory or "
-                       "the nmt package")
+        raise NmtError(
+            f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"
+        )
     run.require(run.spm_model, "bpe")
     if sha256_file(model.spm) != sha256_file(run.spm_model):
-        raise NmtError(f"{run.root}'s BPE model is not the one {where} was trained with: "
-                       f"encode the data with `nmt bpe --from {where}`")
+        raise NmtError(
+            f"{run.root}'s BPE model is not the one {where} was trained with: "
+            f"encode the data with `nmt bpe --from {where}`"
+        )
     return trainer.Initial(str(model.where), model.config, model.load_weights)
 
 

@@ -44,8 +44,7 @@ def load_model(model: Model, device: torch.device, precision: str) -> Transforme
     try:
         net.load_state_dict(model.load_weights())
     except RuntimeError as e:
-        raise NmtError(f"{model.where} does not fit its own model config: "
-                       f"{str(e).splitlines()[0]}") from None
+        raise NmtError(f"{model.where} does not fit its own model config: {str(e).splitlines()[0]}") from None
     net.eval()
     if precision == "bf16":
         net = net.to(torch.bfloat16)
@@ -62,8 +61,10 @@ CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def engine_of(model: Model, config: TranslateConfig) -> str:
     if model.ct2_dir is not None:
         if config.engine == "nmt":
-            raise NmtError(f"{model.where} is a CTranslate2 export: use --engine ctranslate2 (or "
-                           "translate from an nmt package or the run directory)")
+            raise NmtError(
+                f"{model.where} is a CTranslate2 export: use --engine ctranslate2 (or "
+                "translate from an nmt package or the run directory)"
+            )
         return "ctranslate2"
     if config.int8:
         return "ctranslate2"
@@ -82,6 +83,7 @@ class Translator:
 
     def __init__(self, model: Model, config: TranslateConfig):
         import sentencepiece as spm
+
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -89,23 +91,27 @@ class Translator:
         self.engine = engine_of(model, config)
         if self.engine == "ctranslate2":
             from nmt_cli import ct2
+
             if config.int8:
                 compute_type = "int8"
             elif config.precision == "auto":  # an export's own type, else fp32 / bf16 as ours
-                compute_type = "default" if model.ct2_dir is not None else \
-                    CT2_TYPES[resolve_precision("auto", self.device)]
+                compute_type = (
+                    "default"
+                    if model.ct2_dir is not None
+                    else CT2_TYPES[resolve_precision("auto", self.device)]
+                )
             else:
                 compute_type = CT2_TYPES[config.precision]
-            self.ct2 = ct2.Engine(model, self.device, compute_type,
-                                  config.threads or torch.get_num_threads())
+            self.ct2 = ct2.Engine(model, self.device, compute_type, config.threads or torch.get_num_threads())
         else:
-            self.model = load_model(model, self.device,
-                                    resolve_precision(config.precision, self.device))
+            self.model = load_model(model, self.device, resolve_precision(config.precision, self.device))
         self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
         if self.sp.get_piece_size() != model.config.vocab_size:
-            raise NmtError(f"{model.where} has a vocabulary of {model.config.vocab_size} but "
-                           f"{model.spm} has {self.sp.get_piece_size()}: they are from "
-                           "different runs")
+            raise NmtError(
+                f"{model.where} has a vocabulary of {model.config.vocab_size} but "
+                f"{model.spm} has {self.sp.get_piece_size()}: they are from "
+                "different runs"
+            )
         self.src_lang = model.src
         self.max_src = model.config.max_positions - 1  # room for the EOS
         self.counts = Counts()
@@ -115,7 +121,7 @@ class Translator:
         ids = self.sp.encode(cleaned, out_type=int)
         for i, x in enumerate(ids):
             if len(x) > self.max_src:
-                ids[i] = x[:self.max_src]
+                ids[i] = x[: self.max_src]
                 self.counts.truncated += 1
         return ids
 
@@ -125,32 +131,42 @@ class Translator:
         batch: list[int] = []
         for i in order:
             longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
-            if batch and (len(batch) >= self.config.batch_size
-                          or longest * (len(batch) + 1) > self.config.max_tokens):
+            if batch and (
+                len(batch) >= self.config.batch_size or longest * (len(batch) + 1) > self.config.max_tokens
+            ):
                 yield batch
                 batch = []
             batch.append(i)
         if batch:
             yield batch
 
-    def hypotheses(self, lines: list[str], beam_size: int | None = None,
-                   nbest: int | None = None) -> list[list[beam.Hypothesis]]:
+    def hypotheses(
+        self, lines: list[str], beam_size: int | None = None, nbest: int | None = None
+    ) -> list[list[beam.Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `beam_size` and
         `nbest` override the config's for this call."""
-        c = dataclasses.replace(self.config, beam=beam_size or self.config.beam,
-                                nbest=nbest or self.config.nbest)
+        c = dataclasses.replace(
+            self.config, beam=beam_size or self.config.beam, nbest=nbest or self.config.nbest
+        )
         ids = self.encode(lines)
         out: list[list[beam.Hypothesis]] = [[beam.Hypothesis([], 0.0)] * c.nbest for _ in lines]
         for batch in self.batches(ids):
             if self.engine == "ctranslate2":
-                limits = beam.max_lengths([len(ids[i]) for i in batch], c.max_len_a,
-                                          c.max_len_b, self.max_src)
+                limits = beam.max_lengths(
+                    [len(ids[i]) for i in batch], c.max_len_a, c.max_len_b, self.max_src
+                )
                 hyps = self.ct2.search([ids[i] for i in batch], c.beam, c.alpha, limits, c.nbest)
             else:
                 src = torch.from_numpy(pad_sources([ids[i] for i in batch])).to(self.device)
-                hyps = beam.translate(self.model, src, beam=c.beam, alpha=c.alpha,
-                                      max_len_a=c.max_len_a, max_len_b=c.max_len_b,
-                                      nbest=c.nbest)
+                hyps = beam.translate(
+                    self.model,
+                    src,
+                    beam=c.beam,
+                    alpha=c.alpha,
+                    max_len_a=c.max_len_a,
+                    max_len_b=c.max_len_b,
+                    nbest=c.nbest,
+                )
             for i, h in zip(batch, hyps):
                 out[i] = h
         return out
@@ -167,14 +183,18 @@ class Translator:
         if self.config.nbest == 1:
             return [t[0] for t in texts]
         first = self.counts.lines
-        return [f"{first + i}\t{h.score:.4f}\t{text}"
-                for i, (hs, ts) in enumerate(zip(hyps, texts)) for h, text in zip(hs, ts)]
+        return [
+            f"{first + i}\t{h.score:.4f}\t{text}"
+            for i, (hs, ts) in enumerate(zip(hyps, texts))
+            for h, text in zip(hs, ts)
+        ]
 
     def stream(self, source: BinaryIO, sink: TextIO, advance: Callable[[int], None]) -> Counts:
         """Translate `source` line by line into `sink`, in input order, as input arrives."""
         for chunk in arrivals(source, self.config.chunk):
-            lines = [decode_line(raw, self.counts.lines + i + 1, self.counts.damage)
-                     for i, raw in enumerate(chunk)]
+            lines = [
+                decode_line(raw, self.counts.lines + i + 1, self.counts.damage) for i, raw in enumerate(chunk)
+            ]
             for text in self.translate(lines):
                 sink.write(text + "\n")
             sink.flush()

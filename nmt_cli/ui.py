@@ -40,6 +40,7 @@ def note(message: str) -> None:
     """Into the run's log only (the terminal shows it in a live display instead)."""
     if _log is not None:
         import datetime
+
         stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
         for line in str(message).splitlines() or [""]:
             _log.write(f"{stamp} {line}\n")
@@ -57,6 +58,7 @@ def done(message: str, next_command: str) -> None:
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
     from rich.table import Table
+
     t = Table(title=title, title_justify="left")
     for i, h in enumerate(header):
         t.add_column(h, justify="left" if i == 0 else "right")
@@ -76,14 +78,24 @@ def warn(message: str) -> None:
 def progress(kind: str = "items") -> Iterator[Progress]:
     """A rich progress display on stderr; `kind="bytes"` shows sizes and transfer speed."""
     if kind == "bytes":
-        columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                   TransferSpeedColumn(), TimeRemainingColumn()]
+        columns = [
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+        ]
     else:
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TaskProgressColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+        columns = [
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        ]
     # Without a terminal (CI, pipes) a live bar only adds noise to logs.
-    with Progress(*columns, console=console, transient=False,
-                  disable=not sys.stderr.isatty()) as bar:
+    with Progress(*columns, console=console, transient=False, disable=not sys.stderr.isatty()) as bar:
         yield bar
 
 
@@ -93,13 +105,19 @@ class TrainDisplay:
 
     def __init__(self, every: float = 30.0):
         import time
+
         self._time = time.monotonic
         self._last = -every
         self.every = every
         self.live = sys.stderr.isatty()
-        self._bar = Progress(TextColumn("step {task.completed:,.0f}"), BarColumn(),
-                             TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
-                             console=console, disable=not self.live)
+        self._bar = Progress(
+            TextColumn("step {task.completed:,.0f}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=console,
+            disable=not self.live,
+        )
         self._task = None
 
     def __enter__(self) -> TrainDisplay:
@@ -111,19 +129,24 @@ class TrainDisplay:
 
     def progress(self, state, total_steps, metrics: dict) -> None:
         if "valid_nll" in metrics:
-            say(f"step {state.step}: valid nll {metrics['valid_nll']:.3f}, "
+            say(
+                f"step {state.step}: valid nll {metrics['valid_nll']:.3f}, "
                 f"ppl {metrics['valid_ppl']:.2f}"
-                + (f", BLEU {metrics['valid_bleu']:.2f}" if "valid_bleu" in metrics else ""))
+                + (f", BLEU {metrics['valid_bleu']:.2f}" if "valid_bleu" in metrics else "")
+            )
             return
-        info = (f"loss {metrics['loss']:.3f} ppl {metrics['ppl']:.1f} lr {metrics['lr']:.2e} "
-                f"{metrics['tokens_per_s']:,.0f} tok/s")
+        info = (
+            f"loss {metrics['loss']:.3f} ppl {metrics['ppl']:.1f} lr {metrics['lr']:.2e} "
+            f"{metrics['tokens_per_s']:,.0f} tok/s"
+        )
         if self._task is None:
             self._task = self._bar.add_task("train", total=total_steps, info=info)
         self._bar.update(self._task, completed=state.step, info=info)
         if self._time() - self._last >= self.every:
             self._last = self._time()
-            line = (f"step {state.step}{f'/{total_steps}' if total_steps else ''} "
-                    f"epoch {state.epoch + 1}: {info}")
+            line = (
+                f"step {state.step}{f'/{total_steps}' if total_steps else ''} epoch {state.epoch + 1}: {info}"
+            )
             say(line) if not self.live else note(line)
 
     def say(self, message: str) -> None:

@@ -64,14 +64,17 @@ def one_error_line(result: Result) -> str:
 @pytest.fixture(scope="session")
 def multi30k_dir() -> Path:
     if not (MULTI30K / "train.en.gz").exists():
-        pytest.fail(f"the shared Multi30k copy is missing at {MULTI30K} (see README: tests read "
-                    "../shared/data, or set NMT_SHARED_DATA)")
+        pytest.fail(
+            f"the shared Multi30k copy is missing at {MULTI30K} (see README: tests read "
+            "../shared/data, or set NMT_SHARED_DATA)"
+        )
     return MULTI30K
 
 
 def run_ok(*commands: list) -> None:
     """Run each `nmt` command line through the real entry point; each must succeed."""
     from nmt_cli.cli import main
+
     for args in commands:
         with pytest.raises(SystemExit) as done:
             main([str(a) for a in args])
@@ -79,8 +82,10 @@ def run_ok(*commands: list) -> None:
 
 
 def prepared_multi30k(run_dir: Path, vocab_size: int) -> Path:
-    run_ok(["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", MULTI30K],
-           ["bpe", "--run-dir", run_dir, "--vocab-size", vocab_size])
+    run_ok(
+        ["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", MULTI30K],
+        ["bpe", "--run-dir", run_dir, "--vocab-size", vocab_size],
+    )
     return run_dir
 
 
@@ -94,25 +99,57 @@ def multi30k_bpe(tmp_path_factory, multi30k_dir) -> Path:
 def run_copy(multi30k_bpe, tmp_path) -> Path:
     """A fresh copy of the prepared Multi30k run directory."""
     import shutil
+
     dest = tmp_path / "run"
     shutil.copytree(multi30k_bpe, dest)
     return dest
 
 
 # A model small enough that a training step takes milliseconds.
-TINY = ["--size", "tiny", "--d-model", "16", "--ffn", "32", "--heads", "2",
-        "--num-encoder-layers", "1", "--num-decoder-layers", "1", "--max-tokens", "256"]
+TINY = [
+    "--size",
+    "tiny",
+    "--d-model",
+    "16",
+    "--ffn",
+    "32",
+    "--heads",
+    "2",
+    "--num-encoder-layers",
+    "1",
+    "--num-decoder-layers",
+    "1",
+    "--max-tokens",
+    "256",
+]
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, multi30k_bpe) -> Path:
     """A tiny model trained briefly on Multi30k, with its checkpoints averaged; copy before writing."""
     import shutil
+
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     shutil.copytree(multi30k_bpe, run_dir)
-    run_ok(["train", "--run-dir", run_dir, *TINY, "--max-steps", "40", "--save-every", "20",
-            "--eval-every", "100", "--warmup", "10", "--lr-scale", "4"],
-           ["average", "--run-dir", run_dir, "--last", "2"])
+    run_ok(
+        [
+            "train",
+            "--run-dir",
+            run_dir,
+            *TINY,
+            "--max-steps",
+            "40",
+            "--save-every",
+            "20",
+            "--eval-every",
+            "100",
+            "--warmup",
+            "10",
+            "--lr-scale",
+            "4",
+        ],
+        ["average", "--run-dir", run_dir, "--last", "2"],
+    )
     return run_dir
 
 
@@ -120,11 +157,35 @@ def trained(tmp_path_factory, multi30k_bpe) -> Path:
 def trained_longer(tmp_path_factory, multi30k_bpe):
     """A small model after 800 updates (15 s): most sentences end by themselves now."""
     import shutil
+
     run_dir = tmp_path_factory.mktemp("trained-longer") / "run"
     shutil.copytree(multi30k_bpe, run_dir)
-    run_ok(["train", "--run-dir", run_dir, *TINY, "--d-model", "64", "--ffn", "128",
-            "--max-tokens", "512", "--max-steps", "800", "--save-every", "800",
-            "--eval-every", "10000", "--warmup", "100", "--lr-scale", "2", "--dropout", "0.1"])
+    run_ok(
+        [
+            "train",
+            "--run-dir",
+            run_dir,
+            *TINY,
+            "--d-model",
+            "64",
+            "--ffn",
+            "128",
+            "--max-tokens",
+            "512",
+            "--max-steps",
+            "800",
+            "--save-every",
+            "800",
+            "--eval-every",
+            "10000",
+            "--warmup",
+            "100",
+            "--lr-scale",
+            "2",
+            "--dropout",
+            "0.1",
+        ]
+    )
     return run_dir
 
 

@@ -9,9 +9,11 @@ COMMANDS = ["prep", "bpe", "train", "average", "translate", "score"]
 
 
 def test_help_lists_every_command_without_importing_torch():
-    code = ("import sys\nfrom nmt_cli.cli import main\ntry:\n    main(['--help'])\n"
-            "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)")
+    code = (
+        "import sys\nfrom nmt_cli.cli import main\ntry:\n    main(['--help'])\n"
+        "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "NO-TORCH" in done.stderr
     for command in COMMANDS:
@@ -19,8 +21,9 @@ def test_help_lists_every_command_without_importing_torch():
 
 
 def test_python_m_and_version():
-    done = subprocess.run([sys.executable, "-m", "nmt_cli", "--version"], capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "nmt_cli", "--version"], capture_output=True, text=True, check=True
+    )
     assert done.stdout.strip() == f"nmt {__version__}"
 
 
@@ -39,6 +42,7 @@ def test_the_suite_runs_without_a_gpu_unless_asked():
     import os
 
     import torch
+
     if os.environ.get("NMT_TEST_GPU") != "1":
         assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
@@ -52,9 +56,9 @@ def test_train_options_are_the_config_fields_with_the_same_defaults():
 
     from nmt_cli.cli import app
     from nmt_cli.config import TrainConfig
+
     params = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
-    launch = {"ctx", "run_dir", "gpus", "procs", "nnodes", "node_rank", "rdzv_endpoint",
-              "max_restarts"}
+    launch = {"ctx", "run_dir", "gpus", "procs", "nnodes", "node_rank", "rdzv_endpoint", "max_restarts"}
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     hidden = {"beta1", "adam_eps"}  # the paper's values, not options
     assert set(params) - launch == set(fields) - hidden

@@ -36,16 +36,25 @@ def package(trained_longer, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("pkg") / "run"
     shutil.copytree(trained_longer, run)
     out = run.parent / "package"
-    subprocess.run([sys.executable, "-m", "nmt_cli", "export", str(out), "--run-dir", str(run)],
-                   check=True, capture_output=True, timeout=DEADLINE)
+    subprocess.run(
+        [sys.executable, "-m", "nmt_cli", "export", str(out), "--run-dir", str(run)],
+        check=True,
+        capture_output=True,
+        timeout=DEADLINE,
+    )
     shutil.rmtree(run)
     return out
 
 
-def test_the_package_translates_as_the_run_did_without_unpickling(package, trained_longer, nmt,
-                                                                  monkeypatch, multi30k_bpe):
+def test_the_package_translates_as_the_run_did_without_unpickling(
+    package, trained_longer, nmt, monkeypatch, multi30k_bpe
+):
     assert sorted(p.name for p in package.iterdir()) == [
-        "model.safetensors", "nmt.json", "provenance.json", "spm.model"]
+        "model.safetensors",
+        "nmt.json",
+        "provenance.json",
+        "spm.model",
+    ]
     settings = json.loads((package / "nmt.json").read_text())
     assert (settings["format"], settings["src"], settings["tgt"]) == ("nmt", "en", "de")
     provenance = json.loads((package / "provenance.json").read_text())
@@ -56,6 +65,7 @@ def test_the_package_translates_as_the_run_did_without_unpickling(package, train
 
     def no_pickles(*args, **kwargs):
         raise AssertionError("a package must load without torch.load")
+
     monkeypatch.setattr(torch, "load", no_pickles)
     from_the_package = nmt("translate", "--model", package, stdin=lines)
     assert from_the_package.code == 0, from_the_package.err
@@ -67,8 +77,9 @@ def test_score_works_from_the_package_alone(package, multi30k_bpe, tmp_path, nmt
     src.write_text("\n".join(sources_of(multi30k_bpe)[:30]) + "\n")
     refs = (multi30k_bpe / "text" / "test.raw.de").read_text(encoding="utf-8").splitlines()
     ref.write_text("\n".join(refs[:30]) + "\n")
-    result = nmt("score", "--model", package, "--src", src, "--ref", ref, "--json",
-                 "--run-dir", tmp_path / "no-run")
+    result = nmt(
+        "score", "--model", package, "--src", src, "--ref", ref, "--json", "--run-dir", tmp_path / "no-run"
+    )
     assert result.code == 0, result.err
     report = json.loads(result.out)
     assert report["lines"] == 30 and report["scores"][0]["metric"] == "bleu"
@@ -84,20 +95,37 @@ def test_package_errors(package, trained_longer, tmp_path, nmt):
         f.seek(-8, os.SEEK_END)
         f.write(b"\0" * 8)
     assert "sha256" in one_error_line(nmt("translate", "--model", broken, stdin=b"x\n"))
-    assert "two models" in one_error_line(nmt("translate", "--model", package, "--checkpoint",
-                                              "x.pt", stdin=b"x\n"))
+    assert "two models" in one_error_line(
+        nmt("translate", "--model", package, "--checkpoint", "x.pt", stdin=b"x\n")
+    )
 
 
 # -- CTranslate2 -------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def exported(package, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for quantization in ("float32", "int8"):
         where = tmp_path_factory.mktemp("ct2") / quantization
-        subprocess.run([sys.executable, "-m", "nmt_cli", "export", str(where), "--format",
-                        "ctranslate2", "--quantization", quantization, "--model", str(package)],
-                       check=True, capture_output=True, timeout=DEADLINE)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nmt_cli",
+                "export",
+                str(where),
+                "--format",
+                "ctranslate2",
+                "--quantization",
+                quantization,
+                "--model",
+                str(package),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=DEADLINE,
+        )
         out[quantization] = where
     return out
 
@@ -109,8 +137,7 @@ def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi3
     lines = sources_of(multi30k_bpe)[:300]
     for beam, nbest in ((4, 4), (1, 1)):
         ours = Translator(from_dir(package), TranslateConfig(beam=beam, nbest=nbest))
-        theirs = Translator(from_dir(exported["float32"]), TranslateConfig(beam=beam,
-                                                                           nbest=nbest))
+        theirs = Translator(from_dir(exported["float32"]), TranslateConfig(beam=beam, nbest=nbest))
         assert theirs.engine == "ctranslate2"
         a, b = ours.hypotheses(lines), theirs.hypotheses(lines)
         limits = max_lengths([len(x) for x in ours.encode(lines)], 1.0, 50, 1023)
@@ -119,15 +146,24 @@ def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi3
         assert sum(a[i][0].tokens == b[i][0].tokens for i in ended) >= 0.99 * len(ended)
         pairs = [(h, g) for i in ended for h, g in zip(a[i], b[i])]
         assert len(pairs) == nbest * len(ended)
-        assert sum(h.tokens == g.tokens and abs(h.score - g.score) < 1e-3
-                   for h, g in pairs) >= 0.97 * len(pairs)
+        assert sum(h.tokens == g.tokens and abs(h.score - g.score) < 1e-3 for h, g in pairs) >= 0.97 * len(
+            pairs
+        )
 
 
 def test_ctranslate2_keeps_nmts_line_guarantees(exported, nmt):
-    stream = b"".join([b"A man is riding a bike.\n", b"\n", b"   \t \n",
-                       " ".join(["word"] * 1500).encode() + b"\n",
-                       b"caf\xe9 \xff\xfe broken bytes\n", b"Two dogs play.\r\n",
-                       b"nul\x00inside\n", b"A woman sings."])
+    stream = b"".join(
+        [
+            b"A man is riding a bike.\n",
+            b"\n",
+            b"   \t \n",
+            " ".join(["word"] * 1500).encode() + b"\n",
+            b"caf\xe9 \xff\xfe broken bytes\n",
+            b"Two dogs play.\r\n",
+            b"nul\x00inside\n",
+            b"A woman sings.",
+        ]
+    )
     for where in exported.values():
         result = nmt("translate", "--model", where, "--max-len-b", "6", stdin=stream)
         assert result.code == 0, result.err
@@ -150,18 +186,22 @@ def test_int8_stays_close_to_float32(package, exported, multi30k_bpe):
 
 def test_engine_errors(package, exported, tmp_path, nmt):
     assert "--engine ctranslate2" in one_error_line(
-        nmt("translate", "--model", exported["int8"], "--engine", "nmt", stdin=b"x\n"))
+        nmt("translate", "--model", exported["int8"], "--engine", "nmt", stdin=b"x\n")
+    )
     assert "unknown --engine" in one_error_line(
-        nmt("translate", "--model", exported["int8"], "--engine", "x", stdin=b"x\n"))
+        nmt("translate", "--model", exported["int8"], "--engine", "x", stdin=b"x\n")
+    )
     assert "unknown --quantization" in one_error_line(
-        nmt("export", tmp_path / "x", "--format", "ctranslate2", "--quantization", "int3",
-            "--model", package))
+        nmt("export", tmp_path / "x", "--format", "ctranslate2", "--quantization", "int3", "--model", package)
+    )
     assert "already a CTranslate2 export" in one_error_line(
-        nmt("export", tmp_path / "y", "--format", "ctranslate2", "--model", exported["int8"]))
+        nmt("export", tmp_path / "y", "--format", "ctranslate2", "--model", exported["int8"])
+    )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 # -- streaming ---------------------------------------------------------------------------------
+
 
 def read_line(stream, deadline: float) -> bytes:
     ready, _, _ = select.select([stream], [], [], deadline)
@@ -171,16 +211,18 @@ def read_line(stream, deadline: float) -> bytes:
 
 def test_a_line_into_an_open_pipe_is_answered_before_more_input(package):
     """The answer comes while stdin stays open: no waiting for 10,000 lines or EOF."""
-    proc = subprocess.Popen([sys.executable, "-m", "nmt_cli", "translate", "--model",
-                             str(package)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nmt_cli", "translate", "--model", str(package)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         alone = Translator(from_dir(package), TranslateConfig())
         for sentence in ("A man is riding a bike.", "Two dogs play in the snow."):
             proc.stdin.write(sentence.encode() + b"\n")
             proc.stdin.flush()
-            assert read_line(proc.stdout, DEADLINE).decode() == \
-                alone.translate([sentence])[0] + "\n"
+            assert read_line(proc.stdout, DEADLINE).decode() == alone.translate([sentence])[0] + "\n"
         proc.stdin.close()
         assert proc.wait(DEADLINE) == 0 and proc.stdout.read() == b""
     finally:
@@ -189,11 +231,14 @@ def test_a_line_into_an_open_pipe_is_answered_before_more_input(package):
 
 # -- nmt serve ---------------------------------------------------------------------------------
 
+
 class Server:
     def __init__(self, model: Path, *options: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nmt_cli", "serve", "--model", str(model), "--port", "0",
-             *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [sys.executable, "-m", "nmt_cli", "serve", "--model", str(model), "--port", "0", *options],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         line = read_line(self.proc.stderr, DEADLINE).decode()
         found = re.search(r"http://[\d.]+:(\d+)", line)
         assert found, line
@@ -228,8 +273,10 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
     expected = Translator(from_dir(package), TranslateConfig()).translate(sources)
     server = Server(package, "--max-wait-ms", "20")
     try:
-        assert server.get("/health") == (200, {"status": "ok", "model": str(package),
-                                               "engine": "nmt", "queued": 0})
+        assert server.get("/health") == (
+            200,
+            {"status": "ok", "model": str(package), "engine": "nmt", "queued": 0},
+        )
         answers: dict[int, tuple] = {}
 
         def client(i: int) -> None:  # requests of 1 to 6 sentences, 12 at once
@@ -257,14 +304,19 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
     server = Server(package, "--max-queue", "4")
     try:
         refused = [
-            (b"{not json", 400), (b'{"text": "one string"}', 400), (b'{"text": [1, 2]}', 400),
-            (b'{"text": []}', 400), (b'[]', 400), (b'{"text": ["a"], "beam": 0}', 400),
-            (b'{"text": ["a"], "beam": 2, "nbest": 3}', 400), (b'{"txt": ["a"]}', 400),
+            (b"{not json", 400),
+            (b'{"text": "one string"}', 400),
+            (b'{"text": [1, 2]}', 400),
+            (b'{"text": []}', 400),
+            (b"[]", 400),
+            (b'{"text": ["a"], "beam": 0}', 400),
+            (b'{"text": ["a"], "beam": 2, "nbest": 3}', 400),
+            (b'{"txt": ["a"]}', 400),
             (b'{"text": ["\xff\xfe"]}', 400),
             (json.dumps({"text": [" ".join(["word"] * 10_000)]}).encode(), 400),
             (json.dumps({"text": ["x" * 100] * 300}).encode(), 413),
             (json.dumps({"text": ["y" * 1000] * 2000}).encode(), 413),  # 2 MB body
-            (json.dumps({"text": ["a"] * 5}).encode(), 503),            # past --max-queue 4
+            (json.dumps({"text": ["a"] * 5}).encode(), 503),  # past --max-queue 4
         ]
         for body, status in refused:
             got, answer, headers = server.post(body)

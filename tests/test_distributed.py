@@ -24,6 +24,7 @@ def _metrics(run_dir):
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nmt):
     import shutil
+
     single = tmp_path / "single"
     shutil.copytree(run_copy, single)
     common = [*TINY, *NO_DROPOUT, "--max-steps", "20", "--save-every", "20", "--eval-every", "100"]
@@ -74,9 +75,25 @@ def _rank_of(pid: int) -> int | None:
 
 @pytest.mark.slow
 def test_a_dead_rank_stops_the_job_and_the_rerun_resumes(run_copy):
-    cmd = [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_copy), *TINY,
-           "--max-steps", "100000", "--save-every", "5", "--eval-every", "1000",
-           "--procs", "2", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nmt_cli",
+        "train",
+        "--run-dir",
+        str(run_copy),
+        *TINY,
+        "--max-steps",
+        "100000",
+        "--save-every",
+        "5",
+        "--eval-every",
+        "1000",
+        "--procs",
+        "2",
+        "--device",
+        "cpu",
+    ]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     first = run_copy / "checkpoints" / "checkpoint_00000005.json"
     deadline = time.monotonic() + 180
@@ -94,20 +111,44 @@ def test_a_dead_rank_stops_the_job_and_the_rerun_resumes(run_copy):
     assert len(errors) == 1 and "rank 1" in errors[0] and "resume" in errors[0]
     last = checkpoint.listed(run_copy / "checkpoints")[-1]
     step = json.loads(last.with_suffix(".json").read_text())["step"]
-    rerun = subprocess.run(cmd[:cmd.index("100000")] + [str(step + 2)] + cmd[cmd.index("100000") + 1:],
-                           capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(
+        cmd[: cmd.index("100000")] + [str(step + 2)] + cmd[cmd.index("100000") + 1 :],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rerun.returncode == 0, rerun.stderr
     assert f"resuming from step {step}" in rerun.stderr
-    assert json.loads(checkpoint.listed(run_copy / "checkpoints")[-1]
-                      .with_suffix(".json").read_text())["step"] == step + 2
+    assert (
+        json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json").read_text())["step"]
+        == step + 2
+    )
 
 
 @pytest.mark.slow
 def test_max_restarts_restarts_a_dead_rank_and_training_finishes(run_copy):
     steps = 300  # far more than the 5 before the kill; about a minute and a half on 2 cores
-    cmd = [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_copy), *TINY,
-           "--max-steps", str(steps), "--save-every", "5", "--eval-every", "1000",
-           "--procs", "2", "--device", "cpu", "--max-restarts", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nmt_cli",
+        "train",
+        "--run-dir",
+        str(run_copy),
+        *TINY,
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        "5",
+        "--eval-every",
+        "1000",
+        "--procs",
+        "2",
+        "--device",
+        "cpu",
+        "--max-restarts",
+        "1",
+    ]
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     first = run_copy / "checkpoints" / "checkpoint_00000005.json"
     deadline = time.monotonic() + 180
@@ -126,14 +167,14 @@ def test_max_restarts_restarts_a_dead_rank_and_training_finishes(run_copy):
 def test_gpus_without_gpus_says_so(run_copy, nmt):
     line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--gpus", "8"))
     assert "--gpus 8 but this machine has 0 GPUs" in line and "--procs N --device cpu" in line
-    line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--procs", "2",
-                              "--device", "cuda"))
+    line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--procs", "2", "--device", "cuda"))
     assert "--gpus" in line
 
 
 @pytest.mark.slow
 def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
     import shutil
+
     other = tmp_path / "uninterrupted"
     shutil.copytree(run_copy, other)
     common = [*TINY, "--save-every", "4", "--eval-every", "100", "--procs", "2", "--device", "cpu"]
@@ -151,11 +192,35 @@ def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
 def test_torchrun_starts_the_same_training(run_copy):
     port = distributed._free_port()
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(port), "--master-addr", "127.0.0.1",
-         "-m", "nmt_cli", "train", "--run-dir", str(run_copy), *TINY, "--max-steps", "4",
-         "--save-every", "4", "--eval-every", "100", "--device", "cpu"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(port),
+            "--master-addr",
+            "127.0.0.1",
+            "-m",
+            "nmt_cli",
+            "train",
+            "--run-dir",
+            str(run_copy),
+            *TINY,
+            "--max-steps",
+            "4",
+            "--save-every",
+            "4",
+            "--eval-every",
+            "100",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     last = checkpoint.listed(run_copy / "checkpoints")[-1]
     meta = json.loads(last.with_suffix(".json").read_text())
@@ -165,8 +230,13 @@ def test_torchrun_starts_the_same_training(run_copy):
 def _in_one_process_group() -> dict[str, str]:
     """The environment of a world of one: this process alone in its process group."""
     port = distributed._free_port()
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "1",
-            "RANK": "0", "LOCAL_RANK": "0"}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+    }
 
 
 def test_host_collectives_take_cpu_tensors_whatever_the_default_backend(monkeypatch):
@@ -205,8 +275,8 @@ def test_compile_wraps_the_ddp_model(monkeypatch):
 
 def test_launch_environments_find_their_gpu(monkeypatch):
     from nmt_cli.errors import NmtError
-    for name in ("WORLD_SIZE", "RANK", *distributed.LOCAL_RANK_VARIABLES, "SLURM_NTASKS",
-                 "SLURM_PROCID"):
+
+    for name in ("WORLD_SIZE", "RANK", *distributed.LOCAL_RANK_VARIABLES, "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     # SLURM, one task per GPU bound with --gpus-per-task: task 3 sees only its own GPU.
     monkeypatch.setenv("SLURM_NTASKS", "4")
@@ -235,6 +305,7 @@ def test_launch_environments_find_their_gpu(monkeypatch):
 
 def test_the_launcher_reports_the_worker_that_started_it():
     from nmt_cli.engine.distributed import LOST_CONTACT, WORKER_ERROR, root_cause
+
     own = WORKER_ERROR + "out of memory on cuda:1 at step 9: lower --max-tokens"
     lost = WORKER_ERROR + LOST_CONTACT + " at step 8 (Connection reset by peer)"
     # Rank 0 lost contact first (in the same second), rank 1 ran out of memory: rank 1 it is.
@@ -253,11 +324,30 @@ def _two_nodes(node_dirs, extra):
     """`nmt train` on two 'nodes' of one CPU worker each (this machine twice): node 0 and
     node 1 each run their own launcher, as on a cluster."""
     port = distributed._free_port()
-    common = [*TINY, "--save-every", "3", "--eval-every", "100", "--device", "cpu",
-              "--procs", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
-    procs = [subprocess.Popen([sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(d),
-                               *common, "--node-rank", str(i)], stderr=subprocess.PIPE, text=True)
-             for i, d in enumerate(node_dirs)]
+    common = [
+        *TINY,
+        "--save-every",
+        "3",
+        "--eval-every",
+        "100",
+        "--device",
+        "cpu",
+        "--procs",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        *extra,
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(d), *common, "--node-rank", str(i)],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, d in enumerate(node_dirs)
+    ]
     return [(p.wait(timeout=180), p.stderr.read()) for p in procs]
 
 
@@ -265,14 +355,14 @@ def _two_nodes(node_dirs, extra):
 def test_nodes_share_one_run_directory(run_copy):
     done = _two_nodes([run_copy, run_copy], ["--max-steps", "6"])
     assert [code for code, _ in done] == [0, 0], done
-    meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json")
-                      .read_text())
+    meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json").read_text())
     assert meta["step"] == 6 and meta["world"] == 2
 
 
 @pytest.mark.slow
 def test_nodes_that_would_resume_apart_stop_with_one_error(run_copy, tmp_path):
     import shutil
+
     fresh = tmp_path / "node1"  # a node-local run directory without node 0's checkpoints
     shutil.copytree(run_copy, fresh)
     done = _two_nodes([run_copy, run_copy], ["--max-steps", "3"])

@@ -18,8 +18,7 @@ from nmt_cli.engine import checkpoint, trainer
 from nmt_cli.engine.data import on_device
 from nmt_cli.rundir import RunDir
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CUDA = ["--device", "cuda"]
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
@@ -35,8 +34,20 @@ def _last(run_dir):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_train_save_and_resume(run_copy, nmt, precision):
-    common = [*TINY, *CUDA, "--precision", precision, "--save-every", "10", "--eval-every",
-              "10", "--warmup", "10", "--lr-scale", "4"]
+    common = [
+        *TINY,
+        *CUDA,
+        "--precision",
+        precision,
+        "--save-every",
+        "10",
+        "--eval-every",
+        "10",
+        "--warmup",
+        "10",
+        "--lr-scale",
+        "4",
+    ]
     first = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "20")
     assert first.code == 0, first.err
     second = nmt("train", "--run-dir", run_copy, *common, "--max-steps", "40")
@@ -55,21 +66,22 @@ def test_train_save_and_resume(run_copy, nmt, precision):
 def test_train_step_never_waits_for_the_gpu(run_copy):
     """The hot path queues work only: a synchronising CUDA call raises here."""
     from nmt_cli.config import TrainConfig
+
     for precision in ("bf16", "fp16"):
-        config = TrainConfig(size="tiny", max_tokens=1024, device="cuda", precision=precision,
-                             update_freq=2)
+        config = TrainConfig(size="tiny", max_tokens=1024, device="cuda", precision=precision, update_freq=2)
         t = trainer.Trainer(config, RunDir(run_copy), trainer._Quiet())
-        groups = [t.epoch_batches(0)[i:i + 2] for i in range(0, 8, 2)]
+        groups = [t.epoch_batches(0)[i : i + 2] for i in range(0, 8, 2)]
         updates = list(on_device(t.train_data, groups, t.device))
         assert updates[0][0].src.is_cuda
-        step = dict(label_smoothing=0.1, clip_norm=1.0, lr=1e-4, autocast=t.autocast,
-                    group=t.dist)
+        step = dict(label_smoothing=0.1, clip_norm=1.0, lr=1e-4, autocast=t.autocast, group=t.dist)
         trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, updates[0], **step)
         torch.cuda.synchronize()  # the first step initialises cuBLAS and the scaler
         torch.cuda.set_sync_debug_mode("error")
         try:
-            figures = [trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches,
-                                          **step) for batches in updates[1:]]
+            figures = [
+                trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches, **step)
+                for batches in updates[1:]
+            ]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         rows = torch.stack(figures).tolist()
@@ -89,8 +101,20 @@ def test_the_gpus_launcher_writes_checkpoints(run_copy, nmt):
 
 
 def test_compile_on_cuda(run_copy, nmt):
-    result = nmt("train", "--run-dir", run_copy, *TINY, *CUDA, "--compile", "--max-steps", "20",
-                 "--save-every", "20", "--eval-every", "20")
+    result = nmt(
+        "train",
+        "--run-dir",
+        run_copy,
+        *TINY,
+        *CUDA,
+        "--compile",
+        "--max-steps",
+        "20",
+        "--save-every",
+        "20",
+        "--eval-every",
+        "20",
+    )
     assert result.code == 0, result.err
     assert _last(run_copy)[1]["step"] == 20
 
@@ -100,18 +124,36 @@ def trained_on_cpu(tmp_path_factory, multi30k_bpe):
     """The tiny model trained a little on the CPU, so CPU and GPU decode the same weights."""
     run_dir = tmp_path_factory.mktemp("gpu-decode") / "run"
     shutil.copytree(multi30k_bpe, run_dir)
-    run_ok(["train", "--run-dir", run_dir, *TINY, "--device", "cpu", "--max-steps", "200",
-            "--save-every", "200", "--eval-every", "1000", "--warmup", "50", "--lr-scale", "4"])
+    run_ok(
+        [
+            "train",
+            "--run-dir",
+            run_dir,
+            *TINY,
+            "--device",
+            "cpu",
+            "--max-steps",
+            "200",
+            "--save-every",
+            "200",
+            "--eval-every",
+            "1000",
+            "--warmup",
+            "50",
+            "--lr-scale",
+            "4",
+        ]
+    )
     return run_dir
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
     import gzip
+
     lines = gzip.open(multi30k_dir / "test_2016_flickr.en.gz", "rt").read().splitlines()[:200]
     stdin = ("\n".join(lines[:100] + ["", "   "] + lines[100:]) + "\n").encode()
-    gpu = nmt("translate", "--run-dir", trained_on_cpu, *CUDA, "--precision", precision,
-              stdin=stdin)
+    gpu = nmt("translate", "--run-dir", trained_on_cpu, *CUDA, "--precision", precision, stdin=stdin)
     assert gpu.code == 0, gpu.err
     out = gpu.out.split("\n")[:-1]
     assert len(out) == 202 and out[100] == out[101] == ""
@@ -125,6 +167,7 @@ def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
     from nmt_cli.package import from_run
     from nmt_cli.rundir import RunDir
     from nmt_cli.translate import load_model
+
     path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
     model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda"), "fp32")
     src = torch.randint(4, 1000, (16, 12), device="cuda")
@@ -147,8 +190,18 @@ def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
 def test_two_gpus_equal_one_with_update_freq_two(run_copy, tmp_path, nmt):
     single = tmp_path / "single"
     shutil.copytree(run_copy, single)
-    common = [*TINY, *NO_DROPOUT, "--precision", "fp32", "--max-steps", "20",
-              "--save-every", "20", "--eval-every", "20"]
+    common = [
+        *TINY,
+        *NO_DROPOUT,
+        "--precision",
+        "fp32",
+        "--max-steps",
+        "20",
+        "--save-every",
+        "20",
+        "--eval-every",
+        "20",
+    ]
     assert nmt("train", "--run-dir", single, *common, *CUDA, "--update-freq", "2").code == 0
     result = nmt("train", "--run-dir", run_copy, *common, "--gpus", "2")
     assert result.code == 0, result.err
@@ -157,6 +210,5 @@ def test_two_gpus_equal_one_with_update_freq_two(run_copy, tmp_path, nmt):
     assert meta["world"] == 2
     for name in a["model"]:
         assert torch.allclose(a["model"][name], b["model"][name], rtol=1e-3, atol=1e-4), name
-    valid = [[r["valid_nll"] for r in _metrics(d) if r["kind"] == "valid"]
-             for d in (single, run_copy)]
+    valid = [[r["valid_nll"] for r in _metrics(d) if r["kind"] == "valid"] for d in (single, run_copy)]
     assert valid[0][-1] == pytest.approx(valid[1][-1], abs=1e-3)

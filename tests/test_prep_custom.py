@@ -24,8 +24,7 @@ def corpus(tmp_path):
 
 def test_custom_with_holdout_validation(corpus, tmp_path, nmt):
     run = RunDir(tmp_path / "run")
-    result = nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1],
-                 "--run-dir", run.root)
+    result = nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1], "--run-dir", run.root)
     assert result.code == 0, result.err
     assert f"next: nmt bpe --run-dir {run.root}" in result.err  # a step names the next one
     splits = run.load_manifest()["prep"]["splits"]
@@ -41,50 +40,90 @@ def test_gzip_input_and_invalid_utf8_are_handled(tmp_path, nmt):
         f.write(b"caf\xe9 au lait\r\nplain line\n")  # Latin-1 byte, CRLF
     tgt = write(tmp_path / "a.de", ["Kaffee mit Milch", "einfache Zeile"], newline=False)
     run = RunDir(tmp_path / "run")
-    result = nmt("prep", "custom", "--train-src", src, "--train-tgt", tgt, "--valid-src", src,
-                 "--valid-tgt", tgt, "--run-dir", run.root)
+    result = nmt(
+        "prep",
+        "custom",
+        "--train-src",
+        src,
+        "--train-tgt",
+        tgt,
+        "--valid-src",
+        src,
+        "--valid-tgt",
+        tgt,
+        "--run-dir",
+        run.root,
+    )
     assert result.code == 0, result.err
     assert "not UTF-8" in result.err and "replaced" in result.err
-    assert run.text("train", "en").read_text(encoding="utf-8").splitlines() == \
-        ["caf\ufffd au lait", "plain line"]
+    assert run.text("train", "en").read_text(encoding="utf-8").splitlines() == [
+        "caf\ufffd au lait",
+        "plain line",
+    ]
     assert run.load_manifest()["prep"]["splits"]["train"]["not_utf8"] == 1
 
 
 def test_different_line_counts_name_both_files(corpus, tmp_path, nmt):
     short = write(tmp_path / "short.de", ["eins", "zwei"])
-    line = one_error_line(nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short,
-                              "--run-dir", tmp_path / "run"))
+    line = one_error_line(
+        nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short, "--run-dir", tmp_path / "run")
+    )
     assert str(corpus[0]) in line and "500 lines" in line
     assert str(short) in line and "has 2" in line
 
 
 def test_failed_prep_loses_nothing(corpus, tmp_path, nmt):
     run = RunDir(tmp_path / "run")
-    assert nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1],
-               "--run-dir", run.root).code == 0
+    assert (
+        nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", corpus[1], "--run-dir", run.root).code
+        == 0
+    )
     before = (run.text("train", "en").read_bytes(), run.manifest_path.read_bytes())
     short = write(tmp_path / "short.de", ["eins"])
-    assert nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short,
-               "--run-dir", run.root).code == 1
+    assert (
+        nmt("prep", "custom", "--train-src", corpus[0], "--train-tgt", short, "--run-dir", run.root).code == 1
+    )
     assert (run.text("train", "en").read_bytes(), run.manifest_path.read_bytes()) == before
     config = run.config_path("prep").read_bytes()
-    assert nmt("prep", "custom", "--train-src", tmp_path / "missing", "--train-tgt", corpus[1],
-               "--run-dir", run.root).code == 1
+    assert (
+        nmt(
+            "prep",
+            "custom",
+            "--train-src",
+            tmp_path / "missing",
+            "--train-tgt",
+            corpus[1],
+            "--run-dir",
+            run.root,
+        ).code
+        == 1
+    )
     assert run.config_path("prep").read_bytes() == config  # a refused run changes nothing
     assert not [p for p in (run.root / "text").iterdir() if p.name.startswith(".")]
 
 
 def test_missing_file(tmp_path, corpus, nmt):
-    line = one_error_line(nmt("prep", "custom", "--train-src", tmp_path / "nope.en",
-                              "--train-tgt", corpus[1], "--run-dir", tmp_path / "run"))
+    line = one_error_line(
+        nmt(
+            "prep",
+            "custom",
+            "--train-src",
+            tmp_path / "nope.en",
+            "--train-tgt",
+            corpus[1],
+            "--run-dir",
+            tmp_path / "run",
+        )
+    )
     assert "nope.en" in line and "not found" in line
 
 
 def test_empty_after_cleaning(tmp_path, nmt):
     src = write(tmp_path / "e.en", ["", "  ", "x"])
     tgt = write(tmp_path / "e.de", ["a", "b", ""])
-    line = one_error_line(nmt("prep", "custom", "--train-src", src, "--train-tgt", tgt,
-                              "--run-dir", tmp_path / "run"))
+    line = one_error_line(
+        nmt("prep", "custom", "--train-src", src, "--train-tgt", tgt, "--run-dir", tmp_path / "run")
+    )
     assert "no pairs left in train" in line and "3 empty" in line
 
 
@@ -118,23 +157,32 @@ def test_seen_pairs_across_flushes():
 # The Universal Declaration of Human Rights, article 1, in its official translations, and one
 # more sentence of it (article 3); the pairs a length filter by spaces would throw away.
 UDHR = {
-    "en": ["All human beings are born free and equal in dignity and rights. They are endowed "
-           "with reason and conscience and should act towards one another in a spirit of "
-           "brotherhood.",
-           "Everyone has the right to life, liberty and security of person."],
-    "zh": ["人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。",
-           "人人有权享有生命、自由和人身安全。"],
-    "ja": ["すべての人間は、生まれながらにして自由であり、かつ、尊厳と権利とについて平等である。"
-           "人間は、理性と良心とを授けられており、互いに同胞の精神をもって行動しなければならない。",
-           "すべて人は、生命、自由及び身体の安全に対する権利を有する。"],
-    "th": ["มนุษย์ทั้งหลายเกิดมามีอิสระและเสมอภาคกันในเกียรติศักดิ์และสิทธิ ต่างมีเหตุผลและมโนธรรม "
-           "และควรปฏิบัติต่อกันด้วยเจตนารมณ์แห่งภราดรภาพ",
-           "บุคคลมีสิทธิในการดำเนินชีวิต ในเสรีภาพและในความมั่นคงแห่งร่างกาย"],
+    "en": [
+        "All human beings are born free and equal in dignity and rights. They are endowed "
+        "with reason and conscience and should act towards one another in a spirit of "
+        "brotherhood.",
+        "Everyone has the right to life, liberty and security of person.",
+    ],
+    "zh": [
+        "人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。",
+        "人人有权享有生命、自由和人身安全。",
+    ],
+    "ja": [
+        "すべての人間は、生まれながらにして自由であり、かつ、尊厳と権利とについて平等である。"
+        "人間は、理性と良心とを授けられており、互いに同胞の精神をもって行動しなければならない。",
+        "すべて人は、生命、自由及び身体の安全に対する権利を有する。",
+    ],
+    "th": [
+        "มนุษย์ทั้งหลายเกิดมามีอิสระและเสมอภาคกันในเกียรติศักดิ์และสิทธิ ต่างมีเหตุผลและมโนธรรม "
+        "และควรปฏิบัติต่อกันด้วยเจตนารมณ์แห่งภราดรภาพ",
+        "บุคคลมีสิทธิในการดำเนินชีวิต ในเสรีภาพและในความมั่นคงแห่งร่างกาย",
+    ],
 }
 
 
 def test_the_length_filter_keeps_translations_into_scripts_without_spaces(tmp_path, nmt):
     from nmt_cli.prep import length
+
     for lang in ("zh", "ja", "th"):
         for en, other in zip(UDHR["en"], UDHR[lang]):
             assert len(en.split()) > 4 * len(other.split())  # what counting spaces would see
@@ -142,9 +190,24 @@ def test_the_length_filter_keeps_translations_into_scripts_without_spaces(tmp_pa
         src = write(tmp_path / f"u.{lang}.en", UDHR["en"] * 3)
         tgt = write(tmp_path / f"u.{lang}", UDHR[lang] * 3)
         run = RunDir(tmp_path / lang)
-        result = nmt("prep", "custom", "--src", "en", "--tgt", lang, "--train-src", src,
-                     "--train-tgt", tgt, "--valid-src", src, "--valid-tgt", tgt,
-                     "--run-dir", run.root)
+        result = nmt(
+            "prep",
+            "custom",
+            "--src",
+            "en",
+            "--tgt",
+            lang,
+            "--train-src",
+            src,
+            "--train-tgt",
+            tgt,
+            "--valid-src",
+            src,
+            "--valid-tgt",
+            tgt,
+            "--run-dir",
+            run.root,
+        )
         assert result.code == 0, result.err
         train = run.load_manifest()["prep"]["splits"]["train"]
         assert train["kept"] == 2 and train["dropped"] == {"duplicate": 4}, train

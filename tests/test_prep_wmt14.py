@@ -18,11 +18,14 @@ def pinned_to(folder):
     sums = wmt14_mirror.checksums(folder)
 
     def repin(part):
-        return dataclasses.replace(part, source=dataclasses.replace(
-            part.source, sha256=sums[part.source.name], size=None))
+        return dataclasses.replace(
+            part, source=dataclasses.replace(part.source, sha256=sums[part.source.name], size=None)
+        )
 
-    return {split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
-            for split, corpora in prep.WMT14_EN_DE.items()}
+    return {
+        split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
+        for split, corpora in prep.WMT14_EN_DE.items()
+    }
 
 
 @pytest.fixture
@@ -60,8 +63,12 @@ def test_wmt14_recipe_end_to_end(mirror, tmp_path, nmt):
 def test_de_en_direction(mirror, tmp_path, nmt):
     folder, _ = mirror
     run = RunDir(tmp_path / "run")
-    assert nmt("prep", "wmt14-en-de", "--src", "de", "--tgt", "en", "--run-dir", run.root,
-               "--mirror", folder).code == 0
+    assert (
+        nmt(
+            "prep", "wmt14-en-de", "--src", "de", "--tgt", "en", "--run-dir", run.root, "--mirror", folder
+        ).code
+        == 0
+    )
     assert run.load_manifest()["prep"]["src"] == "de"
     assert run.text("test", "de").exists() and run.text("test", "en").exists()
 
@@ -70,8 +77,7 @@ def test_pinned_checksums_refuse_foreign_archives(tmp_path, monkeypatch, nmt):
     folder = tmp_path / "mirror"
     wmt14_mirror.build(folder)
     before = wmt14_mirror.checksums(folder)
-    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run",
-                              "--mirror", folder))
+    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "checksum mismatch" in line and "training-parallel-europarl-v7.tgz" in line
     assert wmt14_mirror.checksums(folder) == before  # the mirror is never touched
     assert not (tmp_path / "run" / "text").exists()
@@ -96,13 +102,16 @@ def _symlink(name, target):
     return info
 
 
-@pytest.mark.parametrize("member,what", [
-    (tarfile.TarInfo("../evil.txt"), "climbs out"),
-    (tarfile.TarInfo("training/../../evil.txt"), "climbs out"),
-    (tarfile.TarInfo("/tmp/evil.txt"), "absolute"),
-    (_symlink("training/link", "../../outside"), "pointing outside"),
-    (_symlink("training/link", "/etc/passwd"), "pointing outside"),
-])
+@pytest.mark.parametrize(
+    "member,what",
+    [
+        (tarfile.TarInfo("../evil.txt"), "climbs out"),
+        (tarfile.TarInfo("training/../../evil.txt"), "climbs out"),
+        (tarfile.TarInfo("/tmp/evil.txt"), "absolute"),
+        (_symlink("training/link", "../../outside"), "pointing outside"),
+        (_symlink("training/link", "/etc/passwd"), "pointing outside"),
+    ],
+)
 def test_hostile_archive_members_are_refused(tmp_path, member, what):
     archive = tmp_path / "training-parallel-europarl-v7.tgz"
     _tar_with(archive, member)
@@ -117,8 +126,7 @@ def test_hostile_archive_is_refused_through_prep(mirror, tmp_path, monkeypatch, 
     folder, _ = mirror
     _tar_with(folder / "training-parallel-europarl-v7.tgz", tarfile.TarInfo("../evil.txt"))
     monkeypatch.setattr(prep, "WMT14_EN_DE", pinned_to(folder))
-    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run",
-                              "--mirror", folder))
+    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "refusing" in line and "'../evil.txt'" in line
     assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "run" / "evil.txt").exists()
 
@@ -128,14 +136,12 @@ def test_truncated_archive_is_a_clear_error(mirror, tmp_path, monkeypatch, nmt):
     archive = folder / "training-parallel-commoncrawl.tgz"
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
     monkeypatch.setattr(prep, "WMT14_EN_DE", pinned_to(folder))  # as if pinned so
-    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run",
-                              "--mirror", folder))
+    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "training-parallel-commoncrawl.tgz is truncated or corrupt" in line
 
 
 def test_missing_mirror_file(mirror, tmp_path, nmt):
     folder, _ = mirror
     (folder / "dev.tgz").unlink()
-    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run",
-                              "--mirror", folder))
+    line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "dev.tgz not found in mirror" in line

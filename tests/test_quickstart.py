@@ -19,12 +19,32 @@ def quickstarted(tmp_path_factory, multi30k_dir):
     import io
 
     from nmt_cli.cli import main
+
     run_dir = tmp_path_factory.mktemp("qs") / "run"
     err = io.StringIO()
     with pytest.raises(SystemExit) as done, contextlib.redirect_stderr(err):
-        main(["quickstart", "--run-dir", str(run_dir), "--mirror", str(MULTI30K), "--minutes", "5",
-              *TINY, "--max-steps", "30", "--eval-every", "15", "--save-every", "10",
-              "--warmup", "10", "--lr-scale", "4"])
+        main(
+            [
+                "quickstart",
+                "--run-dir",
+                str(run_dir),
+                "--mirror",
+                str(MULTI30K),
+                "--minutes",
+                "5",
+                *TINY,
+                "--max-steps",
+                "30",
+                "--eval-every",
+                "15",
+                "--save-every",
+                "10",
+                "--warmup",
+                "10",
+                "--lr-scale",
+                "4",
+            ]
+        )
     assert done.value.code == 0, err.getvalue()
     assert "next: nmt" not in err.getvalue()  # the pipeline runs the next step itself
     return run_dir
@@ -38,8 +58,11 @@ def test_quickstart_runs_every_step_and_reports(quickstarted, nmt):
     train = json.loads((run / "train.json").read_text())
     assert train["eval_bleu"] and train["d_model"] == 16  # the recipe, overridden by the user
     averaged = json.loads((run / "averaged.json").read_text())
-    assert averaged["averaged"] == ["checkpoint_00000010.pt", "checkpoint_00000020.pt",
-                                    "checkpoint_00000030.pt"]
+    assert averaged["averaged"] == [
+        "checkpoint_00000010.pt",
+        "checkpoint_00000020.pt",
+        "checkpoint_00000030.pt",
+    ]
     scores = json.loads((run / "scores" / "test.json").read_text())
     assert [s["metric"] for s in scores["scores"]] == ["bleu", "chrf"]
     assert scores["lines"] == 1000
@@ -52,8 +75,22 @@ def test_quickstart_rerun_resumes_and_reports_on_stderr_only(tmp_path, nmt, quic
     run = tmp_path / "run"
     shutil.copytree(quickstarted, run)
     spm_before = (run / "bpe" / "spm.model").read_bytes()
-    result = nmt("quickstart", "--run-dir", run, "--mirror", MULTI30K, "--minutes", "5", *TINY,
-                 "--max-steps", "30", "--eval-every", "15", "--save-every", "10")
+    result = nmt(
+        "quickstart",
+        "--run-dir",
+        run,
+        "--mirror",
+        MULTI30K,
+        "--minutes",
+        "5",
+        *TINY,
+        "--max-steps",
+        "30",
+        "--eval-every",
+        "15",
+        "--save-every",
+        "10",
+    )
     assert result.code == 0, result.err
     assert result.out == ""
     assert "nmt quickstart: Multi30k test2016" in result.err
@@ -83,13 +120,20 @@ def test_logged_validation_bleu_is_the_greedy_translation_score(quickstarted, nm
     logged = valid[-1]["valid_bleu"]
     assert 0.0 <= logged <= 100.0
     source = (run / "text" / "valid.raw.en").read_bytes()
-    translated = nmt("translate", "--run-dir", run, "--beam", "1", "--checkpoint",
-                     run / "checkpoints" / "checkpoint_00000030.pt", stdin=source)
+    translated = nmt(
+        "translate",
+        "--run-dir",
+        run,
+        "--beam",
+        "1",
+        "--checkpoint",
+        run / "checkpoints" / "checkpoint_00000030.pt",
+        stdin=source,
+    )
     assert translated.code == 0, translated.err
     hyp = run / "valid.hyp"
     hyp.write_text(translated.out, encoding="utf-8")
-    scored = nmt("score", "--hyp", hyp, "--ref", run / "text" / "valid.raw.de", "--metrics",
-                 "bleu", "--json")
+    scored = nmt("score", "--hyp", hyp, "--ref", run / "text" / "valid.raw.de", "--metrics", "bleu", "--json")
     assert json.loads(scored.out)["scores"][0]["score"] == pytest.approx(logged, abs=1e-6)
 
 
@@ -100,8 +144,9 @@ def test_quickstart_refuses_a_budget_too_short(nmt, tmp_path):
 
 
 def test_quickstart_passes_unknown_options_to_train_which_rejects_them(nmt, tmp_path):
-    line = one_error_line(nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", MULTI30K,
-                              "--no-such-option", "3"))
+    line = one_error_line(
+        nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", MULTI30K, "--no-such-option", "3")
+    )
     assert "--no-such-option" in line
 
 

@@ -22,9 +22,25 @@ STEPS = 150
 
 
 def _cmd(run_dir):
-    return [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_dir), *TINY,
-            "--max-steps", str(STEPS), "--save-every", "1", "--keep-last", "3",
-            "--eval-every", "8", "--seed", "5"]
+    return [
+        sys.executable,
+        "-m",
+        "nmt_cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "--max-steps",
+        str(STEPS),
+        "--save-every",
+        "1",
+        "--keep-last",
+        "3",
+        "--eval-every",
+        "8",
+        "--seed",
+        "5",
+    ]
 
 
 def _newest_step(run_dir) -> int:
@@ -57,8 +73,7 @@ def test_twenty_random_kills_lose_nothing(run_copy, tmp_path):
         target = _newest_step(run_copy) + rng.randint(1, 6)
         proc = subprocess.Popen(_cmd(run_copy), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
-        while (_newest_step(run_copy) < target and proc.poll() is None
-               and time.monotonic() < deadline):
+        while _newest_step(run_copy) < target and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.03))
         if proc.poll() is not None:
@@ -117,8 +132,20 @@ def test_disk_failure_while_checkpointing_keeps_the_previous_one(run_copy, nmt, 
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "6",
-                              "--save-every", "2", "--eval-every", "100"))
+    line = one_error_line(
+        nmt(
+            "train",
+            "--run-dir",
+            run_copy,
+            *TINY,
+            "--max-steps",
+            "6",
+            "--save-every",
+            "2",
+            "--eval-every",
+            "100",
+        )
+    )
     assert "could not write checkpoint" in line and "No space left" in line
     assert "previous checkpoints are intact" in line
     saved = checkpoint.listed(run_copy / "checkpoints")
@@ -132,15 +159,58 @@ def test_disk_failure_while_checkpointing_keeps_the_previous_one(run_copy, nmt, 
 
 BAD_INPUTS = [
     # (arguments, stdin, what the one error line must say)
-    (["prep", "custom", "--train-src", "{tmp}/none.en", "--train-tgt", "{tmp}/b.de",
-      "--run-dir", "{tmp}/r"], b"", "not found"),
-    (["prep", "custom", "--train-src", "{tmp}/a.en", "--train-tgt", "{tmp}/b.de",
-      "--run-dir", "{tmp}/r"], b"", "has 3 lines but"),
-    (["prep", "custom", "--train-src", "{tmp}/empty", "--train-tgt", "{tmp}/empty",
-      "--run-dir", "{tmp}/r"], b"", "no pairs left"),
+    (
+        [
+            "prep",
+            "custom",
+            "--train-src",
+            "{tmp}/none.en",
+            "--train-tgt",
+            "{tmp}/b.de",
+            "--run-dir",
+            "{tmp}/r",
+        ],
+        b"",
+        "not found",
+    ),
+    (
+        ["prep", "custom", "--train-src", "{tmp}/a.en", "--train-tgt", "{tmp}/b.de", "--run-dir", "{tmp}/r"],
+        b"",
+        "has 3 lines but",
+    ),
+    (
+        [
+            "prep",
+            "custom",
+            "--train-src",
+            "{tmp}/empty",
+            "--train-tgt",
+            "{tmp}/empty",
+            "--run-dir",
+            "{tmp}/r",
+        ],
+        b"",
+        "no pairs left",
+    ),
     (["prep", "custom", "--train-src", "{tmp}/a.en", "--run-dir", "{tmp}/r"], b"", "--train-tgt"),
-    (["prep", "custom", "--train-src", "{tmp}/a.en", "--train-tgt", "{tmp}/a.en", "--src", "en",
-      "--tgt", "en", "--run-dir", "{tmp}/r"], b"", "both 'en'"),
+    (
+        [
+            "prep",
+            "custom",
+            "--train-src",
+            "{tmp}/a.en",
+            "--train-tgt",
+            "{tmp}/a.en",
+            "--src",
+            "en",
+            "--tgt",
+            "en",
+            "--run-dir",
+            "{tmp}/r",
+        ],
+        b"",
+        "both 'en'",
+    ),
     (["prep", "wmt14-en-de", "--mirror", "{tmp}/nowhere", "--run-dir", "{tmp}/r"], b"", "mirror folder"),
     (["prep", "multi30k-en-de", "--max-ratio", "0.5", "--run-dir", "{tmp}/r"], b"", "--max-ratio"),
     (["prep", "nonsense", "--run-dir", "{tmp}/r"], b"", "Invalid value"),
@@ -154,22 +224,37 @@ BAD_INPUTS = [
     (["train", "--run-dir", "{run}", "--precision", "fp8"], b"", "--precision"),
     (["train", "--run-dir", "{run}", "--gpus", "8"], b"", "GPUs"),
     (["train", "--run-dir", "{run}", "--d-model", "30", "--heads", "4"], b"", "divisible"),
-    (["train", "--run-dir", "{trained}", "--d-model", "32", "--heads", "2", "--ffn", "32"], b"",
-     "another model shape"),
+    (
+        ["train", "--run-dir", "{trained}", "--d-model", "32", "--heads", "2", "--ffn", "32"],
+        b"",
+        "another model shape",
+    ),
     (["average", "--run-dir", "{run}"], b"", "no checkpoints"),
     (["average", "--run-dir", "{run}", "--last", "0"], b"", "--last"),
     (["translate", "--run-dir", "{run}"], b"x\n", "nmt train"),
     (["translate", "--run-dir", "{trained}", "--beam", "0"], b"x\n", "--beam"),
     (["translate", "--run-dir", "{trained}", "--checkpoint", "{tmp}/a.en"], b"x\n", "not an nmt model"),
     (["translate", "--run-dir", "{trained}", "--precision", "fp16"], b"x\n", "GPU"),
-    (["score", "--hyp", "{tmp}/a.en", "--ref", "{tmp}/b.de", "--run-dir", "{tmp}/r"], b"",
-     "has 3 lines but"),
+    (["score", "--hyp", "{tmp}/a.en", "--ref", "{tmp}/b.de", "--run-dir", "{tmp}/r"], b"", "has 3 lines but"),
     (["score", "--ref", "{tmp}/none", "--run-dir", "{tmp}/r"], b"", "not found"),
     (["score", "--hyp", "{tmp}/a.en", "--run-dir", "{tmp}/r"], b"", "--ref"),
     (["score", "--run-dir", "{tmp}/norun"], b"", "nmt prep"),
     (["score", "--run-dir", "{trained}", "--split", "dev"], b"", "split 'dev'"),
-    (["score", "--hyp", "{tmp}/a.en", "--ref", "{tmp}/a.en", "--compare", "{tmp}/b.de",
-      "--run-dir", "{tmp}/r"], b"", "has 2 lines but"),
+    (
+        [
+            "score",
+            "--hyp",
+            "{tmp}/a.en",
+            "--ref",
+            "{tmp}/a.en",
+            "--compare",
+            "{tmp}/b.de",
+            "--run-dir",
+            "{tmp}/r",
+        ],
+        b"",
+        "has 2 lines but",
+    ),
 ]
 
 
@@ -181,8 +266,11 @@ def bad_input_world(tmp_path, run_copy, trained):
     return {"tmp": str(tmp_path), "run": str(run_copy), "trained": str(trained)}
 
 
-@pytest.mark.parametrize("args,stdin,expected", BAD_INPUTS,
-                         ids=[" ".join(a[:2]) + f" #{i}" for i, (a, _, _) in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "args,stdin,expected",
+    BAD_INPUTS,
+    ids=[" ".join(a[:2]) + f" #{i}" for i, (a, _, _) in enumerate(BAD_INPUTS)],
+)
 def test_bad_input_gives_one_clear_line(bad_input_world, nmt, args, stdin, expected):
     filled = [a.format(**bad_input_world) for a in args]
     result = nmt(*filled, stdin=stdin)
@@ -190,12 +278,14 @@ def test_bad_input_gives_one_clear_line(bad_input_world, nmt, args, stdin, expec
     assert expected in line, line
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.binary(max_size=300))
 def test_translate_never_loses_a_line(trained, nmt, data):
-    result = nmt("translate", "--run-dir", trained, "--max-len-b", "3", "--beam", "2",
-                 stdin=data)
+    result = nmt("translate", "--run-dir", trained, "--max-len-b", "3", "--beam", "2", stdin=data)
     assert result.code == 0, result.err
     expected = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     assert result.out.count("\n") == expected
@@ -204,8 +294,9 @@ def test_translate_never_loses_a_line(trained, nmt, data):
 
 def test_translate_keeps_order_with_many_lines(trained, nmt):
     lines = [f"{i} dogs." if i % 3 else "" for i in range(120)]
-    result = nmt("translate", "--run-dir", trained, "--max-len-b", "3",
-                 stdin="\n".join(lines).encode() + b"\n")
+    result = nmt(
+        "translate", "--run-dir", trained, "--max-len-b", "3", stdin="\n".join(lines).encode() + b"\n"
+    )
     out = result.out.split("\n")[:-1]
     assert len(out) == 120
     assert all(out[i] == "" for i in range(0, 120, 3))

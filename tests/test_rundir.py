@@ -29,8 +29,12 @@ def test_manifest_records_sha256_and_lines(tmp_path):
     run.record("prep", [out], note=1)
     entry = json.loads(run.manifest_path.read_text())["prep"]
     import hashlib
-    assert entry["files"]["text/x"] == {"bytes": 4, "sha256": hashlib.sha256(b"a\nb\n").hexdigest(),
-                                        "lines": 2}
+
+    assert entry["files"]["text/x"] == {
+        "bytes": 4,
+        "sha256": hashlib.sha256(b"a\nb\n").hexdigest(),
+        "lines": 2,
+    }
     assert entry["note"] == 1
     assert file_stats(out)["lines"] == 2
 
@@ -47,10 +51,16 @@ def test_second_writer_is_refused(tmp_path):
 
 def test_stale_lock_of_a_killed_process_is_taken_over(tmp_path, capfd):
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time\nfrom nmt_cli.rundir import RunDir\n"
-         f"with RunDir({str(tmp_path)!r}).lock('train'):\n    print('held', flush=True)\n"
-         "    time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom nmt_cli.rundir import RunDir\n"
+            f"with RunDir({str(tmp_path)!r}).lock('train'):\n    print('held', flush=True)\n"
+            "    time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(NmtError, match=f"pid {holder.pid}"):
         with RunDir(tmp_path).lock("bpe"):

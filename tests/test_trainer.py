@@ -21,7 +21,7 @@ from nmt_cli.shards import Shard, make_batches, padding_share
 
 def test_learning_rate_schedule():
     d, w = 512, 4000
-    assert learning_rate(w, d, w) == pytest.approx(d ** -0.5 * w ** -0.5)  # the peak
+    assert learning_rate(w, d, w) == pytest.approx(d**-0.5 * w**-0.5)  # the peak
     assert learning_rate(w // 2, d, w) == pytest.approx(learning_rate(w, d, w) / 2)  # linear
     assert learning_rate(4 * w, d, w) == pytest.approx(learning_rate(w, d, w) / 2)  # 1/sqrt
     assert learning_rate(w, d, w, scale=2.0) == pytest.approx(2 * learning_rate(w, d, w))
@@ -41,15 +41,16 @@ def test_label_smoothed_loss_by_hand():
 @pytest.mark.parametrize("epsilon", [0.0, 0.1])
 def test_label_smoothed_loss_gradient_matches_autograd(epsilon):
     import torch.nn.functional as F
+
     torch.manual_seed(0)
     logits = torch.randn(40, 30, requires_grad=True)
     target = torch.randint(0, 30, (40,))
     lprobs = F.log_softmax(logits, -1)
     nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)
     reference = ((1 - epsilon) * nll - epsilon * lprobs.mean(-1)).sum()
-    expected, = torch.autograd.grad(3 * reference + 2 * nll.sum(), logits)
+    (expected,) = torch.autograd.grad(3 * reference + 2 * nll.sum(), logits)
     loss, nll_sum = label_smoothed_loss(logits, target, epsilon)
-    got, = torch.autograd.grad(3 * loss + 2 * nll_sum, logits)
+    (got,) = torch.autograd.grad(3 * loss + 2 * nll_sum, logits)
     assert torch.allclose(loss, reference.detach(), atol=1e-4)
     assert torch.allclose(got, expected, atol=1e-6)
 
@@ -67,8 +68,22 @@ def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
 
 
 def test_training_learns_and_logs(run_copy, nmt):
-    result = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "60", "--eval-every",
-                 "30", "--save-every", "30", "--warmup", "20", "--lr-scale", "4")
+    result = nmt(
+        "train",
+        "--run-dir",
+        run_copy,
+        *TINY,
+        "--max-steps",
+        "60",
+        "--eval-every",
+        "30",
+        "--save-every",
+        "30",
+        "--warmup",
+        "20",
+        "--lr-scale",
+        "4",
+    )
     assert result.code == 0, result.err
     records = [json.loads(x) for x in (run_copy / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -78,17 +93,18 @@ def test_training_learns_and_logs(run_copy, nmt):
     assert valid[1]["valid_nll"] < valid[0]["valid_nll"]
     epoch = [r for r in records if r["kind"] == "epoch"][0]
     assert epoch["padding"] < 0.1
-    assert [p.name for p in checkpoint.listed(run_copy / "checkpoints")] == \
-        ["checkpoint_00000030.pt", "checkpoint_00000060.pt"]
+    assert [p.name for p in checkpoint.listed(run_copy / "checkpoints")] == [
+        "checkpoint_00000030.pt",
+        "checkpoint_00000060.pt",
+    ]
     saved = json.loads((run_copy / "train.json").read_text())
     assert saved["max_steps"] == 60 and saved["d_model"] == 16
     # A plain-text log of the run: what each command said, and the training lines (every 30 s,
     # and the first), whether or not a terminal showed a live display instead.
     log = (run_copy / "log.txt").read_text().splitlines()
     starts = [line for line in log if "=== nmt " in line]
-    assert [line.split("=== ")[1].split(" (")[0] for line in starts] == \
-        ["nmt prep", "nmt bpe", "nmt train"]
-    train_log = log[log.index(starts[-1]):]
+    assert [line.split("=== ")[1].split(" (")[0] for line in starts] == ["nmt prep", "nmt bpe", "nmt train"]
+    train_log = log[log.index(starts[-1]) :]
     assert any(" step 1/60 epoch 1: loss " in line for line in train_log), train_log
     assert any("step 60: valid nll" in line for line in train_log)
     assert any("training stopped: reached --max-steps 60" in line for line in train_log)
@@ -97,8 +113,23 @@ def test_training_learns_and_logs(run_copy, nmt):
 
 
 def _train_cmd(run_dir, steps):
-    return [sys.executable, "-m", "nmt_cli", "train", "--run-dir", str(run_dir), *TINY,
-            "--max-steps", str(steps), "--save-every", "1", "--eval-every", "5", "--seed", "3"]
+    return [
+        sys.executable,
+        "-m",
+        "nmt_cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        "1",
+        "--eval-every",
+        "5",
+        "--seed",
+        "3",
+    ]
 
 
 def _final_weights(run_dir):
@@ -108,12 +139,12 @@ def _final_weights(run_dir):
 
 def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
     import shutil
+
     other = tmp_path / "uninterrupted"
     shutil.copytree(run_copy, other)
     subprocess.run(_train_cmd(other, 16), check=True, capture_output=True)
 
-    proc = subprocess.Popen(_train_cmd(run_copy, 16), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_train_cmd(run_copy, 16), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = run_copy / "checkpoints" / "checkpoint_00000007.json"
     deadline = time.monotonic() + 120
     while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -132,8 +163,9 @@ def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
 
 
 def test_sigterm_saves_and_resumes(run_copy):
-    proc = subprocess.Popen(_train_cmd(run_copy, 100000)[:-6] + ["--save-every", "1000"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train_cmd(run_copy, 100000)[:-6] + ["--save-every", "1000"], stderr=subprocess.PIPE, text=True
+    )
     metrics = run_copy / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (metrics.exists() and '"step": 10' in metrics.read_text()):
@@ -149,11 +181,14 @@ def test_sigterm_saves_and_resumes(run_copy):
 
 
 def test_max_time_counts_the_time_trained_before_a_resume(run_copy, nmt):
-    first = nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "8", "--save-every", "4",
-                "--eval-every", "100")
+    first = nmt(
+        "train", "--run-dir", run_copy, *TINY, "--max-steps", "8", "--save-every", "4", "--eval-every", "100"
+    )
     assert first.code == 0, first.err
-    saved = [json.loads(p.with_suffix(".json").read_text())["state"]["seconds"]
-             for p in checkpoint.listed(run_copy / "checkpoints")]
+    saved = [
+        json.loads(p.with_suffix(".json").read_text())["state"]["seconds"]
+        for p in checkpoint.listed(run_copy / "checkpoints")
+    ]
     assert 0 < saved[0] < saved[1]
     # A budget the first run already spent: the resumed run stops before its first update.
     budget = f"{saved[1] / 60 * 0.99:.6f}"
@@ -187,16 +222,31 @@ def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
     meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json").read_text())
     assert meta["state"]["skipped"] == 2 and meta["step"] == 8
 
-    monkeypatch.setattr(step, "label_smoothed_loss",
-                        lambda logits, target, eps: (real(logits, target, eps)[0] * float("nan"),) * 2)
-    line = one_error_line(nmt("train", "--run-dir", run_copy, "--max-steps", "40",
-                              "--max-bad-steps", "3"))
+    monkeypatch.setattr(
+        step,
+        "label_smoothed_loss",
+        lambda logits, target, eps: (real(logits, target, eps)[0] * float("nan"),) * 2,
+    )
+    line = one_error_line(nmt("train", "--run-dir", run_copy, "--max-steps", "40", "--max-bad-steps", "3"))
     assert "3 updates in a row had non-finite loss" in line
 
 
 def test_average_identity_order_and_shapes(run_copy, nmt):
-    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "6", "--save-every", "2",
-               "--eval-every", "100").code == 0
+    assert (
+        nmt(
+            "train",
+            "--run-dir",
+            run_copy,
+            *TINY,
+            "--max-steps",
+            "6",
+            "--save-every",
+            "2",
+            "--eval-every",
+            "100",
+        ).code
+        == 0
+    )
     folder = run_copy / "checkpoints"
     paths = checkpoint.listed(folder)
     one = checkpoint.load_tensors(paths[-1])[0]["model"]
@@ -219,15 +269,30 @@ def test_average_identity_order_and_shapes(run_copy, nmt):
 
 def test_average_refuses_other_shapes(run_copy, tmp_path, nmt):
     import shutil
+
     other = tmp_path / "other"
     shutil.copytree(run_copy, other)
     assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "2", "--save-every", "2").code == 0
-    assert nmt("train", "--run-dir", other, *TINY[:-2], "--d-model", "32", "--max-tokens", "256",
-               "--max-steps", "2", "--save-every", "2").code == 0
+    assert (
+        nmt(
+            "train",
+            "--run-dir",
+            other,
+            *TINY[:-2],
+            "--d-model",
+            "32",
+            "--max-tokens",
+            "256",
+            "--max-steps",
+            "2",
+            "--save-every",
+            "2",
+        ).code
+        == 0
+    )
     ckpt = checkpoint.listed(other / "checkpoints")[-1]
     for suffix in (".pt", ".json"):
-        shutil.copy(ckpt.with_suffix(suffix), run_copy / "checkpoints" /
-                    ("checkpoint_00000004" + suffix))
+        shutil.copy(ckpt.with_suffix(suffix), run_copy / "checkpoints" / ("checkpoint_00000004" + suffix))
     line = one_error_line(nmt("average", "--run-dir", run_copy, "--last", "2"))
     assert "different shapes" in line
 
@@ -244,14 +309,28 @@ def test_pickle_payload_is_never_executed(tmp_path):
     meta = {"step": 1, "sha256": sha256_file(path)}
     path.with_suffix(".json").write_text(json.dumps(meta))
     from nmt_cli.errors import NmtError
+
     with pytest.raises(NmtError, match="refusing to load"):
         checkpoint.load_tensors(path)
     assert not marker.exists()
 
 
 def test_corrupt_latest_checkpoint_is_skipped(run_copy, nmt):
-    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "4", "--save-every", "2",
-               "--eval-every", "100").code == 0
+    assert (
+        nmt(
+            "train",
+            "--run-dir",
+            run_copy,
+            *TINY,
+            "--max-steps",
+            "4",
+            "--save-every",
+            "2",
+            "--eval-every",
+            "100",
+        ).code
+        == 0
+    )
     latest = checkpoint.listed(run_copy / "checkpoints")[-1]
     data = bytearray(latest.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -266,9 +345,9 @@ def test_train_errors(tmp_path, run_copy, nmt):
     assert "run `nmt prep`" in one_error_line(nmt("train", "--run-dir", tmp_path / "none"))
     assert "--size" in one_error_line(nmt("train", "--run-dir", run_copy, "--size", "huge"))
     assert "fp16 needs a GPU" in one_error_line(
-        nmt("train", "--run-dir", run_copy, *TINY, "--precision", "fp16", "--device", "cpu"))
-    assert "no CUDA GPU" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY,
-                                               "--device", "cuda"))
+        nmt("train", "--run-dir", run_copy, *TINY, "--precision", "fp16", "--device", "cpu")
+    )
+    assert "no CUDA GPU" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--device", "cuda"))
     assert "heads" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--heads", "3"))
     with RunDir(run_copy).lock("train"):
         assert "in use by `nmt train`" in one_error_line(nmt("train", "--run-dir", run_copy, *TINY))
@@ -276,10 +355,21 @@ def test_train_errors(tmp_path, run_copy, nmt):
 
 # -- the hot path does not wait for the device -------------------------------------------------
 
+
 def _tiny_trainer(run_dir, **options):
     from nmt_cli.config import TrainConfig
-    config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1,
-                         num_decoder_layers=1, max_tokens=256, device="cpu", **options)
+
+    config = TrainConfig(
+        size="tiny",
+        d_model=16,
+        ffn=32,
+        heads=2,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+        max_tokens=256,
+        device="cpu",
+        **options,
+    )
     return trainer.Trainer(config, RunDir(run_dir), trainer._Quiet())
 
 
@@ -287,13 +377,26 @@ def test_train_step_reads_nothing_back_from_the_device(run_copy):
     from conftest import host_reads
 
     from nmt_cli.engine.data import on_device
+
     t = _tiny_trainer(run_copy, update_freq=2)
-    groups = [t.epoch_batches(0)[i:i + 2] for i in range(0, 12, 2)]
+    groups = [t.epoch_batches(0)[i : i + 2] for i in range(0, 12, 2)]
     updates = list(on_device(t.train_data, groups, t.device))
     with host_reads() as reads:
-        figures = [trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches,
-                                      label_smoothing=0.1, clip_norm=1.0, lr=1e-3,
-                                      autocast=t.autocast, group=t.dist) for batches in updates]
+        figures = [
+            trainer.train_step(
+                t.model,
+                t.forward,
+                t.optimizer,
+                t.scaler,
+                batches,
+                label_smoothing=0.1,
+                clip_norm=1.0,
+                lr=1e-3,
+                autocast=t.autocast,
+                group=t.dist,
+            )
+            for batches in updates
+        ]
     assert reads["n"] == 0
     rows = torch.stack(figures).tolist()
     assert [r[2] for r in rows] == [sum(b.tokens for b in batches) for batches in updates]
@@ -302,6 +405,7 @@ def test_train_step_reads_nothing_back_from_the_device(run_copy):
 
 def test_training_reads_its_figures_once_per_log_interval(run_copy):
     from conftest import host_reads
+
     t = _tiny_trainer(run_copy, max_steps=40, eval_every=1000, save_every=1000)
     with host_reads() as reads:
         t.train()
@@ -313,12 +417,22 @@ def test_training_reads_its_figures_once_per_log_interval(run_copy):
 
 def test_a_skipped_update_changes_nothing(run_copy):
     from nmt_cli.engine.data import on_device
+
     t = _tiny_trainer(run_copy)
     (batches,) = on_device(t.train_data, [t.epoch_batches(0)[:1]], t.device)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
-    figures = trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, batches,
-                                 label_smoothing=float("nan"), clip_norm=0.0, lr=1e-3,
-                                 autocast=t.autocast, group=t.dist)
+    figures = trainer.train_step(
+        t.model,
+        t.forward,
+        t.optimizer,
+        t.scaler,
+        batches,
+        label_smoothing=float("nan"),
+        clip_norm=0.0,
+        lr=1e-3,
+        autocast=t.autocast,
+        group=t.dist,
+    )
     assert figures[4].item() == 1.0
     assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
     assert all(s["step"].item() == 0 for s in t.optimizer.state.values())  # Adam's count too
@@ -338,6 +452,7 @@ def test_patience_is_rank_zeros_decision_for_every_rank(run_copy):
 
     class TwoRanks(distributed.Group):
         """Rank 1 of two, whose rank 0 has run out of patience (what host_max would bring)."""
+
         def host_max(self, values):
             return [max(v, other) for v, other in zip(values, [0, 0, 1])]
 
@@ -354,12 +469,29 @@ def test_the_best_models_by_bleu_are_kept_and_averaged(trained_longer, tmp_path,
     (whatever the pruning of the last checkpoints does), and `nmt average --best 2` averages
     exactly those. (A model that ends its sentences: validation BLEU is then quick.)"""
     import shutil
+
     run = tmp_path / "run"
     shutil.copytree(trained_longer, run)
     shape = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]
-    result = nmt("train", "--run-dir", run, *shape, "--max-steps", "840", "--eval-every", "10",
-                 "--save-every", "840", "--keep-last", "1", "--eval-bleu", "--keep-best", "2",
-                 "--best-metric", "bleu")
+    result = nmt(
+        "train",
+        "--run-dir",
+        run,
+        *shape,
+        "--max-steps",
+        "840",
+        "--eval-every",
+        "10",
+        "--save-every",
+        "840",
+        "--keep-last",
+        "1",
+        "--eval-bleu",
+        "--keep-best",
+        "2",
+        "--best-metric",
+        "bleu",
+    )
     assert result.code == 0, result.err
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     bleu = {r["step"]: r["valid_bleu"] for r in records if r["kind"] == "valid" and r["step"] > 800}
@@ -381,9 +513,11 @@ def test_the_best_models_by_bleu_are_kept_and_averaged(trained_longer, tmp_path,
 
 def test_patience_watches_the_best_metric(run_copy):
     # The loss falls while BLEU falls too: only the chosen metric counts.
-    figures = [{"valid_nll": 3.0, "valid_bleu": 10.0, "valid_ppl": 1.0},
-               {"valid_nll": 2.0, "valid_bleu": 9.0, "valid_ppl": 1.0},
-               {"valid_nll": 1.0, "valid_bleu": 8.0, "valid_ppl": 1.0}]
+    figures = [
+        {"valid_nll": 3.0, "valid_bleu": 10.0, "valid_ppl": 1.0},
+        {"valid_nll": 2.0, "valid_bleu": 9.0, "valid_ppl": 1.0},
+        {"valid_nll": 1.0, "valid_bleu": 8.0, "valid_ppl": 1.0},
+    ]
     for metric, improved in (("bleu", [True, False, False]), ("nll", [True, True, True])):
         t = _tiny_trainer(run_copy, eval_bleu=True, best_metric=metric)
         t._started = time.monotonic()
@@ -397,9 +531,9 @@ def test_patience_watches_the_best_metric(run_copy):
 
 def test_best_metric_errors(run_copy, nmt):
     assert "needs --eval-bleu" in one_error_line(
-        nmt("train", "--run-dir", run_copy, *TINY, "--best-metric", "bleu"))
-    assert "train with --keep-best" in one_error_line(
-        nmt("average", "--run-dir", run_copy, "--best", "2"))
+        nmt("train", "--run-dir", run_copy, *TINY, "--best-metric", "bleu")
+    )
+    assert "train with --keep-best" in one_error_line(nmt("average", "--run-dir", run_copy, "--best", "2"))
 
 
 LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]  # trained_longer's
@@ -413,17 +547,30 @@ def test_fine_tuning_starts_from_the_model_on_its_bpe(trained_longer, tmp_path, 
     for name, init in (("tuned", ["--init-from", trained_longer]), ("fresh", [])):
         run = tmp_path / name
         bpe = ["--from", trained_longer] if init else ["--vocab-size", "1000"]
-        for command in (["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt",
-                         text / "test2017.de"], ["bpe", *bpe],
-                        ["train", *LONGER, "--max-steps", "10", "--eval-every", "10",
-                         "--save-every", "10", "--warmup", "100", *init]):
+        for command in (
+            ["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt", text / "test2017.de"],
+            ["bpe", *bpe],
+            [
+                "train",
+                *LONGER,
+                "--max-steps",
+                "10",
+                "--eval-every",
+                "10",
+                "--save-every",
+                "10",
+                "--warmup",
+                "100",
+                *init,
+            ],
+        ):
             result = nmt(*command, "--run-dir", run)
             assert result.code == 0, (command, result.err)
         runs[name] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert (tmp_path / "tuned" / "bpe" / "spm.model").read_bytes() == \
-        (trained_longer / "bpe" / "spm.model").read_bytes()
-    first = {name: next(r for r in records if r["kind"] == "train")
-             for name, records in runs.items()}
+    assert (tmp_path / "tuned" / "bpe" / "spm.model").read_bytes() == (
+        trained_longer / "bpe" / "spm.model"
+    ).read_bytes()
+    first = {name: next(r for r in records if r["kind"] == "train") for name, records in runs.items()}
     assert first["tuned"]["step"] == first["fresh"]["step"] == 1
     assert first["tuned"]["lr"] == first["fresh"]["lr"]  # the schedule starts afresh
     assert first["tuned"]["loss"] < first["fresh"]["loss"] - 1.5, first
@@ -432,22 +579,26 @@ def test_fine_tuning_starts_from_the_model_on_its_bpe(trained_longer, tmp_path, 
 
 def test_fine_tuning_errors(trained_longer, tmp_path, nmt):
     text, own = trained_longer / "text", tmp_path / "own"
-    for command in (["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt",
-                     text / "test2017.de"], ["bpe", "--vocab-size", "1000"]):
+    for command in (
+        ["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt", text / "test2017.de"],
+        ["bpe", "--vocab-size", "1000"],
+    ):
         assert nmt(*command, "--run-dir", own).code == 0
     once = ["--max-steps", "1"]  # should a check fail to stop it
     assert "nmt bpe --from" in one_error_line(
-        nmt("train", "--run-dir", own, *LONGER, *once, "--init-from", trained_longer))
+        nmt("train", "--run-dir", own, *LONGER, *once, "--init-from", trained_longer)
+    )
     import shutil
+
     same_bpe = tmp_path / "same"
     shutil.copytree(trained_longer, same_bpe)
     shutil.rmtree(same_bpe / "checkpoints")
-    line = one_error_line(nmt("train", "--run-dir", same_bpe, *TINY, *once, "--init-from",
-                              trained_longer))
+    line = one_error_line(nmt("train", "--run-dir", same_bpe, *TINY, *once, "--init-from", trained_longer))
     assert "another model shape" in line and "d_model 64 (here 16)" in line
     assert "not found" in one_error_line(
-        nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", tmp_path / "nowhere"))
+        nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", tmp_path / "nowhere")
+    )
     assert "drop --vocab-size" in one_error_line(
-        nmt("bpe", "--run-dir", same_bpe, "--from", trained_longer, "--vocab-size", "900"))
-    assert "no sentencepiece model" in one_error_line(
-        nmt("bpe", "--run-dir", same_bpe, "--from", tmp_path))
+        nmt("bpe", "--run-dir", same_bpe, "--from", trained_longer, "--vocab-size", "900")
+    )
+    assert "no sentencepiece model" in one_error_line(nmt("bpe", "--run-dir", same_bpe, "--from", tmp_path))

@@ -12,16 +12,18 @@ FAST = ["--max-len-b", "6"]  # a barely trained model would otherwise talk for 5
 
 def test_every_awkward_line_gets_one_output_line_in_order(trained, nmt):
     long_line = " ".join(["word"] * 1500)  # longer than the model's 1024 positions
-    stream = b"".join([
-        b"A man is riding a bike.\n",
-        b"\n",                                   # empty
-        b"   \t \n",                             # whitespace only
-        long_line.encode() + b"\n",
-        b"caf\xe9 \xff\xfe broken bytes\n",      # not UTF-8
-        b"Two dogs play.\r\n",                   # CRLF
-        b"nul\x00inside\n",
-        b"A woman sings.",                       # no final newline
-    ])
+    stream = b"".join(
+        [
+            b"A man is riding a bike.\n",
+            b"\n",  # empty
+            b"   \t \n",  # whitespace only
+            long_line.encode() + b"\n",
+            b"caf\xe9 \xff\xfe broken bytes\n",  # not UTF-8
+            b"Two dogs play.\r\n",  # CRLF
+            b"nul\x00inside\n",
+            b"A woman sings.",  # no final newline
+        ]
+    )
     result = nmt("translate", "--run-dir", trained, *FAST, stdin=stream)
     assert result.code == 0, result.err
     lines = result.out.split("\n")
@@ -42,15 +44,13 @@ def test_empty_stdin_gives_empty_output(trained, nmt):
 def test_batching_does_not_change_translations(trained, nmt):
     text = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:40]
     big = nmt("translate", "--run-dir", trained, *FAST, stdin=b"".join(text))
-    small = nmt("translate", "--run-dir", trained, *FAST, "--batch-size", "3",
-                stdin=b"".join(text))
+    small = nmt("translate", "--run-dir", trained, *FAST, "--batch-size", "3", stdin=b"".join(text))
     assert big.code == small.code == 0
     assert big.out == small.out and big.out.count("\n") == 40
 
 
 def test_nbest_and_greedy(trained, nmt):
-    result = nmt("translate", "--run-dir", trained, *FAST, "--nbest", "3",
-                 stdin=b"A dog runs.\nA cat.\n")
+    result = nmt("translate", "--run-dir", trained, *FAST, "--nbest", "3", stdin=b"A dog runs.\nA cat.\n")
     rows = [line.split("\t") for line in result.out.splitlines()]
     assert [r[0] for r in rows] == ["0", "0", "0", "1", "1", "1"]
     scores = [float(r[1]) for r in rows[:3]]
@@ -69,9 +69,11 @@ def test_bf16_and_int8_run(trained, nmt):
 def test_translate_errors(trained, tmp_path, nmt):
     assert "nmt train" in one_error_line(nmt("translate", "--run-dir", tmp_path, stdin=b"x\n"))
     assert "--nbest 5 exceeds --beam 4" in one_error_line(
-        nmt("translate", "--run-dir", trained, "--nbest", "5", stdin=b"x\n"))
-    assert "not found" in one_error_line(nmt("translate", "--run-dir", trained, "--checkpoint",
-                                             tmp_path / "none.pt", stdin=b"x\n"))
+        nmt("translate", "--run-dir", trained, "--nbest", "5", stdin=b"x\n")
+    )
+    assert "not found" in one_error_line(
+        nmt("translate", "--run-dir", trained, "--checkpoint", tmp_path / "none.pt", stdin=b"x\n")
+    )
 
 
 def test_score_files(tmp_path, nmt):
@@ -94,14 +96,14 @@ def test_score_moses_lc_and_compare(tmp_path, nmt):
     ref.write_text('Ein "Hund" läuft.\n' * 30)
     hyp = tmp_path / "hyp.de"
     hyp.write_text('ein " hund " läuft .\n' * 30)  # what a tokenized lowercased system writes
-    result = nmt("score", "--hyp", hyp, "--ref", ref, "--moses-lc", "--lang", "de",
-                 "--metrics", "bleu", "--json")
+    result = nmt(
+        "score", "--hyp", hyp, "--ref", ref, "--moses-lc", "--lang", "de", "--metrics", "bleu", "--json"
+    )
     report = json.loads(result.out)
     assert round(report["scores"][0]["score"], 6) == 100.0 and "tok:none" in report["scores"][0]["signature"]
     worse = tmp_path / "worse.de"
     worse.write_text("Katze\n" * 30)
-    result = nmt("score", "--hyp", hyp, "--ref", ref, "--compare", worse, "--metrics", "chrf",
-                 "--json")
+    result = nmt("score", "--hyp", hyp, "--ref", ref, "--compare", worse, "--metrics", "chrf", "--json")
     c = json.loads(result.out)["compare"]["chrf"]
     assert c["system"] > c["baseline"] and c["p_value"] < 0.05
 
@@ -113,8 +115,7 @@ def test_score_errors(tmp_path, nmt):
     hyp.write_text("a\n")
     line = one_error_line(nmt("score", "--hyp", hyp, "--ref", ref))
     assert "has 1 lines but" in line and "has 2" in line
-    assert "unknown metric" in one_error_line(nmt("score", "--hyp", ref, "--ref", ref,
-                                                  "--metrics", "meteor"))
+    assert "unknown metric" in one_error_line(nmt("score", "--hyp", ref, "--ref", ref, "--metrics", "meteor"))
     assert "nmt prep" in one_error_line(nmt("score", "--run-dir", tmp_path / "none"))
 
 
@@ -133,15 +134,19 @@ def test_score_translates_the_test_set_once(trained, tmp_path, nmt):
 def test_sentences_that_finish_at_different_steps_of_one_batch(trained_longer, nmt):
     """One batch whose sentences end at different steps (by EOS, or at their own length
     limits): each gets what it gets alone."""
-    lines = ["Dogs.", "A man in a red shirt is riding a bike down a long and dusty road .",
-             "Two children play.", "A woman with a hat sings on a stage in front of people ."]
+    lines = [
+        "Dogs.",
+        "A man in a red shirt is riding a bike down a long and dusty road .",
+        "Two children play.",
+        "A woman with a hat sings on a stage in front of people .",
+    ]
     for search in (["--beam", "4"], ["--beam", "1"]):
-        together = nmt("translate", "--run-dir", trained_longer, *search,
-                       stdin="\n".join(lines).encode() + b"\n")
+        together = nmt(
+            "translate", "--run-dir", trained_longer, *search, stdin="\n".join(lines).encode() + b"\n"
+        )
         assert together.code == 0, together.err
         out = together.out.split("\n")[:-1]
         assert len({len(x) for x in out}) > 1, out  # they did not all stop at one step
         for line, got in zip(lines, out):
-            alone = nmt("translate", "--run-dir", trained_longer, *search,
-                        stdin=line.encode() + b"\n")
+            alone = nmt("translate", "--run-dir", trained_longer, *search, stdin=line.encode() + b"\n")
             assert alone.out == got + "\n"

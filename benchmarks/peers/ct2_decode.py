@@ -17,8 +17,7 @@ from common import SHAPES  # noqa: E402
 def spec_for(shape: dict):
     from ctranslate2.specs import transformer_spec
 
-    spec = transformer_spec.TransformerSpec.from_config(shape["layers"], shape["heads"],
-                                                       pre_norm=True)
+    spec = transformer_spec.TransformerSpec.from_config(shape["layers"], shape["heads"], pre_norm=True)
     rng = np.random.default_rng(0)
     d, f, v = shape["d"], shape["ffn"], shape["vocab"]
 
@@ -62,6 +61,7 @@ def spec_for(shape: dict):
 
 def main():
     import ctranslate2
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True)
     ap.add_argument("--ids", required=True)
@@ -75,22 +75,35 @@ def main():
         spec.validate()
         spec.optimize(quantization=a.compute_type if a.compute_type != "float32" else None)
         spec.save(folder)
-        translator = ctranslate2.Translator(folder, device="cpu", compute_type=a.compute_type,
-                                            inter_threads=1, intra_threads=2)
+        translator = ctranslate2.Translator(
+            folder, device="cpu", compute_type=a.compute_type, inter_threads=1, intra_threads=2
+        )
         sources = json.loads(Path(a.ids).read_text())
         warm = [[vocab[x % (shape["vocab"] - 4) + 4] for x in s] for s in sources[:2]]
         translator.translate_batch(warm, beam_size=4, max_decoding_length=4)  # untimed
         tokens = 0
         start = time.perf_counter()
         for i in range(0, len(sources), a.batch):
-            chunk = [[vocab[x % (shape["vocab"] - 4) + 4] for x in s] for s in sources[i:i + a.batch]]
-            out = translator.translate_batch(chunk, beam_size=4, max_batch_size=a.batch,
-                                             max_decoding_length=a.length,
-                                             min_decoding_length=a.length)
+            chunk = [[vocab[x % (shape["vocab"] - 4) + 4] for x in s] for s in sources[i : i + a.batch]]
+            out = translator.translate_batch(
+                chunk,
+                beam_size=4,
+                max_batch_size=a.batch,
+                max_decoding_length=a.length,
+                min_decoding_length=a.length,
+            )
             tokens += sum(len(r.hypotheses[0]) for r in out)
         seconds = time.perf_counter() - start
-    print(json.dumps({"system": f"CTranslate2 {ctranslate2.__version__} {a.compute_type}",
-                      "seconds": seconds, "tokens": tokens, "sentences": len(sources)}))
+    print(
+        json.dumps(
+            {
+                "system": f"CTranslate2 {ctranslate2.__version__} {a.compute_type}",
+                "seconds": seconds,
+                "tokens": tokens,
+                "sentences": len(sources),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

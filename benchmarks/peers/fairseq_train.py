@@ -21,13 +21,23 @@ def build(shape: dict):
     for i in range(shape["vocab"] - len(d)):
         d.add_symbol(f"w{i}")
     args = argparse.Namespace(
-        encoder_layers=shape["layers"], decoder_layers=shape["layers"],
-        encoder_embed_dim=shape["d"], decoder_embed_dim=shape["d"],
-        encoder_ffn_embed_dim=shape["ffn"], decoder_ffn_embed_dim=shape["ffn"],
-        encoder_attention_heads=shape["heads"], decoder_attention_heads=shape["heads"],
-        share_all_embeddings=True, encoder_normalize_before=True, decoder_normalize_before=True,
-        dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, max_source_positions=1024,
-        max_target_positions=1024)
+        encoder_layers=shape["layers"],
+        decoder_layers=shape["layers"],
+        encoder_embed_dim=shape["d"],
+        decoder_embed_dim=shape["d"],
+        encoder_ffn_embed_dim=shape["ffn"],
+        decoder_ffn_embed_dim=shape["ffn"],
+        encoder_attention_heads=shape["heads"],
+        decoder_attention_heads=shape["heads"],
+        share_all_embeddings=True,
+        encoder_normalize_before=True,
+        decoder_normalize_before=True,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        max_source_positions=1024,
+        max_target_positions=1024,
+    )
     base_architecture(args)
     task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
     return TransformerModel.build_model(args, task)
@@ -35,6 +45,7 @@ def build(shape: dict):
 
 def main():
     from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True)
     ap.add_argument("--precision", default="fp32")
@@ -51,15 +62,25 @@ def main():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
             net_output = model(src, lengths, tgt_in)
         lprobs = model.get_normalized_probs(net_output, log_probs=True).float()
-        loss, _ = label_smoothed_nll_loss(lprobs.view(-1, lprobs.size(-1)), tgt_out.view(-1),
-                                          0.1, ignore_index=1, reduce=True)
+        loss, _ = label_smoothed_nll_loss(
+            lprobs.view(-1, lprobs.size(-1)), tgt_out.view(-1), 0.1, ignore_index=1, reduce=True
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     seconds = time_steps(step, 2, a.repeats)
-    print(json.dumps({"system": "fairseq 0.12.2", "shape": a.shape, "precision": a.precision,
-                      "seconds": seconds, "tgt_tokens_per_s": tgt_out.numel() / seconds}))
+    print(
+        json.dumps(
+            {
+                "system": "fairseq 0.12.2",
+                "shape": a.shape,
+                "precision": a.precision,
+                "seconds": seconds,
+                "tgt_tokens_per_s": tgt_out.numel() / seconds,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from nmt_cli.shards import BOS, EOS, PAD
 
 @dataclass
 class Hypothesis:
-    tokens: list[int]      # without BOS and EOS
-    score: float           # log-probability divided by the length penalty
+    tokens: list[int]  # without BOS and EOS
+    score: float  # log-probability divided by the length penalty
 
 
 def length_penalty(length: int | Tensor, alpha: float):
@@ -57,8 +57,7 @@ def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor
     return top, index // n, tokens.view(b, k * n).gather(1, index)
 
 
-def choose(cand_scores: np.ndarray, cand_tokens: np.ndarray,
-           beam: int) -> tuple[np.ndarray, np.ndarray]:
+def choose(cand_scores: np.ndarray, cand_tokens: np.ndarray, beam: int) -> tuple[np.ndarray, np.ndarray]:
     """Split the candidates (each sentence's, best first): EOS among the best `beam` finish; the
     best `beam` others live on.
 
@@ -71,9 +70,15 @@ def choose(cand_scores: np.ndarray, cand_tokens: np.ndarray,
     return finished, live
 
 
-def search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
-           max_lens: list[int], beam: int, alpha: float, nbest: int = 1,
-           device: torch.device | str = "cpu") -> list[list[Hypothesis]]:
+def search(
+    step: Callable[[Tensor], Tensor],
+    reorder: Callable[[Tensor], None],
+    max_lens: list[int],
+    beam: int,
+    alpha: float,
+    nbest: int = 1,
+    device: torch.device | str = "cpu",
+) -> list[list[Hypothesis]]:
     """Beam search for len(max_lens) sentences; the `nbest` best hypotheses of each, best first.
 
     step(tokens (R, 1)) -> log-probs (R, V) of the next token of each live row.
@@ -84,43 +89,60 @@ def search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
     """
     n = len(max_lens)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
-    active = np.arange(n)                        # sentence of each live group of `beam` rows
-    history = np.zeros((n * beam, 0), dtype=np.int64)   # each live row's tokens so far
+    active = np.arange(n)  # sentence of each live group of `beam` rows
+    history = np.zeros((n * beam, 0), dtype=np.int64)  # each live row's tokens so far
     scores = torch.full((n, beam), -math.inf, device=device)
-    scores[:, 0] = 0.0                           # at first every beam is the same: keep one
+    scores[:, 0] = 0.0  # at first every beam is the same: keep one
     tokens = torch.full((n * beam, 1), BOS, dtype=torch.long, device=device)
-    limits = torch.tensor(max_lens, device=device)      # per live sentence
+    limits = torch.tensor(max_lens, device=device)  # per live sentence
     t = 0
     while True:
-        lprobs = step(tokens).float()                           # (R, V)
+        lprobs = step(tokens).float()  # (R, V)
         lprobs[:, PAD] = -math.inf
         lprobs[:, BOS] = -math.inf
-        at_limit = (limits <= t + 1).repeat_interleave(beam)    # only EOS may follow
+        at_limit = (limits <= t + 1).repeat_interleave(beam)  # only EOS may follow
         eos = lprobs[:, EOS].clone()
         lprobs.masked_fill_(at_limit[:, None], -math.inf)
         lprobs[:, EOS] = eos
         b = len(active)
         cand = beam_step(scores, lprobs.view(b, beam, -1), beam)
-        cand_scores, cand_beams, cand_tokens = torch.stack(
-            [c.double() for c in cand]).cpu().numpy()            # the step's one read
+        cand_scores, cand_beams, cand_tokens = (
+            torch.stack([c.double() for c in cand]).cpu().numpy()
+        )  # the step's one read
         cand_beams, cand_tokens = cand_beams.astype(np.int64), cand_tokens.astype(np.int64)
         done, live = choose(cand_scores, cand_tokens, beam)
         penalty = length_penalty(t + 1, alpha)
         for row, col in zip(*np.nonzero(done)):
-            finished[active[row]].append(Hypothesis(
-                history[row * beam + cand_beams[row, col]].tolist(),
-                float(cand_scores[row, col]) / penalty))
+            finished[active[row]].append(
+                Hypothesis(
+                    history[row * beam + cand_beams[row, col]].tolist(),
+                    float(cand_scores[row, col]) / penalty,
+                )
+            )
         live_scores = np.take_along_axis(cand_scores, live, 1)
-        keep = np.array([i for i in range(b)
-                         if not _is_done(finished[active[i]], live_scores[i], beam, nbest,
-                                         max(max_lens[active[i]], t + 1), alpha, t + 1)],
-                        dtype=np.int64)
+        keep = np.array(
+            [
+                i
+                for i in range(b)
+                if not _is_done(
+                    finished[active[i]],
+                    live_scores[i],
+                    beam,
+                    nbest,
+                    max(max_lens[active[i]], t + 1),
+                    alpha,
+                    t + 1,
+                )
+            ],
+            dtype=np.int64,
+        )
         if not len(keep):
             break
         live_beams = np.take_along_axis(cand_beams, live, 1)[keep]
         rows = (keep[:, None] * beam + live_beams).reshape(-1)
         history = np.concatenate(
-            [history[rows], np.take_along_axis(cand_tokens, live, 1)[keep].reshape(-1, 1)], 1)
+            [history[rows], np.take_along_axis(cand_tokens, live, 1)[keep].reshape(-1, 1)], 1
+        )
         active = active[keep]
         index = torch.from_numpy(np.concatenate([keep, live[keep].reshape(-1), rows])).to(device)
         keep_t, live_t, rows_t = index.split([len(keep), len(rows), len(rows)])
@@ -133,8 +155,9 @@ def search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
     return [sorted(f, key=lambda h: -h.score)[:nbest] for f in finished]
 
 
-def _is_done(finished: list[Hypothesis], live: np.ndarray, beam: int, nbest: int, limit: int,
-             alpha: float, length: int) -> bool:
+def _is_done(
+    finished: list[Hypothesis], live: np.ndarray, beam: int, nbest: int, limit: int, alpha: float, length: int
+) -> bool:
     if len(finished) >= beam or length >= limit:
         return True
     if len(finished) < nbest:
@@ -146,9 +169,13 @@ def _is_done(finished: list[Hypothesis], live: np.ndarray, beam: int, nbest: int
     return worst_kept >= best_live
 
 
-def greedy(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
-           max_lens: list[int], alpha: float,
-           device: torch.device | str = "cpu") -> list[list[Hypothesis]]:
+def greedy(
+    step: Callable[[Tensor], Tensor],
+    reorder: Callable[[Tensor], None],
+    max_lens: list[int],
+    alpha: float,
+    device: torch.device | str = "cpu",
+) -> list[list[Hypothesis]]:
     """The best next token at every step: beam 1 without the bookkeeping. The host reads each
     step's tokens (and running scores) once."""
     n = len(max_lens)
@@ -168,8 +195,9 @@ def greedy(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
         best_h, score_h = torch.stack([best.double(), score.double()]).cpu().numpy()
         ended = best_h == EOS
         for i in np.flatnonzero(ended):
-            out[active[i]] = [Hypothesis(generated[active[i]],
-                                         float(score_h[i]) / length_penalty(t + 1, alpha))]
+            out[active[i]] = [
+                Hypothesis(generated[active[i]], float(score_h[i]) / length_penalty(t + 1, alpha))
+            ]
         keep = np.flatnonzero(~ended)
         if not len(keep):
             break
@@ -185,14 +213,20 @@ def greedy(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None],
 
 
 @torch.no_grad()
-def translate(model: Transformer, src: Tensor, beam: int = 4, alpha: float = 0.6,
-              max_len_a: float = 1.0, max_len_b: int = 50, nbest: int = 1,
-              use_cache: bool = True) -> list[list[Hypothesis]]:
+def translate(
+    model: Transformer,
+    src: Tensor,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    nbest: int = 1,
+    use_cache: bool = True,
+) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `nbest` hypotheses each."""
     model.eval()
     src_lengths = (src != PAD).sum(1).tolist()
-    max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b,
-                           model.config.max_positions - 1)
+    max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b, model.config.max_positions - 1)
     memory, src_mask = model.encode(src)
     k = 1 if beam == 1 else beam
     if use_cache:
@@ -205,10 +239,11 @@ def translate(model: Transformer, src: Tensor, beam: int = 4, alpha: float = 0.6
         reorder = cache.reorder
     else:  # the reference: rerun the decoder's self-attention on the whole prefix every step
         # (the encoder side, memory and its keys/values, is computed once all the same)
-        state = {"kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
-                 "mask": src_mask.repeat_interleave(k, 0),
-                 "prefix": torch.full((len(src_lengths) * k, 0), BOS, dtype=torch.long,
-                                      device=src.device)}
+        state = {
+            "kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
+            "mask": src_mask.repeat_interleave(k, 0),
+            "prefix": torch.full((len(src_lengths) * k, 0), BOS, dtype=torch.long, device=src.device),
+        }
 
         def step(tokens: Tensor) -> Tensor:
             state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
@@ -216,8 +251,7 @@ def translate(model: Transformer, src: Tensor, beam: int = 4, alpha: float = 0.6
             return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
 
         def reorder(indices: Tensor) -> None:
-            state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices))
-                           for a, b in state["kv"]]
+            state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices)) for a, b in state["kv"]]
             state["mask"] = state["mask"].index_select(0, indices)
             state["prefix"] = state["prefix"].index_select(0, indices)
 

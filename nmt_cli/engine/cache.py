@@ -22,22 +22,21 @@ class DecoderCache:
     part of a step: gathering in place would copy twice, and attention over a strided slice of
     a max_len buffer makes scaled_dot_product_attention copy once more."""
 
-    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor, beam: int,
-                 max_len: int):
+    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor, beam: int, max_len: int):
         k0 = memory_kv[0][0]
         b, self.heads, _, self.head_dim = k0.shape
         self.memory_kv, self.src_mask, self.beam = memory_kv, src_mask, beam
         size = b * beam * self.heads * max_len * self.head_dim
         # [layer's K, layer's V, next layer's K, ...], each with its two buffers
         self.buffers = [(k0.new_empty(size), k0.new_empty(size)) for _ in range(2 * len(memory_kv))]
-        self.current = [0] * len(self.buffers)     # which buffer each tensor lies in
+        self.current = [0] * len(self.buffers)  # which buffer each tensor lies in
         self.tensors = [self._view(buf[0], b * beam, 1) for buf in self.buffers]
-        self.length = 0      # positions cached so far
+        self.length = 0  # positions cached so far
         self.max_len = max_len
 
     def _view(self, buffer: Tensor, rows: int, positions: int) -> Tensor:
         shape = (rows, self.heads, positions, self.head_dim)
-        return buffer[:math.prod(shape)].view(shape)
+        return buffer[: math.prod(shape)].view(shape)
 
     def _move(self, i: int, indices: Tensor | None) -> None:
         """Tensor i's filled positions (its rows `indices`, or all) into its other buffer,
@@ -60,7 +59,7 @@ class DecoderCache:
         for i, new in ((2 * layer, k), (2 * layer + 1, v)):
             if self.tensors[i].shape[2] == n:  # no reorder since the last step: make room
                 self._move(i, None)
-            self.tensors[i][:, :, n:n + 1] = new
+            self.tensors[i][:, :, n : n + 1] = new
         return self.tensors[2 * layer], self.tensors[2 * layer + 1]
 
     def advance(self) -> None:
@@ -71,8 +70,9 @@ class DecoderCache:
         their old order): beam search's survivors, and only the sentences still running."""
         for i in range(len(self.tensors)):
             self._move(i, indices)
-        sentences = indices[::self.beam] // self.beam
+        sentences = indices[:: self.beam] // self.beam
         if len(sentences) != self.src_mask.shape[0]:  # some sentences finished
-            self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences))
-                              for k, v in self.memory_kv]
+            self.memory_kv = [
+                (k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv
+            ]
             self.src_mask = self.src_mask.index_select(0, sentences)

@@ -30,9 +30,10 @@ def save_tensors(path: Path, tensors: dict[str, Any], meta: dict) -> None:
     """Write `path` (.pt) and its record `path.with_suffix('.json')`, each atomically."""
     with atomic_open(path, "wb") as f:
         torch.save(tensors, f)
-    atomic_write_json(path.with_suffix(".json"),
-                      {**meta, "file": path.name, "sha256": sha256_file(path),
-                       "bytes": path.stat().st_size})
+    atomic_write_json(
+        path.with_suffix(".json"),
+        {**meta, "file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size},
+    )
 
 
 def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]:
@@ -45,14 +46,17 @@ def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]
     except json.JSONDecodeError as e:
         raise NmtError(f"{record_path} is not valid JSON ({e})") from None
     if verify and sha256_file(path) != meta.get("sha256"):
-        raise NmtError(f"{path} does not match the sha256 in {record_path.name}: it is corrupt "
-                       "or half-written")
+        raise NmtError(
+            f"{path} does not match the sha256 in {record_path.name}: it is corrupt or half-written"
+        )
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise NmtError(f"refusing to load {path}: it holds Python objects other than tensors "
-                       f"(a pickle payload could run code). {first}") from None
+        raise NmtError(
+            f"refusing to load {path}: it holds Python objects other than tensors "
+            f"(a pickle payload could run code). {first}"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:
         raise NmtError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
     return tensors, meta
@@ -66,8 +70,7 @@ def listed(folder: Path) -> list[Path]:
     """Committed checkpoints (those with a record), oldest first."""
     if not Path(folder).is_dir():
         return []
-    found = sorted((int(m.group(1)), p) for p in Path(folder).iterdir()
-                   if (m := NAME.match(p.name)))
+    found = sorted((int(m.group(1)), p) for p in Path(folder).iterdir() if (m := NAME.match(p.name)))
     return [p.with_suffix(".pt") for _, p in found]
 
 
@@ -95,20 +98,20 @@ def best_listed(folder: Path) -> list[tuple[float, Path]]:
     for p in Path(folder).iterdir():
         if BEST.match(p.name):
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                found.append((float(json.loads(p.read_text())["best"]["score"]),
-                              p.with_suffix(".pt")))
+                found.append((float(json.loads(p.read_text())["best"]["score"]), p.with_suffix(".pt")))
     return sorted(found)
 
 
-def keep_best(folder: Path, n: int, score: float, step: int,
-              tensors: Callable[[], dict[str, Any]], meta: dict) -> None:
+def keep_best(
+    folder: Path, n: int, score: float, step: int, tensors: Callable[[], dict[str, Any]], meta: dict
+) -> None:
     """Keep the model of `step` among the `n` best in `folder` if its score earns it a place."""
     kept = best_listed(folder)
     if len(kept) >= n and score >= kept[n - 1][0]:
         return
     Path(folder).mkdir(parents=True, exist_ok=True)
     save_tensors(Path(folder) / f"best_{step:08d}.pt", tensors(), meta)
-    for _, path in [k for k in kept if k[1].name != f"best_{step:08d}.pt"][n - 1:]:
+    for _, path in [k for k in kept if k[1].name != f"best_{step:08d}.pt"][n - 1 :]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path.with_suffix(".json"))
         with contextlib.suppress(FileNotFoundError):
@@ -140,12 +143,14 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
             first_meta = meta
             continue
         if meta.get("model") != first_meta.get("model") or set(model) != set(total):
-            raise NmtError(f"cannot average {path.name} with {paths[0].name}: the models have "
-                           "different shapes")
+            raise NmtError(
+                f"cannot average {path.name} with {paths[0].name}: the models have different shapes"
+            )
         for k, v in model.items():
             if v.shape != total[k].shape:
-                raise NmtError(f"cannot average {path.name}: {k} has shape {tuple(v.shape)}, "
-                               f"not {tuple(total[k].shape)}")
+                raise NmtError(
+                    f"cannot average {path.name}: {k} has shape {tuple(v.shape)}, not {tuple(total[k].shape)}"
+                )
             total[k] += v.to(torch.float32)
     assert total is not None
     for v in total.values():
@@ -172,7 +177,11 @@ def average_run(run: RunDir, last: int, say: Callable[[str], None], best: int = 
         chosen = paths[-last:]
     weights, meta = average(chosen)
     newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
-    record = {**{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
-              "step": newest["step"], "averaged": [p.name for p in chosen], "saved": now()}
+    record = {
+        **{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
+        "step": newest["step"],
+        "averaged": [p.name for p in chosen],
+        "saved": now(),
+    }
     save_tensors(run.averaged, {"model": weights}, record)
     return record

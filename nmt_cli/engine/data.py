@@ -21,9 +21,9 @@ from nmt_cli.shards import PAD, Shard, collate, make_batches
 class Split:
     src: Shard
     tgt: Shard
-    src_lengths: np.ndarray       # with the EOS
-    tgt_lengths: np.ndarray       # with the BOS/EOS
-    keep: np.ndarray              # sentences short enough for the model and the batch size
+    src_lengths: np.ndarray  # with the EOS
+    tgt_lengths: np.ndarray  # with the BOS/EOS
+    keep: np.ndarray  # sentences short enough for the model and the batch size
 
     @classmethod
     def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> Split:
@@ -34,8 +34,9 @@ class Split:
 
     def batches(self, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
         """Sentence indices of every batch of the epoch, in its shuffled order."""
-        groups = make_batches(self.src_lengths[self.keep], self.tgt_lengths[self.keep],
-                              max_tokens, seed, epoch)
+        groups = make_batches(
+            self.src_lengths[self.keep], self.tgt_lengths[self.keep], max_tokens, seed, epoch
+        )
         return [self.keep[g] for g in groups]
 
 
@@ -48,11 +49,11 @@ def training_share(batches: list[np.ndarray], rank: int, world: int) -> list[np.
 
 @dataclass
 class Batch:
-    src: torch.Tensor             # (B, S) source ids + EOS, padded
-    tgt_in: torch.Tensor          # (B, T) BOS + target ids, padded
-    positions: torch.Tensor       # (N,) where the real target tokens are in the flat (B*T)
-    targets: torch.Tensor         # (N,) those tokens
-    tokens: int                   # N
+    src: torch.Tensor  # (B, S) source ids + EOS, padded
+    tgt_in: torch.Tensor  # (B, T) BOS + target ids, padded
+    positions: torch.Tensor  # (N,) where the real target tokens are in the flat (B*T)
+    targets: torch.Tensor  # (N,) those tokens
+    tokens: int  # N
 
 
 def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.device) -> Batch:
@@ -68,8 +69,9 @@ def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.d
     return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
 
 
-def on_device(split: Split, groups: Iterable[list[np.ndarray]],
-              device: torch.device) -> Iterator[list[Batch]]:
+def on_device(
+    split: Split, groups: Iterable[list[np.ndarray]], device: torch.device
+) -> Iterator[list[Batch]]:
     """Each group of batches (the batches of one update) collated and copied to `device`.
 
     Lazily: the next group is collated while the device still runs the updates queued before

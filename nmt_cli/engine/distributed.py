@@ -38,6 +38,7 @@ class Group:
     default group (NCCL on GPUs: queued on the stream, the host does not wait), and the `host_`
     ones exchange small CPU values through a gloo group, for decisions every rank must share.
     """
+
     rank: int = 0
     world: int = 1
     host: Any = None  # the gloo group for CPU tensors; None: the default group is gloo
@@ -81,20 +82,19 @@ class Group:
         torch.distributed.all_gather_object(out, obj, group=self.host)
         return out
 
-    def wrap(self, model: torch.nn.Module, device: torch.device,
-             compile: bool = False) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, device: torch.device, compile: bool = False) -> torch.nn.Module:
         """The model as training calls it: DDP across ranks, then torch.compile. That order is
         torch's own advice: compiling the DDP module lets it split the graph at gradient
         buckets, so their all-reduce still overlaps the backward pass."""
         if self.active:
             from torch.nn.parallel import DistributedDataParallel
+
             ids = [device.index] if device.type == "cuda" else None
             # Broadcasts rank 0's initial weights, so every rank starts from the same model.
             # The only buffer is the positional table, the same everywhere: not broadcast again
             # before every forward pass (torch 2.13 renamed the option).
             options = inspect.signature(DistributedDataParallel).parameters
-            no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options \
-                else "broadcast_buffers"
+            no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers"
             model = DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
         return torch.compile(model) if compile else model
 
@@ -114,8 +114,7 @@ class Group:
 
 
 # Where launchers other than torch's put a process's rank on its node.
-LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
-                        "MPI_LOCALRANKID")
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
 
 
 def from_environment() -> tuple[int, int, int | None]:
@@ -135,12 +134,16 @@ def gpu_index(rank: int, local_rank: int | None, visible: int) -> int:
     if visible == 1:
         return 0  # one GPU bound to this task (SLURM --gpus-per-task, CUDA_VISIBLE_DEVICES)
     if local_rank is None:
-        raise NmtError(f"rank {rank} sees {visible} GPUs but no launcher set LOCAL_RANK: start "
-                       "with `nmt train --gpus N`, torchrun or srun, or export LOCAL_RANK")
+        raise NmtError(
+            f"rank {rank} sees {visible} GPUs but no launcher set LOCAL_RANK: start "
+            "with `nmt train --gpus N`, torchrun or srun, or export LOCAL_RANK"
+        )
     if local_rank >= visible:
-        raise NmtError(f"rank {rank} is local rank {local_rank} but sees {visible} GPUs: start "
-                       "at most one process per GPU, or give each task its own GPU "
-                       "(srun --gpus-per-task=1)")
+        raise NmtError(
+            f"rank {rank} is local rank {local_rank} but sees {visible} GPUs: start "
+            "at most one process per GPU, or give each task its own GPU "
+            "(srun --gpus-per-task=1)"
+        )
     return local_rank
 
 
@@ -149,8 +152,10 @@ def shared_gpus(placements: list[tuple[str, str]]) -> str | None:
     seen: dict[tuple[str, str], int] = {}
     for rank, where in enumerate(placements):
         if where in seen:
-            return (f"ranks {seen[where]} and {rank} both use GPU {where[1]} of {where[0]}: "
-                    "set LOCAL_RANK for each process (torchrun and `nmt train --gpus N` do)")
+            return (
+                f"ranks {seen[where]} and {rank} both use GPU {where[1]} of {where[0]}: "
+                "set LOCAL_RANK for each process (torchrun and `nmt train --gpus N` do)"
+            )
         seen[where] = rank
     return None
 
@@ -164,17 +169,19 @@ def setup(device: torch.device, timeout_s: float = 300.0) -> tuple[Group, torch.
         device = torch.device("cuda", gpu_index(rank, local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     if "MASTER_ADDR" not in os.environ:
-        raise NmtError("WORLD_SIZE is set but MASTER_ADDR is not: start through `nmt train "
-                       "--gpus N`, torchrun, or srun with MASTER_ADDR/MASTER_PORT exported")
+        raise NmtError(
+            "WORLD_SIZE is set but MASTER_ADDR is not: start through `nmt train "
+            "--gpus N`, torchrun, or srun with MASTER_ADDR/MASTER_PORT exported"
+        )
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     backend = BACKENDS[device.type]
     # A rank that dies leaves the others waiting in a collective: the timeout bounds the wait.
     timeout = datetime.timedelta(seconds=timeout_s)
-    torch.distributed.init_process_group(backend, timeout=timeout,
-                                         device_id=device if device.type == "cuda" else None)
-    host = None if backend == "gloo" else torch.distributed.new_group(backend="gloo",
-                                                                      timeout=timeout)
+    torch.distributed.init_process_group(
+        backend, timeout=timeout, device_id=device if device.type == "cuda" else None
+    )
+    host = None if backend == "gloo" else torch.distributed.new_group(backend="gloo", timeout=timeout)
     group = Group(rank, world, host)
     if device.type == "cuda":
         gpu = str(torch.cuda.get_device_properties(device).uuid)
@@ -188,9 +195,14 @@ def setup(device: torch.device, timeout_s: float = 300.0) -> tuple[Group, torch.
 def check_gpus(gpus: int) -> None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus > have:
-        raise NmtError(f"--gpus {gpus} but this machine has {have} GPU{'s' if have != 1 else ''}: "
-                       + (f"use --gpus {have}" if have else
-                          "train on the CPU with --procs N --device cpu, or run on a GPU machine"))
+        raise NmtError(
+            f"--gpus {gpus} but this machine has {have} GPU{'s' if have != 1 else ''}: "
+            + (
+                f"use --gpus {have}"
+                if have
+                else "train on the CPU with --procs N --device cpu, or run on a GPU machine"
+            )
+        )
 
 
 # A worker that stops on an error of its own (NmtError: out of memory, bad data, ranks that
@@ -214,9 +226,15 @@ class Failure:
     restartable: bool  # a crash or a lost rank, which a resume can get past
 
 
-def launch(nprocs: int, command: list[str], nnodes: int = 1, node_rank: int = 0,
-           rdzv_endpoint: str = "", max_restarts: int = 0,
-           say: Callable[[str], None] = print) -> None:
+def launch(
+    nprocs: int,
+    command: list[str],
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str = "",
+    max_restarts: int = 0,
+    say: Callable[[str], None] = print,
+) -> None:
     """Run `python COMMAND` in `nprocs` workers through torch's elastic launcher (what
     torchrun runs); returns when all finished, raises NmtError if one failed.
 
@@ -229,22 +247,28 @@ def launch(nprocs: int, command: list[str], nnodes: int = 1, node_rank: int = 0,
     """
     attempts = 1 + (max_restarts if nnodes == 1 else 0)
     for attempt in range(1, attempts + 1):
-        failure = _launch_once(nprocs, command, nnodes, node_rank, rdzv_endpoint,
-                               max_restarts if nnodes > 1 else 0)
+        failure = _launch_once(
+            nprocs, command, nnodes, node_rank, rdzv_endpoint, max_restarts if nnodes > 1 else 0
+        )
         if failure is None:
             return
         if not failure.restartable:
             raise NmtError(failure.message)
         if attempt == attempts:
-            raise NmtError(f"distributed training failed: {failure.message}; the other workers "
-                           "were stopped. Rerun the same command to resume from the last "
-                           "checkpoint")
-        say(f"{failure.message}: restarting the workers, which resume from the last checkpoint "
-            f"(restart {attempt} of {max_restarts})")
+            raise NmtError(
+                f"distributed training failed: {failure.message}; the other workers "
+                "were stopped. Rerun the same command to resume from the last "
+                "checkpoint"
+            )
+        say(
+            f"{failure.message}: restarting the workers, which resume from the last checkpoint "
+            f"(restart {attempt} of {max_restarts})"
+        )
 
 
-def _launch_once(nprocs: int, command: list[str], nnodes: int, node_rank: int,
-                 rdzv_endpoint: str, max_restarts: int) -> Failure | None:
+def _launch_once(
+    nprocs: int, command: list[str], nnodes: int, node_rank: int, rdzv_endpoint: str, max_restarts: int
+) -> Failure | None:
     """One launch; what failed, or None if every worker finished."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -254,28 +278,42 @@ def _launch_once(nprocs: int, command: list[str], nnodes: int, node_rank: int,
         backend, endpoint, configs = "c10d", f"127.0.0.1:{_free_port()}", {}
         run_id = uuid.uuid4().hex
     elif not rdzv_endpoint:
-        raise NmtError("multi-node training needs --rdzv-endpoint HOST:PORT of node 0 "
-                       "(the same on every node) and --node-rank")
+        raise NmtError(
+            "multi-node training needs --rdzv-endpoint HOST:PORT of node 0 "
+            "(the same on every node) and --node-rank"
+        )
     else:  # as torchrun --node-rank R --master-addr/--master-port: ranks fixed by the nodes
         backend, endpoint, configs = "static", rdzv_endpoint, {"rank": node_rank}
         run_id = os.environ.get("NMT_RUN_ID", "nmt")
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id,
-        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=configs,
-        max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nprocs,
+        run_id=run_id,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=configs,
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+    )
     try:
         elastic_launch(config, sys.executable)("-u", *command)
         return None
     except ChildFailedError as e:
-        return root_cause({rank: (f.exitcode, f.timestamp, f.message if isinstance(f.message, str)
-                                  else "") for rank, f in e.failures.items()}) \
-            or Failure(str(e), True)
+        return root_cause(
+            {
+                rank: (f.exitcode, f.timestamp, f.message if isinstance(f.message, str) else "")
+                for rank, f in e.failures.items()
+            }
+        ) or Failure(str(e), True)
 
 
 def root_cause(failures: dict[int, tuple[int, int, str]]) -> Failure | None:
     """The failure that started it, from each failed rank's (exit code, time, message): a rank
     killed by a signal (other than the SIGTERM the launcher sends the survivors), else one that
     stopped on its own error rather than on losing the others, else the earliest."""
+
     def key(item):
         rank, (code, when, message) = item
         return code >= 0, code == -signal.SIGTERM, LOST_CONTACT in message, when, rank
@@ -286,7 +324,7 @@ def root_cause(failures: dict[int, tuple[int, int, str]]) -> Failure | None:
     if code < 0:
         return Failure(f"rank {rank} was killed by {signal.Signals(-code).name}", True)
     if message.startswith(WORKER_ERROR) and LOST_CONTACT not in message:
-        return Failure(f"rank {rank}: {message[len(WORKER_ERROR):]}", False)
+        return Failure(f"rank {rank}: {message[len(WORKER_ERROR) :]}", False)
     return Failure(f"rank {rank} exited with code {code}", True)
 
 

@@ -48,7 +48,7 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
         return F.dropout(x, p, training)
     threshold = round(p * 65536)
     n = x.numel()
-    draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-2 ** 63, 2 ** 63 - 1)
+    draws = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
     keep = draws.view(torch.int16)[:n].view(x.shape) >= threshold - 32768
     return x * keep * (65536 / (65536 - threshold))
 
@@ -71,14 +71,16 @@ class Attention(nn.Module):
         k, v = self.kv(x).chunk(2, dim=-1)
         return self.split(k), self.split(v)
 
-    def forward(self, x: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None,
-                causal: bool = False) -> Tensor:
-        q = self.split(self.q(x))                                    # (B, H, n, K)
-        k, v = kv                                                    # (B, H, m, K)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+    def forward(
+        self, x: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        q = self.split(self.q(x))  # (B, H, n, K)
+        k, v = kv  # (B, H, m, K)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+        )
         b, h, n, k_ = y.shape
-        return self.out(y.transpose(1, 2).reshape(b, n, h * k_))   # (B, n, D)
+        return self.out(y.transpose(1, 2).reshape(b, n, h * k_))  # (B, n, D)
 
 
 class FeedForward(nn.Module):
@@ -131,8 +133,14 @@ class DecoderLayer(nn.Module):
         self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
         self.res3 = Residual(c.d_model, c.dropout, c.post_norm)
 
-    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor,
-                cache: DecoderCache | None = None, layer: int = 0) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        memory_kv: tuple[Tensor, Tensor],
+        src_mask: Tensor,
+        cache: DecoderCache | None = None,
+        layer: int = 0,
+    ) -> Tensor:
         def self_attention(h: Tensor) -> Tensor:
             if cache is None:  # training: every position at once, each sees only its past
                 return self.self_attn(h, self.self_attn.keys_values(h), causal=True)
@@ -175,7 +183,7 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
-        nn.init.normal_(self.embed.weight, 0.0, self.config.d_model ** -0.5)
+        nn.init.normal_(self.embed.weight, 0.0, self.config.d_model**-0.5)
         with torch.no_grad():
             self.embed.weight[PAD].zero_()
 
@@ -183,10 +191,11 @@ class Transformer(nn.Module):
         """Token embeddings scaled by sqrt(D), plus positions, with dropout: (B, n) -> (B, n, D)."""
         n = tokens.shape[1]
         if offset + n > self.config.max_positions:
-            raise ValueError(f"sequence of {offset + n} tokens exceeds max_positions "
-                             f"{self.config.max_positions}")
+            raise ValueError(
+                f"sequence of {offset + n} tokens exceeds max_positions {self.config.max_positions}"
+            )
         x = self.embed(tokens) * math.sqrt(self.config.d_model)
-        x = x + self.positions[offset:offset + n].to(x.dtype)
+        x = x + self.positions[offset : offset + n].to(x.dtype)
         return dropout(x, self.config.dropout, self.training)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
@@ -201,8 +210,13 @@ class Transformer(nn.Module):
         """Each decoder layer's encoder-decoder K/V, (B, H, S, K) each."""
         return [layer.cross_attn.keys_values(memory) for layer in self.decoder]
 
-    def decode(self, tgt_in: Tensor, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor,
-               cache: DecoderCache | None = None) -> Tensor:
+    def decode(
+        self,
+        tgt_in: Tensor,
+        memory_kv: list[tuple[Tensor, Tensor]],
+        src_mask: Tensor,
+        cache: DecoderCache | None = None,
+    ) -> Tensor:
         """(B, T) shifted target ids -> (B, T, D) decoder states; with `cache`, T is the one
         new position and the cache grows by it."""
         offset = cache.length if cache is not None else 0

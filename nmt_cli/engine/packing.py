@@ -12,7 +12,7 @@ from nmt_cli.engine.model import Transformer
 # into its own blocked layout ran at 120-135 (2 threads; base's 512 x 32000 output projection:
 # 71 -> 36 ms at 128 rows, 22 -> 8.5 ms at 12; docs/benchmarks.md). On small weights the call
 # costs more than it saves (d 128's 256 x 128 FFN: 0.12 -> 0.15 ms), hence PACK_MIN.
-PACK_MIN = 2 ** 17  # weight elements
+PACK_MIN = 2**17  # weight elements
 
 
 def _pack(weight: Tensor) -> Tensor:
@@ -37,9 +37,12 @@ class PackedLinear(nn.Module):
 
 def can_pack(model: Transformer) -> bool:
     p = model.embed.weight
-    return (p.device.type == "cpu" and p.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        p.device.type == "cpu"
+        and p.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def pack_for_cpu(model: Transformer) -> Transformer:

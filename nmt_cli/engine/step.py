@@ -14,8 +14,9 @@ from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.model import Transformer
 
 
-def batch_loss(model: Transformer, forward: torch.nn.Module, batch: Batch,
-               label_smoothing: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_loss(
+    model: Transformer, forward: torch.nn.Module, batch: Batch, label_smoothing: float, autocast
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed smoothed loss and summed NLL of one batch's target tokens."""
     with autocast():
         hidden = forward(batch.src, batch.tgt_in)
@@ -28,9 +29,19 @@ def batch_loss(model: Transformer, forward: torch.nn.Module, batch: Batch,
 STEP_FIGURES = ("loss_sum", "nll_sum", "tokens", "grad_norm", "skipped")
 
 
-def train_step(model: Transformer, forward: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               scaler: torch.amp.GradScaler, batches: list[Batch], *, label_smoothing: float,
-               clip_norm: float, lr: float, autocast, group: distributed.Group) -> torch.Tensor:
+def train_step(
+    model: Transformer,
+    forward: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    batches: list[Batch],
+    *,
+    label_smoothing: float,
+    clip_norm: float,
+    lr: float,
+    autocast,
+    group: distributed.Group,
+) -> torch.Tensor:
     """One update from a group of batches: forward, label-smoothed loss, backward, the gradient
     as a per-token mean over all ranks, clipping, Adam; an update whose loss or gradient is not
     finite changes nothing (and counts as skipped).

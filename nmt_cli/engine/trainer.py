@@ -51,20 +51,23 @@ class Interrupted(Exception):
 
     def __init__(self, signum: int, step: int):
         self.signum, self.step = signum, step
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; a checkpoint "
-                         "was saved: run `nmt train` again to resume")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} at step {step}; a checkpoint "
+            "was saved: run `nmt train` again to resume"
+        )
 
 
 @dataclass
 class State:
     """Progress that a resume needs besides the tensors."""
-    step: int = 0                 # updates made (a skipped update counts: its data is spent)
+
+    step: int = 0  # updates made (a skipped update counts: its data is spent)
     epoch: int = 0
-    batch: int = 0                # next batch of this epoch
-    seconds: float = 0.0          # training time of earlier processes
+    batch: int = 0  # next batch of this epoch
+    seconds: float = 0.0  # training time of earlier processes
     best_valid: float = math.inf
-    bad_evals: int = 0            # evaluations since the best one
-    skipped: int = 0              # updates skipped for non-finite loss or gradients
+    bad_evals: int = 0  # evaluations since the best one
+    skipped: int = 0  # updates skipped for non-finite loss or gradients
     bad_in_a_row: int = 0
 
 
@@ -77,15 +80,21 @@ LOG_EVERY = 10
 @dataclass(frozen=True)
 class Initial:
     """Weights to start from (--init-from) when the run has no checkpoint yet."""
+
     where: str
     config: ModelConfig
     weights: Callable[[], dict[str, torch.Tensor]]
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, run: RunDir, reporter: Reporter,
-                 bleu_of: Callable[[list[list[int]]], float] | None = None,
-                 init: Initial | None = None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        run: RunDir,
+        reporter: Reporter,
+        bleu_of: Callable[[list[list[int]]], float] | None = None,
+        init: Initial | None = None,
+    ):
         """`bleu_of` scores greedy translations of the validation set, given as token ids
         (for --eval-bleu; score.bleu_of_ids makes one)."""
         self.config, self.run, self.reporter = config, run, reporter
@@ -93,8 +102,10 @@ class Trainer:
         prep = run.load_manifest().get("prep")
         bpe = run.load_manifest().get("bpe")
         if not prep or not bpe:
-            raise NmtError(f"{run.root} has no binarized data: run `nmt "
-                           f"{'prep' if not prep else 'bpe'}` first (with --run-dir {run.root})")
+            raise NmtError(
+                f"{run.root} has no binarized data: run `nmt "
+                f"{'prep' if not prep else 'bpe'}` first (with --run-dir {run.root})"
+            )
         self.src_lang, self.tgt_lang = prep["src"], prep["tgt"]
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -105,17 +116,21 @@ class Trainer:
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
         limit = min(self.model_config.max_positions, config.max_tokens)
         self.train_data = Split.load(run, "train", self.src_lang, self.tgt_lang, limit)
-        self.valid_data = (Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
-                           if "valid" in prep["splits"] else None)
+        self.valid_data = (
+            Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
+            if "valid" in prep["splits"]
+            else None
+        )
         if len(self.train_data.keep) == 0:
-            raise NmtError("no training pair fits --max-tokens "
-                           f"{config.max_tokens}: raise it")
+            raise NmtError(f"no training pair fits --max-tokens {config.max_tokens}: raise it")
         dropped = len(self.train_data.src) - len(self.train_data.keep)
         if dropped:
             reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
         if not self.epoch_batches(0):
-            raise NmtError(f"too little training data for one batch per rank ({self.dist.world} "
-                           "ranks): use fewer processes or a smaller --max-tokens")
+            raise NmtError(
+                f"too little training data for one batch per rank ({self.dist.world} "
+                "ranks): use fewer processes or a smaller --max-tokens"
+            )
         torch.manual_seed(config.seed)
         self.model = Transformer(self.model_config).to(self.device)
         if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
@@ -123,40 +138,56 @@ class Trainer:
         self.forward = self.dist.wrap(self.model, self.device, config.compile)
         # Fused Adam (CPU and CUDA) can skip a non-finite update on the device (train_step).
         self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=0.0, betas=(config.beta1, config.beta2),
-            eps=config.adam_eps, fused=True)
-        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 7,
-                                           enabled=self.precision == "fp16")
+            self.model.parameters(),
+            lr=0.0,
+            betas=(config.beta1, config.beta2),
+            eps=config.adam_eps,
+            fused=True,
+        )
+        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
         self.state = State()
         self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
-        self.last: dict = {}                   # the figures of the last read
+        self.last: dict = {}  # the figures of the last read
         self.saved_at = -1
         self._signal: int | None = None
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches of `epoch`."""
-        return training_share(self.train_data.batches(self.config.max_tokens, self.config.seed,
-                                                       epoch), self.dist.rank, self.dist.world)
+        return training_share(
+            self.train_data.batches(self.config.max_tokens, self.config.seed, epoch),
+            self.dist.rank,
+            self.dist.world,
+        )
 
     # -- checkpoints
     def record(self, **extra) -> dict:
         """The JSON record of a model saved now: what it is, and `extra`."""
-        return {"format": 1, "saved": now(), "step": self.state.step,
-                "model": dataclasses.asdict(self.model_config),
-                "train": dataclasses.asdict(self.config), "src": self.src_lang,
-                "tgt": self.tgt_lang, **extra}
+        return {
+            "format": 1,
+            "saved": now(),
+            "step": self.state.step,
+            "model": dataclasses.asdict(self.model_config),
+            "train": dataclasses.asdict(self.config),
+            "src": self.src_lang,
+            "tgt": self.tgt_lang,
+            **extra,
+        }
 
     def save(self) -> None:
         """Every rank calls this at the same step (its RNG state is gathered); rank 0 writes."""
         rng_cpu = self.dist.gather(torch.get_rng_state())
-        rng_cuda = (self.dist.gather(torch.cuda.get_rng_state(self.device))
-                    if self.device.type == "cuda" else [])
+        rng_cuda = (
+            self.dist.gather(torch.cuda.get_rng_state(self.device)) if self.device.type == "cuda" else []
+        )
         self.saved_at = self.state.step
         if not self.dist.is_main:
             return
-        tensors = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                   "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-                   "rng_cpu": torch.stack(rng_cpu)}
+        tensors = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "rng_cpu": torch.stack(rng_cpu),
+        }
         if rng_cuda:
             tensors["rng_cuda"] = torch.stack(rng_cuda)
         # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
@@ -167,21 +198,29 @@ class Trainer:
         try:
             checkpoint.save_tensors(path, tensors, meta)
         except OSError as e:
-            raise NmtError(f"could not write checkpoint {path} ({e.strerror or e}); the previous "
-                           "checkpoints are intact: free space or fix the disk, then rerun to "
-                           "resume") from None
+            raise NmtError(
+                f"could not write checkpoint {path} ({e.strerror or e}); the previous "
+                "checkpoints are intact: free space or fix the disk, then rerun to "
+                "resume"
+            ) from None
         checkpoint.prune(self.run.checkpoints, self.config.keep_last)
 
     def start_from(self, init: Initial) -> None:
         """Another model's weights; the optimizer and the schedule start afresh."""
+
         def shape(c: ModelConfig) -> dict:  # dropout is the training's own choice
             return {k: v for k, v in dataclasses.asdict(c).items() if "dropout" not in k}
+
         if shape(init.config) != shape(self.model_config):
-            diff = ", ".join(f"{k} {v} (here {shape(self.model_config)[k]})"
-                             for k, v in shape(init.config).items()
-                             if shape(self.model_config)[k] != v)
-            raise NmtError(f"--init-from {init.where} is another model shape: {diff}; give "
-                           "the same shape options (--size, --d-model, ...)")
+            diff = ", ".join(
+                f"{k} {v} (here {shape(self.model_config)[k]})"
+                for k, v in shape(init.config).items()
+                if shape(self.model_config)[k] != v
+            )
+            raise NmtError(
+                f"--init-from {init.where} is another model shape: {diff}; give "
+                "the same shape options (--size, --d-model, ...)"
+            )
         self.model.load_state_dict(init.weights())
         self.reporter.say(f"starting from the weights of {init.where}")
 
@@ -192,18 +231,21 @@ class Trainer:
         mine = (found[1]["step"], found[1]["sha256"]) if found else None
         everyone = self.dist.gather_objects(mine)
         if any(x != everyone[0] for x in everyone):
-            seen = ", ".join(f"rank {r}: {f'step {x[0]}' if x else 'none'}"
-                             for r, x in enumerate(everyone))
-            raise NmtError(f"the ranks found different checkpoints to resume from ({seen}): "
-                           "--run-dir must be one directory that every node shares")
+            seen = ", ".join(f"rank {r}: {f'step {x[0]}' if x else 'none'}" for r, x in enumerate(everyone))
+            raise NmtError(
+                f"the ranks found different checkpoints to resume from ({seen}): "
+                "--run-dir must be one directory that every node shares"
+            )
         if found is None:
             if self.init is not None:
                 self.start_from(self.init)
             return False
         tensors, meta = found
         if meta["model"] != dataclasses.asdict(self.model_config):
-            raise NmtError(f"the checkpoints in {self.run.checkpoints} are of another model shape "
-                           f"({meta['model']}); use another --run-dir or the same shape options")
+            raise NmtError(
+                f"the checkpoints in {self.run.checkpoints} are of another model shape "
+                f"({meta['model']}); use another --run-dir or the same shape options"
+            )
         self.model.load_state_dict(tensors["model"])
         self.optimizer.load_state_dict(tensors["optimizer"])
         if self.scaler.is_enabled() and tensors.get("scaler"):
@@ -215,9 +257,11 @@ class Trainer:
             if self.device.type == "cuda" and "rng_cuda" in tensors:
                 torch.cuda.set_rng_state(tensors["rng_cuda"][self.dist.rank].clone(), self.device)
         else:
-            self.reporter.say(f"the checkpoint was written by {meta.get('world', 1)} ranks, "
-                              f"this run has {self.dist.world}: this epoch's data order and the "
-                              "dropout streams differ from an uninterrupted run")
+            self.reporter.say(
+                f"the checkpoint was written by {meta.get('world', 1)} ranks, "
+                f"this run has {self.dist.world}: this epoch's data order and the "
+                "dropout streams differ from an uninterrupted run"
+            )
             torch.manual_seed(self.config.seed + 7919 * self.dist.rank + meta["step"])
         self.state = State(**meta["state"])
         self.saved_at = self.state.step
@@ -237,9 +281,13 @@ class Trainer:
     def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
         if not self.dist.is_main:
             return
-        record = {"kind": kind, "step": self.state.step if step is None else step,
-                  "epoch": self.state.epoch + 1, "minutes": round(self.elapsed() / 60, 4),
-                  **metrics}
+        record = {
+            "kind": kind,
+            "step": self.state.step if step is None else step,
+            "epoch": self.state.epoch + 1,
+            "minutes": round(self.elapsed() / 60, 4),
+            **metrics,
+        }
         with open(self.run.metrics, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -269,13 +317,15 @@ class Trainer:
         if not updates:
             return
         c = self.config
-        self.last = {"loss": loss / tokens, "nll": nll / tokens,
-                     "ppl": math.exp(min(nll / tokens, 50.0)),
-                     "lr": learning_rate(self.state.step, self.model_config.d_model, c.warmup,
-                                         c.lr_scale),
-                     "grad_norm": figures["grad_norm"] if not figures["skipped"] else None,
-                     "tokens": round(tokens / updates),
-                     "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+        self.last = {
+            "loss": loss / tokens,
+            "nll": nll / tokens,
+            "ppl": math.exp(min(nll / tokens, 50.0)),
+            "lr": learning_rate(self.state.step, self.model_config.d_model, c.warmup, c.lr_scale),
+            "grad_norm": figures["grad_norm"] if not figures["skipped"] else None,
+            "tokens": round(tokens / updates),
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        }
         self._window_start = time.monotonic()
         self.log("train", self.last)
         self.reporter.progress(self.state, c.max_steps or None, self.last)
@@ -284,12 +334,15 @@ class Trainer:
         self.state.skipped += 1
         self.state.bad_in_a_row += 1
         self.log("skipped", {"skipped": self.state.skipped}, step)
-        self.reporter.say(f"skipped update {step}, whose loss or gradients were non-finite "
-                          f"({self.state.skipped} so far)")
+        self.reporter.say(
+            f"skipped update {step}, whose loss or gradients were non-finite ({self.state.skipped} so far)"
+        )
         if self.state.bad_in_a_row >= self.config.max_bad_steps:
-            raise NmtError(f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
-                           f"or gradients (up to step {step}): lower --lr-scale, "
-                           "set --clip-norm, or use --precision fp32")
+            raise NmtError(
+                f"{self.state.bad_in_a_row} updates in a row had non-finite loss "
+                f"or gradients (up to step {step}): lower --lr-scale, "
+                "set --clip-norm, or use --precision fp32"
+            )
 
     # -- the loop
     def autocast(self):
@@ -298,12 +351,23 @@ class Trainer:
 
     def step(self, batches: list[Batch]) -> None:
         """Queue one update; its figures are read later (read_figures)."""
-        lr = learning_rate(self.state.step + 1, self.model_config.d_model, self.config.warmup,
-                           self.config.lr_scale)
-        self.pending.append(train_step(
-            self.model, self.forward, self.optimizer, self.scaler, batches,
-            label_smoothing=self.config.label_smoothing, clip_norm=self.config.clip_norm,
-            lr=lr, autocast=self.autocast, group=self.dist))
+        lr = learning_rate(
+            self.state.step + 1, self.model_config.d_model, self.config.warmup, self.config.lr_scale
+        )
+        self.pending.append(
+            train_step(
+                self.model,
+                self.forward,
+                self.optimizer,
+                self.scaler,
+                batches,
+                label_smoothing=self.config.label_smoothing,
+                clip_norm=self.config.clip_norm,
+                lr=lr,
+                autocast=self.autocast,
+                group=self.dist,
+            )
+        )
         self.state.step += 1
         self.state.batch += len(batches)
 
@@ -311,12 +375,12 @@ class Trainer:
         if self.valid_data is None:
             return None
         self.model.eval()
-        nll = validation.nll(self.model, self.valid_data, self.config.max_tokens, self.dist,
-                             self.device, self.autocast)
+        nll = validation.nll(
+            self.model, self.valid_data, self.config.max_tokens, self.dist, self.device, self.autocast
+        )
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
         if self.config.eval_bleu and self.bleu_of is not None:
-            ids = validation.greedy_ids(self.model, self.valid_data, self.dist, self.device,
-                                        self.autocast)
+            ids = validation.greedy_ids(self.model, self.valid_data, self.dist, self.device, self.autocast)
             if ids is not None:  # rank 0 scores
                 metrics["valid_bleu"] = self.bleu_of(ids)
         return metrics
@@ -338,10 +402,21 @@ class Trainer:
 
     def keep_if_best(self, score: float, metrics: dict) -> None:
         """Rank 0: the model, if it is among the --keep-best best so far, into checkpoints/best."""
-        meta = self.record(best={"metric": self.config.best_metric, "score": score,
-                                 **{k: float(v) for k, v in metrics.items()}})
-        checkpoint.keep_best(self.run.best, self.config.keep_best, score, self.state.step,
-                             lambda: {"model": self.model.state_dict()}, meta)
+        meta = self.record(
+            best={
+                "metric": self.config.best_metric,
+                "score": score,
+                **{k: float(v) for k, v in metrics.items()},
+            }
+        )
+        checkpoint.keep_best(
+            self.run.best,
+            self.config.keep_best,
+            score,
+            self.state.step,
+            lambda: {"model": self.model.state_dict()},
+            meta,
+        )
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
@@ -404,11 +479,12 @@ class Trainer:
             while reason is None:
                 batches = self.epoch_batches(self.state.epoch)
                 if self.state.batch == 0:
-                    share = padding_share(batches, self.train_data.src_lengths,
-                                          self.train_data.tgt_lengths)
+                    share = padding_share(batches, self.train_data.src_lengths, self.train_data.tgt_lengths)
                     self.log("epoch", {"batches": len(batches), "padding": share})
-                updates = [batches[i:i + c.update_freq]
-                           for i in range(self.state.batch, len(batches), c.update_freq)]
+                updates = [
+                    batches[i : i + c.update_freq]
+                    for i in range(self.state.batch, len(batches), c.update_freq)
+                ]
                 for group in on_device(self.train_data, updates, self.device):
                     self.step(group)
                     reason = self.after_update()
@@ -433,11 +509,13 @@ class Trainer:
                 f"out of memory on {self.device} at step {self.state.step + 1} with batches of "
                 f"--max-tokens {c.max_tokens}: lower --max-tokens, and raise --update-freq to "
                 f"keep the tokens per update (now {c.max_tokens} x {self.dist.world} ranks x "
-                f"{c.update_freq})") from None
+                f"{c.update_freq})"
+            ) from None
         except RuntimeError as e:
             if self.dist.active and not isinstance(e, NmtError):
-                raise NmtError(f"{distributed.LOST_CONTACT} at step {self.state.step} "
-                               f"({str(e).splitlines()[0][:200]})") from None
+                raise NmtError(
+                    f"{distributed.LOST_CONTACT} at step {self.state.step} ({str(e).splitlines()[0][:200]})"
+                ) from None
             raise
         finally:
             for sig, handler in previous.items():
@@ -449,7 +527,11 @@ class Trainer:
             self.dist.close()
 
 
-def train(config: TrainConfig, run: RunDir, reporter: Reporter,
-          bleu_of: Callable[[list[list[int]]], float] | None = None,
-          init: Initial | None = None) -> dict:
+def train(
+    config: TrainConfig,
+    run: RunDir,
+    reporter: Reporter,
+    bleu_of: Callable[[list[list[int]]], float] | None = None,
+    init: Initial | None = None,
+) -> dict:
     return Trainer(config, run, reporter, bleu_of, init).train()

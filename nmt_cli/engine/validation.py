@@ -14,12 +14,13 @@ from nmt_cli.shards import pad_sources
 
 
 @torch.no_grad()
-def nll(model: torch.nn.Module, data: Split, max_tokens: int, group: Group,
-        device: torch.device, autocast) -> float:
+def nll(
+    model: torch.nn.Module, data: Split, max_tokens: int, group: Group, device: torch.device, autocast
+) -> float:
     """Validation NLL per target token (every rank gets it)."""
     # The plain model, not DDP: ranks run different numbers of batches here.
     batches = data.batches(max_tokens, 0, 0)
-    mine = batches[group.rank::group.world]
+    mine = batches[group.rank :: group.world]
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for (batch,) in on_device(data, ([b] for b in mine), device):
         _, nll_sum = batch_loss(model, model, batch, 0.0, autocast)
@@ -29,15 +30,16 @@ def nll(model: torch.nn.Module, data: Split, max_tokens: int, group: Group,
 
 
 @torch.no_grad()
-def greedy_ids(model: torch.nn.Module, data: Split, group: Group, device: torch.device,
-               autocast, batch_size: int = 64) -> list[list[int]] | None:
+def greedy_ids(
+    model: torch.nn.Module, data: Split, group: Group, device: torch.device, autocast, batch_size: int = 64
+) -> list[list[int]] | None:
     """Greedy translations of every validation sentence as token ids, in corpus order (a cheap
     stand-in for the test score while training). Rank 0 gets them; the others get None."""
     order = data.keep[np.argsort(-data.src_lengths[data.keep], kind="stable")]
-    starts = list(range(0, len(order), batch_size))[group.rank::group.world]
+    starts = list(range(0, len(order), batch_size))[group.rank :: group.world]
     mine: dict[int, list[int]] = {}
     for start in starts:
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         src = torch.from_numpy(pad_sources([data.src[int(i)] for i in rows])).to(device)
         with autocast():
             hyps = beam.translate(model, src, beam=1)

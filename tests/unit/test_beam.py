@@ -42,22 +42,21 @@ class Table:
 
         def step(tokens):
             if getattr(table, "_pending", False):
-                table.rows = [(s, prefix + (int(tok),))
-                              for (s, prefix), tok in zip(table.rows, tokens[:, 0].tolist())]
+                table.rows = [
+                    (s, prefix + (int(tok),)) for (s, prefix), tok in zip(table.rows, tokens[:, 0].tolist())
+                ]
                 table._pending = False
             return table.step(tokens)
 
         return search(step, self.reorder, max_lens, beam, alpha, nbest)
 
 
-TABLE = {(): {A: 0.6, B: 0.4},
-         (A,): {EOS: 0.4, A: 0.3, B: 0.3},
-         (B,): {EOS: 0.9, A: 0.05, B: 0.05}}
+TABLE = {(): {A: 0.6, B: 0.4}, (A,): {EOS: 0.4, A: 0.3, B: 0.3}, (B,): {EOS: 0.9, A: 0.05, B: 0.05}}
 
 
 def test_length_penalty():
     assert length_penalty(1, 0.6) == 1.0
-    assert length_penalty(7, 0.6) == pytest.approx(2 ** 0.6)
+    assert length_penalty(7, 0.6) == pytest.approx(2**0.6)
     assert length_penalty(10, 0.0) == 1.0
 
 
@@ -91,6 +90,7 @@ def test_length_penalty_divides_scores():
 
 def test_max_length_forces_eos_per_sentence():
     import itertools
+
     dist = {A: 0.5, B: 0.49, EOS: 0.01}  # EOS never ranks among the best two by itself
     forever = {prefix: dist for n in range(3) for prefix in itertools.product([A, B], repeat=n)}
     hyps = Table([forever, TABLE], beam=2).run(beam=2, alpha=0.0, max_lens=[3, 10])
@@ -103,6 +103,7 @@ def test_stops_when_no_live_hypothesis_can_win():
     # After "A EOS" (0.5) finishes, the live "B A" and "B B" have 0.1 at most: they cannot win.
     # Without that bound the search would go on to the length limit (EOS then ranks low).
     import itertools
+
     later = {A: 0.5, B: 0.49, EOS: 0.01}
     table = {prefix: later for n in range(2, 12) for prefix in itertools.product([A, B], repeat=n)}
     table.update({(): {A: 0.5, B: 0.5}, (A,): {EOS: 1.0}, (B,): {A: 0.2, B: 0.2, EOS: 0.6}})
@@ -122,8 +123,11 @@ def test_stops_when_no_live_hypothesis_can_win():
 
 @pytest.mark.parametrize("beam", [1, 2])
 def test_pad_and_bos_are_never_chosen(beam):
-    table = {(): {PAD: 0.5, BOS: 0.3, A: 0.15, B: 0.05}, (A,): {BOS: 0.9, EOS: 0.1},
-             (B,): {PAD: 0.9, EOS: 0.1}}
+    table = {
+        (): {PAD: 0.5, BOS: 0.3, A: 0.15, B: 0.05},
+        (A,): {BOS: 0.9, EOS: 0.1},
+        (B,): {PAD: 0.9, EOS: 0.1},
+    }
     hyps = Table([table], beam=beam).run(beam=beam, alpha=0.0, max_lens=[10], nbest=beam)[0]
     assert [h.tokens for h in hyps] == [[A], [B]][:beam]
     assert hyps[0].score == pytest.approx(math.log(0.15 * 0.1))
@@ -131,12 +135,14 @@ def test_pad_and_bos_are_never_chosen(beam):
 
 def model():
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=40, num_encoder_layers=2, num_decoder_layers=2,
-                                   d_model=32, ffn=64, heads=4)).eval()
+    return Transformer(
+        ModelConfig(vocab_size=40, num_encoder_layers=2, num_decoder_layers=2, d_model=32, ffn=64, heads=4)
+    ).eval()
 
 
-SRC = torch.tensor([[5, 6, 7, 8, 9, 10, EOS], [11, 12, EOS, PAD, PAD, PAD, PAD],
-                    [13, 14, 15, 16, EOS, PAD, PAD]])
+SRC = torch.tensor(
+    [[5, 6, 7, 8, 9, 10, EOS], [11, 12, EOS, PAD, PAD, PAD, PAD], [13, 14, 15, 16, EOS, PAD, PAD]]
+)
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -164,7 +170,7 @@ def test_batched_equals_alone():
     m = model()
     batched = translate(m, SRC, beam=4, max_len_b=12)
     for i in range(len(SRC)):
-        row = SRC[i:i + 1, : int((SRC[i] != PAD).sum())]
+        row = SRC[i : i + 1, : int((SRC[i] != PAD).sum())]
         alone = translate(m, row, beam=4, max_len_b=12)
         assert alone[0][0].tokens == batched[i][0].tokens
         assert alone[0][0].score == pytest.approx(batched[i][0].score, abs=1e-5)
@@ -172,9 +178,14 @@ def test_batched_equals_alone():
 
 def test_greedy_respects_limits():
     m = model()
-    out = greedy(lambda tokens: torch.log_softmax(torch.zeros(len(tokens), V), -1)
-                 .index_fill(1, torch.tensor([EOS]), -math.inf),
-                 lambda idx: None, [3, 5], alpha=0.0)
+    out = greedy(
+        lambda tokens: torch.log_softmax(torch.zeros(len(tokens), V), -1).index_fill(
+            1, torch.tensor([EOS]), -math.inf
+        ),
+        lambda idx: None,
+        [3, 5],
+        alpha=0.0,
+    )
     assert [len(h[0].tokens) for h in out] == [2, 4]
     del m
 
@@ -184,6 +195,7 @@ def test_search_reads_the_device_once_per_step(beam):
     """On a GPU every read of a tensor's values waits for the device: one per step, not one
     per sentence or per check."""
     from conftest import count_decoding_steps, host_reads
+
     m = model()
     steps = count_decoding_steps(m)
     with host_reads() as reads:

@@ -20,8 +20,9 @@ def _imports() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nmt_cli"):
                 for alias in node.names:  # `from nmt_cli import ui` names a module
                     sub = f"{node.module}.{alias.name}"
-                    found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
-                              else node.module)
+                    found.add(
+                        sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists() else node.module
+                    )
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name.startswith("nmt_cli")}
         graph[name] = found - {name, "nmt_cli"}
@@ -34,8 +35,7 @@ def test_no_module_imports_in_a_circle():
 
     def visit(module):
         if module in active:
-            raise AssertionError("import circle: " + " -> ".join(active[active.index(module):]
-                                                                + [module]))
+            raise AssertionError("import circle: " + " -> ".join(active[active.index(module) :] + [module]))
         if module in done:
             return
         active.append(module)
@@ -53,21 +53,38 @@ def test_lower_layers_do_not_import_upward():
     assert graph["nmt_cli.config"] <= {"nmt_cli.errors"}
     for module, imported in graph.items():
         if module.startswith("nmt_cli.engine"):
-            assert all(m.startswith("nmt_cli.engine") or m in {
-                "nmt_cli.config", "nmt_cli.errors", "nmt_cli.rundir", "nmt_cli.shards"}
-                for m in imported), (module, imported)
+            assert all(
+                m.startswith("nmt_cli.engine")
+                or m in {"nmt_cli.config", "nmt_cli.errors", "nmt_cli.rundir", "nmt_cli.shards"}
+                for m in imported
+            ), (module, imported)
 
 
 def _loaded_by(module: str) -> set[str]:
     code = f"import sys, {module}; print(' '.join(sys.modules))"
-    return set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              check=True).stdout.split())
+    return set(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
 
 
 def test_the_engine_and_translate_load_only_what_they_need():
     trainer = _loaded_by("nmt_cli.engine.trainer")
-    assert not trainer & {"rich", "sacrebleu", "sentencepiece", "sacremoses", "nmt_cli.bpe",
-                          "nmt_cli.score", "nmt_cli.prep", "nmt_cli.ui"}
+    assert not trainer & {
+        "rich",
+        "sacrebleu",
+        "sentencepiece",
+        "sacremoses",
+        "nmt_cli.bpe",
+        "nmt_cli.score",
+        "nmt_cli.prep",
+        "nmt_cli.ui",
+    }
     translate = _loaded_by("nmt_cli.translate")
-    assert not translate & {"nmt_cli.engine.trainer", "nmt_cli.prep", "nmt_cli.fetch",
-                            "nmt_cli.engine.distributed"}
+    assert not translate & {
+        "nmt_cli.engine.trainer",
+        "nmt_cli.prep",
+        "nmt_cli.fetch",
+        "nmt_cli.engine.distributed",
+    }

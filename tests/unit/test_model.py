@@ -11,15 +11,23 @@ from nmt_cli.shards import BOS, PAD
 
 def tiny(**kw) -> Transformer:
     torch.manual_seed(0)
-    c = ModelConfig(vocab_size=50, num_encoder_layers=2, num_decoder_layers=2, d_model=16,
-                    ffn=32, heads=2, **kw)
+    c = ModelConfig(
+        vocab_size=50, num_encoder_layers=2, num_decoder_layers=2, d_model=16, ffn=32, heads=2, **kw
+    )
     return Transformer(c).eval()
 
 
 def test_presets_match_the_paper():
-    assert PRESETS["base"] == dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512,
-                                   ffn=2048, heads=8, dropout=0.1, attention_dropout=0.1,
-                                   relu_dropout=0.1)
+    assert PRESETS["base"] == dict(
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        d_model=512,
+        ffn=2048,
+        heads=8,
+        dropout=0.1,
+        attention_dropout=0.1,
+        relu_dropout=0.1,
+    )
     big = PRESETS["big"]
     assert (big["d_model"], big["ffn"], big["heads"], big["dropout"]) == (1024, 4096, 16, 0.3)
     assert (PRESETS["tiny"]["num_encoder_layers"], PRESETS["tiny"]["d_model"]) == (3, 256)
@@ -27,15 +35,16 @@ def test_presets_match_the_paper():
 
 def test_initialisation_and_tying():
     torch.manual_seed(0)
-    m = Transformer(ModelConfig(vocab_size=8000, d_model=512, num_encoder_layers=1,
-                                num_decoder_layers=1))
+    m = Transformer(ModelConfig(vocab_size=8000, d_model=512, num_encoder_layers=1, num_decoder_layers=1))
     w = m.embed.weight
     assert torch.all(w[PAD] == 0)
-    assert abs(w[1:].std().item() - 512 ** -0.5) < 0.002
+    assert abs(w[1:].std().item() - 512**-0.5) < 0.002
     # Xavier uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out)), so std a / sqrt(3). torch's
     # own default (a = 1 / sqrt(fan_in)) also stays inside a: the spread tells them apart.
-    for lin, fan_in, fan_out in [(m.encoder[0].ffn.inner, 512, 2048),
-                                 (m.decoder[0].cross_attn.kv, 512, 1024)]:
+    for lin, fan_in, fan_out in [
+        (m.encoder[0].ffn.inner, 512, 2048),
+        (m.decoder[0].cross_attn.kv, 512, 1024),
+    ]:
         a = math.sqrt(6 / (fan_in + fan_out))
         assert a * 0.999 < lin.weight.abs().max().item() <= a
         assert lin.weight.std().item() == pytest.approx(a / math.sqrt(3), rel=0.01)
@@ -50,6 +59,7 @@ def test_initialisation_and_tying():
 def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
     from nmt_cli.engine import beam
     from nmt_cli.engine.packing import PackedLinear, pack_for_cpu
+
     m = tiny()
     src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
     tgt = torch.tensor([[BOS, 11, 12], [BOS, 13, PAD]])
@@ -74,13 +84,22 @@ def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
 
 def test_packing_leaves_small_weights_to_f_linear():
     from nmt_cli.engine.packing import PACK_MIN, PackedLinear, pack_for_cpu
+
     torch.manual_seed(0)
-    m = pack_for_cpu(Transformer(ModelConfig(vocab_size=1000, num_encoder_layers=1,
-                                             num_decoder_layers=1, d_model=128, ffn=1024,
-                                             heads=2)))
+    m = pack_for_cpu(
+        Transformer(
+            ModelConfig(
+                vocab_size=1000, num_encoder_layers=1, num_decoder_layers=1, d_model=128, ffn=1024, heads=2
+            )
+        )
+    )
     packed = {n for n, x in m.named_modules() if isinstance(x, PackedLinear)}
-    assert packed == {"encoder.0.ffn.inner", "encoder.0.ffn.outer", "decoder.0.ffn.inner",
-                      "decoder.0.ffn.outer"}  # 128 x 1024 = PACK_MIN; q, k, v, out are 128 x 128
+    assert packed == {
+        "encoder.0.ffn.inner",
+        "encoder.0.ffn.outer",
+        "decoder.0.ffn.inner",
+        "decoder.0.ffn.outer",
+    }  # 128 x 1024 = PACK_MIN; q, k, v, out are 128 x 128
     assert 128 * 1024 == PACK_MIN and m.packed_output is None  # 1000 x 128 words: below it
 
 
@@ -99,7 +118,7 @@ def test_dropout_drops_its_share_and_keeps_the_mean(p):
     y.sum().backward()
     assert torch.equal(x.grad != 0, kept) and torch.allclose(x.grad[kept], scale)
     # Each of the four 16-bit lanes of a draw is used: no lane always keeps or always drops.
-    lanes = kept.flatten()[:4 * (x.numel() // 4)].view(-1, 4).double().mean(0)
+    lanes = kept.flatten()[: 4 * (x.numel() // 4)].view(-1, 4).double().mean(0)
     assert torch.allclose(lanes, torch.full_like(lanes, 1 - p), atol=0.01)
     torch.manual_seed(1)
     assert torch.equal(dropout(x, p, training=True), y)  # from torch's generator: seeded
@@ -111,8 +130,16 @@ def test_sinusoids():
     # timescales 1 to 10000 in geometric steps: for d 8, 1, 10000^(1/3), 10000^(2/3), 10000.
     table = sinusoids(10, 8)
     assert torch.allclose(table[0], torch.tensor([0.0] * 4 + [1.0] * 4))
-    by_hand = [math.sin(5.0), math.sin(5 / 21.544347), math.sin(5 / 464.15888), math.sin(5e-4),
-               math.cos(5.0), math.cos(5 / 21.544347), math.cos(5 / 464.15888), math.cos(5e-4)]
+    by_hand = [
+        math.sin(5.0),
+        math.sin(5 / 21.544347),
+        math.sin(5 / 464.15888),
+        math.sin(5e-4),
+        math.cos(5.0),
+        math.cos(5 / 21.544347),
+        math.cos(5 / 464.15888),
+        math.cos(5e-4),
+    ]
     assert torch.allclose(table[5], torch.tensor(by_hand), atol=1e-6)
 
 
@@ -146,8 +173,7 @@ def test_cached_decoding_equals_full_decoding():
         kv = m.memory_keys_values(memory)
         full = m.decode(tgt, kv, mask)
         cache = DecoderCache(m.memory_keys_values(memory), mask, beam=1, max_len=8)
-        steps = [m.decode(tgt[:, t:t + 1], cache.memory_kv, cache.src_mask, cache)
-                 for t in range(5)]
+        steps = [m.decode(tgt[:, t : t + 1], cache.memory_kv, cache.src_mask, cache) for t in range(5)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
     assert cache.length == 5
 
@@ -162,7 +188,7 @@ def test_cache_with_beams_reorders_rows_and_drops_sentences():
         rows = tgt.repeat_interleave(2, 0)  # (2 sentences x 2 beams, T)
         rows[1, 1] = 7  # beam 1 of sentence 0 takes another second token
         for t in range(2):
-            m.decode(rows[:, t:t + 1], cache.memory_kv, cache.src_mask, cache)
+            m.decode(rows[:, t : t + 1], cache.memory_kv, cache.src_mask, cache)
         # Sentence 0 finishes; sentence 1 keeps its beam 0 twice.
         cache.reorder(torch.tensor([2, 2]))
         step = m.decode(rows[[2, 2], 2:3], cache.memory_kv, cache.src_mask, cache)
@@ -172,7 +198,7 @@ def test_cache_with_beams_reorders_rows_and_drops_sentences():
         # And a beam that took another path keeps its own history.
         cache2 = DecoderCache(m.memory_keys_values(memory), mask, beam=2, max_len=4)
         for t in range(2):
-            m.decode(rows[:, t:t + 1], cache2.memory_kv, cache2.src_mask, cache2)
+            m.decode(rows[:, t : t + 1], cache2.memory_kv, cache2.src_mask, cache2)
         cache2.reorder(torch.tensor([1, 1, 2, 3]))
         step = m.decode(rows[[1, 1, 2, 3], 2:3], cache2.memory_kv, cache2.src_mask, cache2)
         alt = m.decode(rows[[1]], m.memory_keys_values(memory[[0]]), mask[[0]])
@@ -186,6 +212,7 @@ def test_too_long_input_is_a_clear_error():
 
 
 # -- an independent implementation ---------------------------------------------------------------
+
 
 def _layer_norm(x, ln):
     mean = x.mean(-1, keepdim=True)
@@ -224,7 +251,7 @@ def _reference(m, src, tgt):
         pe = torch.cat([torch.sin(pos / timescales), torch.cos(pos / timescales)], 1)
         return m.embed.weight[ids] * math.sqrt(d) + pe
 
-    src_ok = (src != PAD)[:, None, :]                         # (B, 1, S)
+    src_ok = (src != PAD)[:, None, :]  # (B, 1, S)
     x = embed(src)
     for layer in m.encoder:
         h = _layer_norm(x, layer.res1.norm)
@@ -269,6 +296,7 @@ def test_each_dropout_acts_in_training_only(which):
 @pytest.mark.parametrize("post_norm", [False, True])
 def test_residual_dropout_is_on_the_sublayer_output(post_norm):
     from nmt_cli.engine.model import Residual
+
     torch.manual_seed(0)
     res = Residual(16, 0.5, post_norm).train()
     x = torch.randn(4, 16)

@@ -24,21 +24,30 @@ def _batch(rows: list[tuple[list[int], list[int]]]):
     tgt_in = np.full((len(rows), t_len), PAD)
     tgt_out = np.full((len(rows), t_len), PAD)
     for i, (s, t) in enumerate(rows):
-        src[i, :len(s) + 1] = s + [EOS]
-        tgt_in[i, :len(t) + 1] = [BOS] + t
-        tgt_out[i, :len(t) + 1] = t + [EOS]
+        src[i, : len(s) + 1] = s + [EOS]
+        tgt_in[i, : len(t) + 1] = [BOS] + t
+        tgt_out[i, : len(t) + 1] = t + [EOS]
     return to_device((src, tgt_in, tgt_out), torch.device("cpu"))
 
 
-BATCHES = [_batch([([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14, 15])]),
-           _batch([([16, 17, 18, 19], [20])])]
+BATCHES = [_batch([([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14, 15])]), _batch([([16, 17, 18, 19], [20])])]
 
 
 def _model():
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=30, num_encoder_layers=1, num_decoder_layers=1,
-                                   d_model=16, ffn=32, heads=2, dropout=0.0,
-                                   attention_dropout=0.0, relu_dropout=0.0))
+    return Transformer(
+        ModelConfig(
+            vocab_size=30,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            d_model=16,
+            ffn=32,
+            heads=2,
+            dropout=0.0,
+            attention_dropout=0.0,
+            relu_dropout=0.0,
+        )
+    )
 
 
 def _step_seeing_gradients(model, batches, clip_norm):
@@ -52,9 +61,18 @@ def _step_seeing_gradients(model, batches, clip_norm):
         return real(*args, **kwargs)
 
     optimizer.step = step
-    figures = train_step(model, model, optimizer, torch.amp.GradScaler("cuda", enabled=False),
-                         batches, label_smoothing=0.1, clip_norm=clip_norm, lr=1e-3,
-                         autocast=contextlib.nullcontext, group=distributed.Group())
+    figures = train_step(
+        model,
+        model,
+        optimizer,
+        torch.amp.GradScaler("cuda", enabled=False),
+        batches,
+        label_smoothing=0.1,
+        clip_norm=clip_norm,
+        lr=1e-3,
+        autocast=contextlib.nullcontext,
+        group=distributed.Group(),
+    )
     return figures.tolist(), seen["grads"]
 
 
@@ -66,8 +84,9 @@ def _reference_gradients(model, batches):
         tgt_out = torch.full(b.tgt_in.shape, PAD).flatten()
         tgt_out[b.positions] = b.targets
         logits = model.logits(model(b.src, b.tgt_in)).flatten(0, 1)
-        total = total + F.cross_entropy(logits, tgt_out, ignore_index=PAD, reduction="sum",
-                                        label_smoothing=0.1)
+        total = total + F.cross_entropy(
+            logits, tgt_out, ignore_index=PAD, reduction="sum", label_smoothing=0.1
+        )
         tokens += int((tgt_out != PAD).sum())
     return torch.autograd.grad(total / tokens, list(model.parameters())), total.item(), tokens
 
