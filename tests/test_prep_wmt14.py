@@ -8,7 +8,7 @@ import pytest
 import wmt14_mirror
 from conftest import one_error_line
 
-from nmt_cli import fetch, prep
+from nmt_cli import fetch, recipes
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 
@@ -24,7 +24,7 @@ def pinned_to(folder):
 
     return {
         split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
-        for split, corpora in prep.WMT14_EN_DE.items()
+        for split, corpora in recipes.WMT14_EN_DE.items()
     }
 
 
@@ -32,7 +32,7 @@ def pinned_to(folder):
 def mirror(tmp_path, monkeypatch):
     folder = tmp_path / "mirror"
     expected = wmt14_mirror.build(folder)
-    monkeypatch.setattr(prep, "WMT14_EN_DE", pinned_to(folder))
+    monkeypatch.setattr(recipes, "WMT14_EN_DE", pinned_to(folder))
     return folder, expected
 
 
@@ -125,7 +125,7 @@ def test_hostile_archive_members_are_refused(tmp_path, member, what):
 def test_hostile_archive_is_refused_through_prep(mirror, tmp_path, monkeypatch, nmt):
     folder, _ = mirror
     _tar_with(folder / "training-parallel-europarl-v7.tgz", tarfile.TarInfo("../evil.txt"))
-    monkeypatch.setattr(prep, "WMT14_EN_DE", pinned_to(folder))
+    monkeypatch.setattr(recipes, "WMT14_EN_DE", pinned_to(folder))
     line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "refusing" in line and "'../evil.txt'" in line
     assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "run" / "evil.txt").exists()
@@ -135,7 +135,7 @@ def test_truncated_archive_is_a_clear_error(mirror, tmp_path, monkeypatch, nmt):
     folder, _ = mirror
     archive = folder / "training-parallel-commoncrawl.tgz"
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
-    monkeypatch.setattr(prep, "WMT14_EN_DE", pinned_to(folder))  # as if pinned so
+    monkeypatch.setattr(recipes, "WMT14_EN_DE", pinned_to(folder))  # as if pinned so
     line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "training-parallel-commoncrawl.tgz is truncated or corrupt" in line
 

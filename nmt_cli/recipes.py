@@ -1,0 +1,124 @@
+"""What each `nmt prep` recipe is made of: per split, the corpora, and per language the file
+(a download with its checksum and size, a member of a downloaded archive, or a local file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nmt_cli.config import PrepConfig
+from nmt_cli.fetch import Source
+
+TRAIN = "train"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One language side of one corpus: a downloaded file, or a member of a downloaded archive."""
+
+    source: Source | None  # None: a local file of the user's (`path`)
+    member: str | None = None  # inside the archive; None: the file itself (plain or .gz)
+    sgm: bool = False  # WMT's SGML test-set format
+    path: str | None = None
+
+    def describe(self) -> str:
+        if self.source is None:
+            return str(self.path)
+        return f"{self.source.name}:{self.member}" if self.member else self.source.name
+
+
+Corpus = dict[str, Part]  # lang -> part
+Recipe = dict[str, list[Corpus]]  # split -> corpora, concatenated in order
+
+# -- WMT14 English-German, the paper's data -----------------------------------------------------
+# Checksums as recorded by Hugging Face `datasets` (dataset_infos.json of wmt14, revision
+# 22d3b80586cab756b70d6c939ceace94bb356a8c); statmt.org publishes none (docs/data.md).
+EUROPARL = Source(
+    "http://www.statmt.org/wmt13/training-parallel-europarl-v7.tgz",
+    "0224c7c710c8a063dfd893b0cc0830202d61f4c75c17eb8e31836103d27d96e7",
+    657632379,
+)
+COMMONCRAWL = Source(
+    "http://www.statmt.org/wmt13/training-parallel-commoncrawl.tgz",
+    "c7a74e2ea01ac6c920123108627e35278d4ccb5701e15428ffa34de86fa3a9e5",
+    918311367,
+)
+NEWS_COMMENTARY = Source(
+    "http://www.statmt.org/wmt14/training-parallel-nc-v9.tgz",
+    "cb8953f292298e6877ae433c98912b927cb0766b303f4540512ddd286c748485",
+    80418416,
+)
+# WMT19's dev archive holds newstest2013 as plain text and the full (3003-line) newstest2014.
+WMT_DEV = Source(
+    "http://data.statmt.org/wmt19/translation-task/dev.tgz",
+    "7a7deccf82ebb05ba508dba5eb21356492224e8f630ec4f992132b029b4b25e7",
+    38654961,
+)
+
+
+def _pair(source: Source, en: str, de: str, sgm: bool = False) -> Corpus:
+    return {"en": Part(source, en, sgm), "de": Part(source, de, sgm)}
+
+
+WMT14_EN_DE: Recipe = {
+    TRAIN: [
+        _pair(EUROPARL, "training/europarl-v7.de-en.en", "training/europarl-v7.de-en.de"),
+        _pair(COMMONCRAWL, "commoncrawl.de-en.en", "commoncrawl.de-en.de"),
+        _pair(
+            NEWS_COMMENTARY, "training/news-commentary-v9.de-en.en", "training/news-commentary-v9.de-en.de"
+        ),
+    ],
+    "valid": [_pair(WMT_DEV, "dev/newstest2013.en", "dev/newstest2013.de")],
+    "test": [
+        _pair(WMT_DEV, "dev/newstest2014-deen-src.en.sgm", "dev/newstest2014-deen-ref.de.sgm", sgm=True)
+    ],
+}
+
+# -- Multi30k task 1, raw files of the multi30k/dataset repository, pinned to one commit ----------
+MULTI30K_BASE = (
+    "https://raw.githubusercontent.com/multi30k/dataset/"
+    "a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw/"
+)
+MULTI30K_FILES = {  # (split, name): (sha256, bytes)
+    ("train", "train"): {
+        "en": ("d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f", 568929),
+        "de": ("726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6", 637044),
+    },
+    ("valid", "val"): {
+        "en": ("14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28", 21650),
+        "de": ("f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a", 24681),
+    },
+    ("test", "test_2016_flickr"): {
+        "en": ("611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9", 21077),
+        "de": ("9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8", 22890),
+    },
+    ("test2017", "test_2017_flickr"): {
+        "en": ("76a444ee25172e72695cddb13ae4a3bda59430617be88e0bb46b60504f054074", 19138),
+        "de": ("a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee", 21471),
+    },
+}
+MULTI30K_EN_DE: Recipe = {
+    split: [
+        {
+            lang: Part(Source(f"{MULTI30K_BASE}{name}.{lang}.gz", sha, size))
+            for lang, (sha, size) in sides.items()
+        }
+    ]
+    for (split, name), sides in MULTI30K_FILES.items()
+}
+
+
+def custom_recipe(config: PrepConfig) -> Recipe:
+    recipe: Recipe = {}
+    for split in (TRAIN, "valid", "test"):
+        src, tgt = getattr(config, f"{split}_src"), getattr(config, f"{split}_tgt")
+        if src:
+            recipe[split] = [{config.src: Part(None, path=src), config.tgt: Part(None, path=tgt)}]
+    return recipe
+
+
+def recipe_for(config: PrepConfig) -> Recipe:
+    if config.recipe == "wmt14-en-de":
+        return WMT14_EN_DE
+    if config.recipe == "multi30k-en-de":
+        return MULTI30K_EN_DE
+    return custom_recipe(config)
