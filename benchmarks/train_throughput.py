@@ -159,7 +159,7 @@ def loop_against_bare(
     import tempfile
 
     from nmt_cli.config import TrainConfig
-    from nmt_cli.engine import trainer
+    from nmt_cli.engine import state, trainer
     from nmt_cli.engine.data import on_device
     from nmt_cli.rundir import RunDir
 
@@ -180,7 +180,7 @@ def loop_against_bare(
             save_every=10**6,
             warmup=100,
         )
-        t = trainer.Trainer(config, RunDir(run), trainer._Quiet())
+        t = trainer.Trainer(config, RunDir(run), state.Quiet())
         groups = [[b] for b in t.epoch_batches(0)[:steps]]
         updates = list(on_device(t.train_data, groups, t.device))  # collated and copied first
 
@@ -200,7 +200,7 @@ def loop_against_bare(
         sync()
         bare = sum(b[0].tokens for b in updates) / (time.perf_counter() - start)
         del t, updates
-        loop = trainer.Trainer(config, RunDir(run), trainer._Quiet())
+        loop = trainer.Trainer(config, RunDir(run), state.Quiet())
         loop.train()  # logs tokens/s per window, leaving out validation and checkpoints
         rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         windows = [r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 20]

@@ -238,7 +238,7 @@ def train(
 
     from nmt_cli import training, ui
     from nmt_cli.config import TrainConfig
-    from nmt_cli.engine import distributed, trainer
+    from nmt_cli.engine import distributed, state
     from nmt_cli.rundir import RunDir
 
     run = RunDir(run_dir)
@@ -256,7 +256,7 @@ def train(
         config = training.settings(run, given, explicit)
         try:
             result = training.train_here(run, config, rank)
-        except trainer.Interrupted as e:
+        except state.Interrupted as e:
             ui.say(str(e))
             raise typer.Exit(128 + e.signum) from None
     if rank == 0:
@@ -338,7 +338,7 @@ def quickstart(
     Further options go to `nmt train` and override the recipe's, e.g. `--size tiny`.
     """
     from nmt_cli import quickstart as quickstart_mod
-    from nmt_cli.engine import trainer
+    from nmt_cli.engine.state import Interrupted
     from nmt_cli.rundir import RunDir
 
     # Options meant for `nmt train` are checked now, not after prep and bpe have run.
@@ -358,7 +358,7 @@ def quickstart(
         )
     try:
         quickstart_mod.run(RunDir(run_dir), minutes, str(mirror) if mirror else None, threads, overrides)
-    except trainer.Interrupted as e:  # its checkpoint is saved: a rerun resumes
+    except Interrupted as e:  # its checkpoint is saved: a rerun resumes
         from nmt_cli import ui
 
         ui.say(str(e))

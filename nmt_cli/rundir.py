@@ -241,6 +241,16 @@ class RunDir:
                 records.append(record)
         return records
 
+    def add_metric(self, record: dict) -> None:
+        with open(self.metrics, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop the records after `step` (a resume redoes those steps)."""
+        if self.metrics.exists():
+            kept = [r for r in self.metric_records() if r["step"] <= step]
+            atomic_write_text(self.metrics, "".join(json.dumps(r) + "\n" for r in kept))
+
     def load_manifest(self) -> dict:
         if not self.manifest_path.exists():
             return {}

@@ -14,7 +14,7 @@ import sys
 
 from nmt_cli import ui
 from nmt_cli.config import TrainConfig, from_json
-from nmt_cli.engine import checkpoint, distributed, trainer
+from nmt_cli.engine import checkpoint, distributed, state, trainer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 
@@ -99,7 +99,7 @@ def worker(run_dir: str) -> int:
         config = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
         _train(run, config)
         return 0
-    except trainer.Interrupted as e:
+    except state.Interrupted as e:
         ui.say(str(e))
         return 128 + e.signum
     except Exception as e:  # noqa: BLE001 - every failure becomes the job's one error line
@@ -124,7 +124,7 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
         return trainer.train(config, run, display, bleu_of, init)
 
 
-def initial_model(run: RunDir, where: str) -> trainer.Initial:
+def initial_model(run: RunDir, where: str) -> state.Initial:
     """--init-from: a package, a run directory (its averaged model, else its latest
     checkpoint) or a checkpoint file; refused unless it shares this run's BPE model."""
     from pathlib import Path
@@ -153,7 +153,7 @@ def initial_model(run: RunDir, where: str) -> trainer.Initial:
             f"{run.root}'s BPE model is not the one {where} was trained with: "
             f"encode the data with `nmt bpe --from {where}`"
         )
-    return trainer.Initial(str(model.where), model.config, model.load_weights)
+    return state.Initial(str(model.where), model.config, model.load_weights)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY, one_error_line
 
-from nmt_cli.engine import checkpoint, step, trainer
+from nmt_cli.engine import checkpoint, state, step, trainer
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.rundir import RunDir, sha256_file
@@ -370,7 +370,7 @@ def _tiny_trainer(run_dir, **options):
         device="cpu",
         **options,
     )
-    return trainer.Trainer(config, RunDir(run_dir), trainer._Quiet())
+    return trainer.Trainer(config, RunDir(run_dir), state.Quiet())
 
 
 def test_train_step_reads_nothing_back_from_the_device(run_copy):

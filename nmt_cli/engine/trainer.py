@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,63 +24,16 @@ from nmt_cli.engine.data import Batch, Split, on_device, training_share
 from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
+from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, gather_rng, restore_rng
 from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_write_text, now
+from nmt_cli.rundir import RunDir, now
 from nmt_cli.shards import padding_share
-
-
-class Reporter(Protocol):
-    def progress(self, state: State, total_steps: int | None, metrics: dict) -> None: ...
-    def say(self, message: str) -> None: ...
-
-
-class _Quiet:
-    def progress(self, state, total_steps, metrics) -> None:
-        pass
-
-    def say(self, message: str) -> None:
-        pass
-
-
-class Interrupted(Exception):
-    """Training stopped by a signal after saving a checkpoint."""
-
-    def __init__(self, signum: int, step: int):
-        self.signum, self.step = signum, step
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} at step {step}; a checkpoint "
-            "was saved: run `nmt train` again to resume"
-        )
-
-
-@dataclass
-class State:
-    """Progress that a resume needs besides the tensors."""
-
-    step: int = 0  # updates made (a skipped update counts: its data is spent)
-    epoch: int = 0
-    batch: int = 0  # next batch of this epoch
-    seconds: float = 0.0  # training time of earlier processes
-    best_valid: float = math.inf
-    bad_evals: int = 0  # evaluations since the best one
-    skipped: int = 0  # updates skipped for non-finite loss or gradients
-    bad_in_a_row: int = 0
-
 
 # Updates between two reads of the training figures. A read waits for the device to finish
 # what was queued, so the host reads only this often (and at validations and checkpoints);
 # signals and the time budget are looked at then too.
 LOG_EVERY = 10
-
-
-@dataclass(frozen=True)
-class Initial:
-    """Weights to start from (--init-from) when the run has no checkpoint yet."""
-
-    where: str
-    config: ModelConfig
-    weights: Callable[[], dict[str, torch.Tensor]]
 
 
 class Trainer:
@@ -111,7 +61,7 @@ class Trainer:
             torch.set_num_threads(config.threads)
         self.dist, self.device = distributed.setup(resolve_device(config.device))
         if not self.dist.is_main:  # rank 0 alone talks, logs and writes
-            self.reporter = reporter = _Quiet()
+            self.reporter = reporter = Quiet()
         self.precision = resolve_precision(config.precision, self.device)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
         limit = min(self.model_config.max_positions, config.max_tokens)
@@ -175,10 +125,7 @@ class Trainer:
 
     def save(self) -> None:
         """Every rank calls this at the same step (its RNG state is gathered); rank 0 writes."""
-        rng_cpu = self.dist.gather(torch.get_rng_state())
-        rng_cuda = (
-            self.dist.gather(torch.cuda.get_rng_state(self.device)) if self.device.type == "cuda" else []
-        )
+        rng = gather_rng(self.dist, self.device)
         self.saved_at = self.state.step
         if not self.dist.is_main:
             return
@@ -186,10 +133,8 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            "rng_cpu": torch.stack(rng_cpu),
+            **rng,
         }
-        if rng_cuda:
-            tensors["rng_cuda"] = torch.stack(rng_cuda)
         # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
         # however many times it was interrupted and resumed.
         state = dataclasses.replace(self.state, seconds=self.elapsed())
@@ -205,25 +150,6 @@ class Trainer:
             ) from None
         checkpoint.prune(self.run.checkpoints, self.config.keep_last)
 
-    def start_from(self, init: Initial) -> None:
-        """Another model's weights; the optimizer and the schedule start afresh."""
-
-        def shape(c: ModelConfig) -> dict:  # dropout is the training's own choice
-            return {k: v for k, v in dataclasses.asdict(c).items() if "dropout" not in k}
-
-        if shape(init.config) != shape(self.model_config):
-            diff = ", ".join(
-                f"{k} {v} (here {shape(self.model_config)[k]})"
-                for k, v in shape(init.config).items()
-                if shape(self.model_config)[k] != v
-            )
-            raise NmtError(
-                f"--init-from {init.where} is another model shape: {diff}; give "
-                "the same shape options (--size, --d-model, ...)"
-            )
-        self.model.load_state_dict(init.weights())
-        self.reporter.say(f"starting from the weights of {init.where}")
-
     def resume(self) -> bool:
         found = checkpoint.load_latest(self.run.checkpoints, self.reporter.say)
         # DDP gave every rank rank 0's initial weights already: a rank that resumed from
@@ -237,8 +163,9 @@ class Trainer:
                 "--run-dir must be one directory that every node shares"
             )
         if found is None:
-            if self.init is not None:
-                self.start_from(self.init)
+            if self.init is not None:  # a fresh optimizer and schedule
+                self.model.load_state_dict(self.init.weights_for(self.model_config))
+                self.reporter.say(f"starting from the weights of {self.init.where}")
             return False
         tensors, meta = found
         if meta["model"] != dataclasses.asdict(self.model_config):
@@ -250,12 +177,8 @@ class Trainer:
         self.optimizer.load_state_dict(tensors["optimizer"])
         if self.scaler.is_enabled() and tensors.get("scaler"):
             self.scaler.load_state_dict(tensors["scaler"])
-        rng_cpu = tensors["rng_cpu"]
         if meta.get("world", 1) == self.dist.world:  # each rank continues its own dropout stream
-            # clone(): torch.set_rng_state crashes (SIGSEGV) on a view such as a row.
-            torch.set_rng_state((rng_cpu[self.dist.rank] if rng_cpu.dim() == 2 else rng_cpu).clone())
-            if self.device.type == "cuda" and "rng_cuda" in tensors:
-                torch.cuda.set_rng_state(tensors["rng_cuda"][self.dist.rank].clone(), self.device)
+            restore_rng(tensors, self.dist.rank, self.device)
         else:
             self.reporter.say(
                 f"the checkpoint was written by {meta.get('world', 1)} ranks, "
@@ -266,18 +189,11 @@ class Trainer:
         self.state = State(**meta["state"])
         self.saved_at = self.state.step
         if self.dist.is_main:
-            self._truncate_metrics(self.state.step)
+            self.run.truncate_metrics(self.state.step)
         self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
         return True
 
     # -- metrics
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop figures logged after the checkpoint we resume from: those steps are redone."""
-        if not self.run.metrics.exists():
-            return
-        kept = [r for r in self.run.metric_records() if r["step"] <= step]
-        atomic_write_text(self.run.metrics, "".join(json.dumps(r) + "\n" for r in kept))
-
     def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
         if not self.dist.is_main:
             return
@@ -288,8 +204,7 @@ class Trainer:
             "minutes": round(self.elapsed() / 60, 4),
             **metrics,
         }
-        with open(self.run.metrics, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        self.run.add_metric(record)
 
     def elapsed(self) -> float:
         return self.state.seconds + time.monotonic() - self._started
