@@ -41,7 +41,10 @@ Int8Option = Annotated[
 ]
 ModelOption = Annotated[
     Optional[Path],
-    typer.Option("--model", help="A directory from `nmt export` (instead of the run's model)."),
+    typer.Option(
+        "--model",
+        help="An `nmt export` directory, a run directory or a checkpoint (instead of --run-dir's model).",
+    ),
 ]
 EngineOption = Annotated[
     str, typer.Option(help="nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8).")

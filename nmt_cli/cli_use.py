@@ -222,7 +222,10 @@ def export(
 
 @app.command()
 def serve(
-    model: Annotated[Path, typer.Option("--model", help="A directory from `nmt export`.")],
+    model: Annotated[
+        Path,
+        typer.Option("--model", help="A directory from `nmt export`, a run directory or a checkpoint file."),
+    ],
     port: Annotated[int, typer.Option(help="TCP port (0: any free one, printed).")] = 8080,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     beam: BeamOption = 4,
@@ -254,7 +257,7 @@ def serve(
         max_queue=max_queue,
         max_sentences=max_sentences,
     )
-    serve_mod.run(package.from_dir(model), translate_config, config)
+    serve_mod.run(package.locate(model), translate_config, config)
 
 
 def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str]):
@@ -264,7 +267,7 @@ def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str])
     if model is not None:
         if checkpoint:
             raise NmtError("--model and --checkpoint name two models: give one")
-        return package.from_dir(model)
+        return package.locate(model)
     return package.from_run(RunDir(run_dir), checkpoint)
 
 

@@ -93,6 +93,24 @@ def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
     )
 
 
+def locate(where: Path) -> Model:
+    """The model one path names: a package or export, a run directory (as `from_run`), or a
+    checkpoint file of a run (in its checkpoints/, or averaged.pt at its top)."""
+    path = Path(where)
+    if path.is_file():
+        root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return from_run(RunDir(root), str(path))
+    if (path / SETTINGS).is_file():
+        return from_dir(path)
+    if RunDir(path).manifest_path.is_file():
+        return from_run(RunDir(path), None)
+    raise NmtError(
+        f"{where} is not a model: give a directory from `nmt export`, a run directory or a checkpoint file"
+        if path.exists()
+        else f"{where} not found"
+    )
+
+
 def from_dir(path: Path) -> Model:
     """A package or a CTranslate2 export."""
     settings_path = Path(path) / SETTINGS

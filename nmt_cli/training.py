@@ -132,17 +132,7 @@ def initial_model(run: RunDir, where: str) -> state.Initial:
     from nmt_cli import package
     from nmt_cli.rundir import sha256_file
 
-    path = Path(where)
-    if path.is_dir() and (path / package.SETTINGS).is_file():
-        model = package.from_dir(path)
-    elif path.is_dir():
-        model = package.from_run(RunDir(path), None)
-    elif path.is_file():  # a checkpoint, in its run's checkpoints/ (or averaged.pt at the top)
-        model = package.from_run(
-            RunDir(path.parent.parent if path.parent.name == "checkpoints" else path.parent), str(path)
-        )
-    else:
-        raise NmtError(f"--init-from {where} not found")
+    model = package.locate(Path(where))
     if model.load_weights is None:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"

@@ -88,7 +88,8 @@ def test_score_works_from_the_package_alone(package, multi30k_bpe, tmp_path, nmt
 
 def test_package_errors(package, trained_longer, tmp_path, nmt):
     assert "not empty" in one_error_line(nmt("export", package, "--run-dir", trained_longer))
-    assert "nmt.json" in one_error_line(nmt("translate", "--model", tmp_path, stdin=b"x\n"))
+    assert "is not a model" in one_error_line(nmt("translate", "--model", tmp_path, stdin=b"x\n"))
+    assert "not found" in one_error_line(nmt("translate", "--model", tmp_path / "none", stdin=b"x\n"))
     broken = tmp_path / "broken"
     shutil.copytree(package, broken)
     with open(broken / "model.safetensors", "r+b") as f:
@@ -98,6 +99,17 @@ def test_package_errors(package, trained_longer, tmp_path, nmt):
     assert "two models" in one_error_line(
         nmt("translate", "--model", package, "--checkpoint", "x.pt", stdin=b"x\n")
     )
+
+
+def test_model_names_a_run_or_a_checkpoint_too(trained, multi30k_bpe, nmt):
+    lines = "\n".join(sources_of(multi30k_bpe)[:30]).encode() + b"\n"
+    first = sorted((trained / "checkpoints").glob("checkpoint_*.pt"))[0]
+    by_run = nmt("translate", "--run-dir", trained, stdin=lines)  # the averaged model
+    by_checkpoint = nmt("translate", "--run-dir", trained, "--checkpoint", first, stdin=lines)
+    assert by_run.code == by_checkpoint.code == 0 and by_run.out != by_checkpoint.out
+    assert nmt("translate", "--model", trained, stdin=lines).out == by_run.out
+    assert nmt("translate", "--model", first, stdin=lines).out == by_checkpoint.out
+    assert nmt("translate", "--model", trained / "averaged.pt", stdin=lines).out == by_run.out
 
 
 # -- CTranslate2 -------------------------------------------------------------------------------
