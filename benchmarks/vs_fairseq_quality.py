@@ -1,0 +1,273 @@
+"""nmt and fairseq 0.12.2 side by side on Multi30k en-de: the same data, recipe and training time,
+trained at the same time on this machine, one thread each; decoded by each toolkit's own beam
+search (beam 4, every other setting at its default); scored by the same scorer with the paired
+bootstrap.
+
+    bash benchmarks/peers/install_fairseq.sh          # once: fairseq in ../peers/fairseq
+    python benchmarks/vs_fairseq_quality.py [--minutes 60] [--out benchmarks/out/vs_fairseq]
+
+1. `nmt prep multi30k-en-de` and `nmt bpe --vocab-size 8000` (joint sentencepiece). fairseq gets
+   the same cleaned text cut into the same pieces (`fairseq-preprocess --joined-dictionary`).
+2. Both train for --minutes at once, each with one thread: the quickstart's recipe (4+4 layers,
+   d 128, FFN 256, 4 heads, pre-norm, dropout 0.2 / attention 0.1 / ReLU 0.1, 1024-token
+   batches, warmup 1000 to a peak of 128^-0.5 * 1000^-0.5 = 2.8e-3, inverse square root decay,
+   Adam (0.9, 0.98, 1e-9), label smoothing 0.1, a checkpoint every 250 updates). Validation:
+   nmt's NLL every 500 updates; fairseq's loss at each checkpoint and epoch (its behaviour with
+   --save-interval-updates).
+3. Each averages its last 5 checkpoints and translates valid, test2016 and test2017 with beam 4
+   (nmt: `nmt score --split`, GNMT length penalty alpha 0.6; fairseq: `fairseq-generate`,
+   length-normalised scores, lenpen 1). fairseq's pieces are joined by the same sentencepiece
+   model.
+4. Both are scored against the references as released: cased sacreBLEU and chrF, BLEU on
+   lowercased Moses-tokenised text (`nmt score --moses-lc`), and sacreBLEU's paired bootstrap
+   (1000 samples) of nmt against fairseq for each. The validation rows are where recipe and
+   decoding choices are made; the test rows are the figure.
+
+Results go to OUT/vs_fairseq.json and print as the markdown table of docs/benchmarks.md. OUT is
+made afresh (an existing OUT is refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MULTI30K = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data")) / "multi30k"
+FAIRSEQ_PYTHON = ROOT.parent / "peers" / "fairseq" / "bin" / "python"
+SPLITS = {"valid": "valid", "test2016": "test", "test2017": "test2017"}  # shown name: nmt's split
+FAIRSEQ_SUBSET = {"valid": "valid", "test": "test", "test2017": "test1"}  # nmt's split: fairseq's
+SHAPE = dict(layers=4, d=128, ffn=256, heads=4, dropout=0.2, attention_dropout=0.1, relu_dropout=0.1)
+RECIPE = dict(max_tokens=1024, warmup=1000, save_every=250, eval_every=500, average=5, beam=4, seed=1)
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run(cmd: list, log: Path, env: dict | None = None) -> str:
+    with open(log, "a", encoding="utf-8") as err:
+        err.write(f"$ {' '.join(map(str, cmd))}\n")
+        err.flush()
+        done = subprocess.run(
+            [str(c) for c in cmd],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+    if done.returncode:
+        sys.exit(f"{' '.join(map(str, cmd[:4]))} ... failed (exit {done.returncode}); see {log}")
+    return done.stdout
+
+
+def nmt(*args) -> list:
+    return [sys.executable, "-m", "nmt_cli", *map(str, args)]
+
+
+def prepare(out: Path, log: Path) -> Path:
+    """nmt's run directory with its data, and fairseq's binarized copy of the same pieces."""
+    import sentencepiece as spm
+
+    run_dir = out / "nmt"
+    run(nmt("prep", "multi30k-en-de", "--mirror", MULTI30K, "--run-dir", run_dir), log)
+    run(nmt("bpe", "--vocab-size", 8000, "--run-dir", run_dir), log)
+    sp = spm.SentencePieceProcessor(model_file=str(run_dir / "bpe" / "spm.model"))
+    pieces = out / "fairseq" / "pieces"
+    pieces.mkdir(parents=True)
+    for split in ("train", *FAIRSEQ_SUBSET):
+        for lang in ("en", "de"):
+            lines = (run_dir / "text" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()
+            encoded = sp.encode(lines, out_type=str)
+            (pieces / f"{split}.{lang}").write_text("".join(" ".join(p) + "\n" for p in encoded), "utf-8")
+    run(
+        [
+            FAIRSEQ_PYTHON, "-m", "fairseq_cli.preprocess", "--source-lang", "en", "--target-lang", "de",
+            "--trainpref", pieces / "train", "--validpref", pieces / "valid",
+            "--testpref", f"{pieces / 'test'},{pieces / 'test2017'}", "--joined-dictionary",
+            "--destdir", out / "fairseq" / "bin", "--workers", 2,
+        ],
+        log,
+    )  # fmt: skip
+    return run_dir
+
+
+def train_both(out: Path, run_dir: Path, minutes: float, log: Path) -> dict:
+    """Both trainings at once, one thread each; returns their wall-clock seconds."""
+    s, r = SHAPE, RECIPE
+    nmt_cmd = nmt(
+        "train", "--run-dir", run_dir, "--size", "small", "--max-tokens", r["max_tokens"],
+        "--warmup", r["warmup"], "--save-every", r["save_every"], "--eval-every", r["eval_every"],
+        "--keep-last", 10, "--seed", r["seed"], "--max-time", minutes, "--threads", 1,
+    )  # fmt: skip
+    peak = s["d"] ** -0.5 * r["warmup"] ** -0.5  # nmt's schedule at its peak (step = warmup)
+    fairseq_cmd = [
+        FAIRSEQ_PYTHON, "-m", "fairseq_cli.train", out / "fairseq" / "bin", "--arch", "transformer",
+        "--share-all-embeddings", "--encoder-normalize-before", "--decoder-normalize-before",
+        "--encoder-layers", s["layers"], "--decoder-layers", s["layers"],
+        "--encoder-embed-dim", s["d"], "--decoder-embed-dim", s["d"],
+        "--encoder-ffn-embed-dim", s["ffn"], "--decoder-ffn-embed-dim", s["ffn"],
+        "--encoder-attention-heads", s["heads"], "--decoder-attention-heads", s["heads"],
+        "--dropout", s["dropout"], "--attention-dropout", s["attention_dropout"],
+        "--activation-dropout", s["relu_dropout"],
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9",
+        "--lr", f"{peak:.6g}", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", r["warmup"],
+        "--warmup-init-lr", "1e-7", "--criterion", "label_smoothed_cross_entropy",
+        "--label-smoothing", 0.1, "--max-tokens", r["max_tokens"], "--seed", r["seed"],
+        "--cpu", "--num-workers", 0, "--stop-time-hours", f"{minutes / 60:.6g}",
+        "--save-dir", out / "fairseq" / "checkpoints", "--save-interval-updates", r["save_every"],
+        "--keep-interval-updates", r["average"], "--no-epoch-checkpoints",
+        "--log-format", "simple", "--log-interval", 100,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    procs = {}
+    for name, cmd in (("nmt", nmt_cmd), ("fairseq", fairseq_cmd)):
+        logfile = open(out / f"train_{name}.log", "w", encoding="utf-8")  # noqa: SIM115
+        procs[name] = (
+            subprocess.Popen(
+                [str(c) for c in cmd],
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **ONE_THREAD},
+            ),
+            logfile,
+        )
+    seconds = {}
+    for name, (proc, logfile) in procs.items():
+        code = proc.wait()
+        seconds[name] = time.perf_counter() - started
+        logfile.close()
+        if code:
+            sys.exit(f"{name} training failed (exit {code}); see {out / f'train_{name}.log'}")
+    return seconds
+
+
+def decode_nmt(run_dir: Path, log: Path) -> dict:
+    run(nmt("average", "--last", RECIPE["average"], "--run-dir", run_dir), log)
+    hyps = {}
+    for split in SPLITS.values():
+        report = json.loads(run(nmt("score", "--run-dir", run_dir, "--split", split, "--json"), log))
+        hyps[split] = Path(report["hyp"]).read_text(encoding="utf-8").splitlines()
+    return hyps
+
+
+def decode_fairseq(out: Path, run_dir: Path, log: Path) -> tuple[dict, dict]:
+    import sentencepiece as spm
+
+    averaged = out / "fairseq" / "averaged.pt"
+    env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}  # fairseq 0.12.2 pickles its settings
+    script = ROOT / "benchmarks" / "peers" / "fairseq_average.py"
+    info = json.loads(
+        run(
+            [FAIRSEQ_PYTHON, script, out / "fairseq" / "checkpoints", averaged, "--last", RECIPE["average"]],
+            log,
+            env,
+        )
+    )
+    sp = spm.SentencePieceProcessor(model_file=str(run_dir / "bpe" / "spm.model"))
+    hyps = {}
+    for split, subset in FAIRSEQ_SUBSET.items():
+        text = run(
+            [
+                FAIRSEQ_PYTHON, "-m", "fairseq_cli.generate", out / "fairseq" / "bin", "--path", averaged,
+                "--gen-subset", subset, "--beam", RECIPE["beam"], "--batch-size", 64, "--cpu",
+            ],
+            log,
+            env,
+        )  # fmt: skip
+        found = {}
+        for line in text.splitlines():
+            m = re.match(r"H-(\d+)\t\S+\t(.*)$", line)
+            if m:
+                found[int(m.group(1))] = sp.decode_pieces(m.group(2).split())
+        want = len((run_dir / "text" / f"{split}.en").read_text(encoding="utf-8").splitlines())
+        if sorted(found) != list(range(want)):
+            sys.exit(f"fairseq-generate gave {len(found)} of {want} {split} translations; see {log}")
+        hyps[split] = [found[i] for i in range(want)]
+        (out / "fairseq" / f"{split}.de").write_text("".join(h + "\n" for h in hyps[split]), "utf-8")
+    return hyps, info
+
+
+def compare(ours: list[str], theirs: list[str], refs: list[str]) -> dict:
+    from nmt_cli import scoring
+
+    names = ("nmt", "ref")
+    cased = scoring.report(ours, refs, names, ["bleu", "chrf"], baseline=("fairseq", theirs))
+    lc = scoring.report(ours, refs, names, ["bleu"], moses_lc_lang="de", baseline=("fairseq", theirs))
+    own = scoring.report(theirs, refs, ("fairseq", "ref"), ["bleu"])
+    c, m = cased["compare"], lc["compare"]
+    return {
+        "nmt": {"moses_lc": m["bleu"]["system"], "bleu": c["bleu"]["system"], "chrf": c["chrf"]["system"]},
+        "fairseq": {
+            "moses_lc": m["bleu"]["baseline"],
+            "bleu": c["bleu"]["baseline"],
+            "chrf": c["chrf"]["baseline"],
+        },
+        "p": {"moses_lc": m["bleu"]["p_value"], "bleu": c["bleu"]["p_value"], "chrf": c["chrf"]["p_value"]},
+        "bleu_text": {"nmt": cased["scores"][0]["text"], "fairseq": own["scores"][0]["text"]},
+        "signatures": {
+            "bleu": cased["scores"][0]["signature"],
+            "chrf": cased["scores"][1]["signature"],
+            "moses_lc": lc["scores"][0]["signature"],
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training, each")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "vs_fairseq")
+    args = ap.parse_args()
+    if not FAIRSEQ_PYTHON.exists():
+        sys.exit(f"no fairseq at {FAIRSEQ_PYTHON}: run `bash benchmarks/peers/install_fairseq.sh` first")
+    if args.out.exists():
+        sys.exit(f"{args.out} exists: remove it, or give another --out")
+    args.out.mkdir(parents=True)
+    log = args.out / "steps.log"
+    started = time.perf_counter()
+    run_dir = prepare(args.out, log)
+    seconds = train_both(args.out, run_dir, args.minutes, log)
+    ours = decode_nmt(run_dir, log)
+    theirs, averaged = decode_fairseq(args.out, run_dir, log)
+    nmt_updates = max(
+        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r["kind"] == "train"
+    )
+    results = {
+        "minutes": args.minutes,
+        "train_seconds": seconds,
+        "updates": {"nmt": nmt_updates, "fairseq": averaged["updates"][-1]},
+        "fairseq_averaged": averaged,
+        "pipeline_minutes": (time.perf_counter() - started) / 60,
+    }
+    for name, split in SPLITS.items():
+        refs = (run_dir / "text" / f"{split}.raw.de").read_text(encoding="utf-8").splitlines()
+        results[name] = compare(ours[split], theirs[split], refs)
+    (args.out / "vs_fairseq.json").write_text(json.dumps(results, indent=2))
+
+    u = results["updates"]
+    print(f"{args.minutes:g} minutes each: nmt {u['nmt']} updates, fairseq {u['fairseq']}\n")
+    print(
+        "| set | nmt moses-lc / cased / chrF | fairseq moses-lc / cased / chrF "
+        "| p (moses-lc / cased / chrF) |"
+    )
+    print("|---|---|---|---|")
+    for name in SPLITS:
+        r = results[name]
+        row = [
+            " / ".join(f"{r[who][m]:.2f}" for m in ("moses_lc", "bleu", "chrf")) for who in ("nmt", "fairseq")
+        ]
+        p = " / ".join(f"{r['p'][m]:.3f}" for m in ("moses_lc", "bleu", "chrf"))
+        print(f"| {name} | {row[0]} | {row[1]} | {p} |")
+    for name in SPLITS:
+        for who, text in results[name]["bleu_text"].items():
+            print(f"- {name} {who}: {text}")
+    for metric, signature in results["test2016"]["signatures"].items():
+        print(f"- {metric}: `{signature}`")
+
+
+if __name__ == "__main__":
+    main()
