@@ -14,10 +14,11 @@ bootstrap.
    Adam (0.9, 0.98, 1e-9), label smoothing 0.1, a checkpoint every 250 updates). Validation:
    nmt's NLL every 500 updates; fairseq's loss at each checkpoint and epoch (its behaviour with
    --save-interval-updates).
-3. Each averages its last 5 checkpoints and translates valid, test2016 and test2017 with beam 4
-   (nmt: `nmt score --split`, GNMT length penalty alpha 0.6; fairseq: `fairseq-generate`,
-   length-normalised scores, lenpen 1). fairseq's pieces are joined by the same sentencepiece
-   model.
+3. Each averages its last 5 checkpoints and translates with beam 4, first with its default
+   length penalty (nmt: GNMT's ((5+|Y|)/6)^alpha, alpha 0.6; fairseq: score / |Y|^lenpen,
+   lenpen 1), then with the penalty that gave it the best BLEU on the validation set among five
+   (NMT_ALPHAS, FAIRSEQ_LENPENS): the same lever for both, chosen before any test set is read.
+   fairseq's pieces are joined by the same sentencepiece model.
 4. Both are scored against the references as released: cased sacreBLEU and chrF, BLEU on
    lowercased Moses-tokenised text (`nmt score --moses-lc`), and sacreBLEU's paired bootstrap
    (1000 samples) of nmt against fairseq for each. The validation rows are where recipe and
@@ -47,6 +48,11 @@ FAIRSEQ_SUBSET = {"valid": "valid", "test": "test", "test2017": "test1"}  # nmt'
 SHAPE = dict(layers=4, d=128, ffn=256, heads=4, dropout=0.2, attention_dropout=0.1, relu_dropout=0.1)
 RECIPE = dict(max_tokens=1024, warmup=1000, save_every=250, eval_every=500, average=5, beam=4, seed=1)
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+ENV = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}  # fairseq 0.12.2 pickles its settings
+# Length penalties tried on the validation set: nmt's GNMT alpha, fairseq's exponent of |Y|.
+NMT_ALPHAS = (0.6, 1.0, 1.5, 2.0, 2.5)
+FAIRSEQ_LENPENS = (0.5, 1.0, 1.5, 2.0, 2.5)
+DEFAULTS = {"nmt": 0.6, "fairseq": 1.0}
 
 
 def run(cmd: list, log: Path, env: dict | None = None) -> str:
@@ -146,50 +152,55 @@ def train_both(out: Path, run_dir: Path, minutes: float, log: Path) -> dict:
     return seconds
 
 
-def decode_nmt(run_dir: Path, log: Path) -> dict:
-    run(nmt("average", "--last", RECIPE["average"], "--run-dir", run_dir), log)
-    hyps = {}
-    for split in SPLITS.values():
-        report = json.loads(run(nmt("score", "--run-dir", run_dir, "--split", split, "--json"), log))
-        hyps[split] = Path(report["hyp"]).read_text(encoding="utf-8").splitlines()
-    return hyps
+def nmt_hyps(run_dir: Path, split: str, alpha: float, log: Path) -> list[str]:
+    report = json.loads(
+        run(nmt("score", "--run-dir", run_dir, "--split", split, "--alpha", alpha, "--json"), log)
+    )
+    return Path(report["hyp"]).read_text(encoding="utf-8").splitlines()
 
 
-def decode_fairseq(out: Path, run_dir: Path, log: Path) -> tuple[dict, dict]:
+def average_fairseq(out: Path, log: Path) -> dict:
+    script = ROOT / "benchmarks" / "peers" / "fairseq_average.py"
+    checkpoints, averaged = out / "fairseq" / "checkpoints", out / "fairseq" / "averaged.pt"
+    return json.loads(
+        run([FAIRSEQ_PYTHON, script, checkpoints, averaged, "--last", RECIPE["average"]], log, ENV)
+    )
+
+
+def fairseq_hyps(out: Path, run_dir: Path, split: str, lenpen: float, log: Path) -> list[str]:
+    """fairseq-generate's translations, its pieces joined by nmt's sentencepiece model."""
     import sentencepiece as spm
 
-    averaged = out / "fairseq" / "averaged.pt"
-    env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}  # fairseq 0.12.2 pickles its settings
-    script = ROOT / "benchmarks" / "peers" / "fairseq_average.py"
-    info = json.loads(
-        run(
-            [FAIRSEQ_PYTHON, script, out / "fairseq" / "checkpoints", averaged, "--last", RECIPE["average"]],
-            log,
-            env,
-        )
-    )
+    text = run(
+        [
+            FAIRSEQ_PYTHON, "-m", "fairseq_cli.generate", out / "fairseq" / "bin",
+            "--path", out / "fairseq" / "averaged.pt", "--gen-subset", FAIRSEQ_SUBSET[split],
+            "--beam", RECIPE["beam"], "--lenpen", lenpen, "--batch-size", 64, "--cpu",
+        ],
+        log,
+        ENV,
+    )  # fmt: skip
     sp = spm.SentencePieceProcessor(model_file=str(run_dir / "bpe" / "spm.model"))
-    hyps = {}
-    for split, subset in FAIRSEQ_SUBSET.items():
-        text = run(
-            [
-                FAIRSEQ_PYTHON, "-m", "fairseq_cli.generate", out / "fairseq" / "bin", "--path", averaged,
-                "--gen-subset", subset, "--beam", RECIPE["beam"], "--batch-size", 64, "--cpu",
-            ],
-            log,
-            env,
-        )  # fmt: skip
-        found = {}
-        for line in text.splitlines():
-            m = re.match(r"H-(\d+)\t\S+\t(.*)$", line)
-            if m:
-                found[int(m.group(1))] = sp.decode_pieces(m.group(2).split())
-        want = len((run_dir / "text" / f"{split}.en").read_text(encoding="utf-8").splitlines())
-        if sorted(found) != list(range(want)):
-            sys.exit(f"fairseq-generate gave {len(found)} of {want} {split} translations; see {log}")
-        hyps[split] = [found[i] for i in range(want)]
-        (out / "fairseq" / f"{split}.de").write_text("".join(h + "\n" for h in hyps[split]), "utf-8")
-    return hyps, info
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"H-(\d+)\t\S+\t(.*)$", line)
+        if m:
+            found[int(m.group(1))] = sp.decode_pieces(m.group(2).split())
+    want = len((run_dir / "text" / f"{split}.en").read_text(encoding="utf-8").splitlines())
+    if sorted(found) != list(range(want)):
+        sys.exit(f"fairseq-generate gave {len(found)} of {want} {split} translations; see {log}")
+    return [found[i] for i in range(want)]
+
+
+def bleu(hyps: list[str], refs: list[str]) -> float:
+    from nmt_cli import score
+
+    return score.score(hyps, refs, ["bleu"])[0].score
+
+
+def run_dir_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
 def compare(ours: list[str], theirs: list[str], refs: list[str]) -> dict:
@@ -231,42 +242,67 @@ def main() -> None:
     started = time.perf_counter()
     run_dir = prepare(args.out, log)
     seconds = train_both(args.out, run_dir, args.minutes, log)
-    ours = decode_nmt(run_dir, log)
-    theirs, averaged = decode_fairseq(args.out, run_dir, log)
-    nmt_updates = max(
-        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r["kind"] == "train"
-    )
+    run(nmt("average", "--last", RECIPE["average"], "--run-dir", run_dir), log)
+    averaged = average_fairseq(args.out, log)
+    refs = {
+        split: (run_dir / "text" / f"{split}.raw.de").read_text(encoding="utf-8").splitlines()
+        for split in SPLITS.values()
+    }
+    # The length penalty of each, chosen by validation BLEU; the test sets are read afterwards.
+    sweep = {
+        "nmt": {a: bleu(nmt_hyps(run_dir, "valid", a, log), refs["valid"]) for a in NMT_ALPHAS},
+        "fairseq": {
+            lp: bleu(fairseq_hyps(args.out, run_dir, "valid", lp, log), refs["valid"])
+            for lp in FAIRSEQ_LENPENS
+        },
+    }
+    chosen = {who: max(scores, key=scores.get) for who, scores in sweep.items()}
     results = {
         "minutes": args.minutes,
         "train_seconds": seconds,
-        "updates": {"nmt": nmt_updates, "fairseq": averaged["updates"][-1]},
+        "updates": {
+            "nmt": max(r["step"] for r in run_dir_records(run_dir)),
+            "fairseq": averaged["updates"][-1],
+        },
         "fairseq_averaged": averaged,
-        "pipeline_minutes": (time.perf_counter() - started) / 60,
+        "valid_bleu_by_length_penalty": sweep,
+        "chosen": chosen,
     }
-    for name, split in SPLITS.items():
-        refs = (run_dir / "text" / f"{split}.raw.de").read_text(encoding="utf-8").splitlines()
-        results[name] = compare(ours[split], theirs[split], refs)
+    for setting, penalty in (("defaults", DEFAULTS), ("chosen on valid", chosen)):
+        rows = results.setdefault(setting, {})
+        for name, split in SPLITS.items():
+            ours = nmt_hyps(run_dir, split, penalty["nmt"], log)
+            theirs = fairseq_hyps(args.out, run_dir, split, penalty["fairseq"], log)
+            rows[name] = compare(ours, theirs, refs[split])
+    results["pipeline_minutes"] = (time.perf_counter() - started) / 60
     (args.out / "vs_fairseq.json").write_text(json.dumps(results, indent=2))
 
     u = results["updates"]
-    print(f"{args.minutes:g} minutes each: nmt {u['nmt']} updates, fairseq {u['fairseq']}\n")
-    print(
-        "| set | nmt moses-lc / cased / chrF | fairseq moses-lc / cased / chrF "
-        "| p (moses-lc / cased / chrF) |"
-    )
-    print("|---|---|---|---|")
-    for name in SPLITS:
-        r = results[name]
-        row = [
-            " / ".join(f"{r[who][m]:.2f}" for m in ("moses_lc", "bleu", "chrf")) for who in ("nmt", "fairseq")
-        ]
-        p = " / ".join(f"{r['p'][m]:.3f}" for m in ("moses_lc", "bleu", "chrf"))
-        print(f"| {name} | {row[0]} | {row[1]} | {p} |")
-    for name in SPLITS:
-        for who, text in results[name]["bleu_text"].items():
-            print(f"- {name} {who}: {text}")
-    for metric, signature in results["test2016"]["signatures"].items():
+    print(f"{args.minutes:g} minutes each: nmt {u['nmt']} updates, fairseq {u['fairseq']}")
+    for who, scores in sweep.items():
+        tried = ", ".join(f"{k:g}: {v:.2f}" for k, v in scores.items())
+        print(f"- {who} valid BLEU by length penalty: {tried}; chosen {chosen[who]:g}")
+    for setting, penalty in (("defaults", DEFAULTS), ("chosen on valid", chosen)):
+        print(f"\n{setting}: nmt alpha {penalty['nmt']:g}, fairseq lenpen {penalty['fairseq']:g}\n")
+        print(
+            "| set | nmt moses-lc / cased / chrF | fairseq moses-lc / cased / chrF "
+            "| p (moses-lc / cased / chrF) |"
+        )
+        print("|---|---|---|---|")
+        for name in SPLITS:
+            r = results[setting][name]
+            row = [
+                " / ".join(f"{r[who][m]:.2f}" for m in ("moses_lc", "bleu", "chrf"))
+                for who in ("nmt", "fairseq")
+            ]
+            p = " / ".join(f"{r['p'][m]:.3f}" for m in ("moses_lc", "bleu", "chrf"))
+            print(f"| {name} | {row[0]} | {row[1]} | {p} |")
+        for name in SPLITS:
+            for who, text in results[setting][name]["bleu_text"].items():
+                print(f"- {name} {who}: {text}")
+    for metric, signature in results["defaults"]["test2016"]["signatures"].items():
         print(f"- {metric}: `{signature}`")
+    print(f"\nwhole pipeline: {results['pipeline_minutes']:.1f} minutes")
 
 
 if __name__ == "__main__":
