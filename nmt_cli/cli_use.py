@@ -141,27 +141,19 @@ def score(
         engine=engine,
         threads=threads,
     )
-    found = None
-    if src is not None:
-        if ref is None or hyp is not None:
-            raise NmtError("--src needs --ref, and not --hyp")
-        found = _load_model(run_dir, model, config.checkpoint)
-        hyps = scoring.translate_lines(found, config, src)
-        refs, names = list(read_lines(ref)), (f"{src} translated", str(ref))
-    elif ref is None:
-        if hyp is not None:
-            raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
-        found = _load_model(run_dir, model, config.checkpoint) if model else None
-        hyp_path, ref_path = scoring.translate_split(run, split, config, found)
-        hyps, refs = list(read_lines(hyp_path)), list(read_lines(ref_path))
-        names = (str(hyp_path), str(ref_path))
-    else:
-        refs = list(read_lines(ref))
-        hyps = list(read_lines(hyp)) if hyp is not None else _stdin_lines()
-        names = (str(hyp) if hyp else "stdin", str(ref))
-    if moses_lc and lang is None:  # the model's target language, else the run's, if any
-        prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
-        lang = found.tgt if found is not None else prepped.get("tgt", "en")
+    hyps, refs, names, found = scoring.inputs(
+        run,
+        split,
+        config,
+        lambda: _load_model(run_dir, model, config.checkpoint),
+        model is not None,
+        src=src,
+        hyp=hyp,
+        ref=ref,
+        stdin=_stdin_lines,
+    )
+    if moses_lc and lang is None:
+        lang = scoring.target_language(run, found)
     report = scoring.report(
         hyps,
         refs,

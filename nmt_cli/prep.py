@@ -167,9 +167,8 @@ def clean_split(
                     if not train:
                         write(split, (a, b), raw)
                         continue
-                    reason = _drop_reason(a, b, config)
-                    if reason is None and not seen.add(a, b):
-                        reason = "duplicate"
+                    # A pair is remembered for dedup only once it passed the other filters.
+                    reason = _drop_reason(a, b, config) or (None if seen.add(a, b) else "duplicate")
                     if reason is not None:
                         stats[split].dropped[reason] += 1
                         continue
@@ -185,14 +184,19 @@ def clean_split(
                 f"no pairs left in {split} after cleaning ({stats[split].read} read; "
                 f"dropped: {what}); check the input files and --max-words/--max-ratio"
             )
+    stats[split].not_utf8 += _warn_damage(split, damage)
+    return stats
+
+
+def _warn_damage(split: str, damage: dict[str, Damage]) -> int:
+    """Say which sides had lines that are not UTF-8; how many there were."""
     for lang, d in damage.items():
-        stats[split].not_utf8 += d.not_utf8
         if d.not_utf8:
             ui.warn(
                 f"{split}.{lang}: {d.not_utf8} lines had bytes that are not UTF-8 (first at "
                 f"line {d.first_bad_line}); they were replaced with U+FFFD"
             )
-    return stats
+    return sum(d.not_utf8 for d in damage.values())
 
 
 # Scripts written without spaces between words, and how much of an English word one of their

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -14,6 +15,7 @@ from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.package import Model, from_run
 from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json
+from nmt_cli.textio import read_lines
 from nmt_cli.translate import Counts, Translator
 
 
@@ -23,6 +25,49 @@ def parse_metrics(text: str) -> list[str]:
         if m not in score.METRICS:
             raise NmtError(f"unknown metric {m!r} in --metrics: choose from {', '.join(score.METRICS)}")
     return names
+
+
+def inputs(
+    run: RunDir,
+    split: str,
+    config: TranslateConfig,
+    load: Callable[[], Model],
+    model_given: bool,
+    *,
+    src: Path | None,
+    hyp: Path | None,
+    ref: Path | None,
+    stdin: Callable[[], list[str]],
+) -> tuple[list[str], list[str], tuple[str, str], Model | None]:
+    """What `nmt score` scores, with the names of where it came from: `src` translated by the
+    model (`load`), the run's `split` translated, or `hyp` (else stdin) as given; each against its
+    references. Also the model, where one was loaded."""
+    if src is not None:
+        if ref is None or hyp is not None:
+            raise NmtError("--src needs --ref, and not --hyp")
+        model = load()
+        return (
+            translate_lines(model, config, src),
+            list(read_lines(ref)),
+            (f"{src} translated", str(ref)),
+            model,
+        )
+    if ref is None:
+        if hyp is not None:
+            raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
+        model = load() if model_given else None
+        hyp_path, ref_path = translate_split(run, split, config, model)
+        return list(read_lines(hyp_path)), list(read_lines(ref_path)), (str(hyp_path), str(ref_path)), model
+    hyps = list(read_lines(hyp)) if hyp is not None else stdin()
+    return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None
+
+
+def target_language(run: RunDir, model: Model | None) -> str:
+    """The model's target language, else the run's, else English."""
+    if model is not None:
+        return model.tgt
+    prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
+    return prepped.get("tgt", "en")
 
 
 def report(

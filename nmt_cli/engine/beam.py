@@ -97,13 +97,7 @@ def search(
     limits = torch.tensor(max_lens, device=device)  # per live sentence
     t = 0
     while True:
-        lprobs = step(tokens).float()  # (R, V)
-        lprobs[:, PAD] = -math.inf
-        lprobs[:, BOS] = -math.inf
-        at_limit = (limits <= t + 1).repeat_interleave(beam)  # only EOS may follow
-        eos = lprobs[:, EOS].clone()
-        lprobs.masked_fill_(at_limit[:, None], -math.inf)
-        lprobs[:, EOS] = eos
+        lprobs = _allowed(step(tokens).float(), (limits <= t + 1).repeat_interleave(beam))  # (R, V)
         b = len(active)
         cand = beam_step(scores, lprobs.view(b, beam, -1), beam)
         cand_scores, cand_beams, cand_tokens = (
@@ -120,22 +114,7 @@ def search(
                 )
             )
         live_scores = np.take_along_axis(cand_scores, live, 1)
-        keep = np.array(
-            [
-                i
-                for i in range(b)
-                if not _is_done(
-                    finished[active[i]],
-                    live_scores[i],
-                    beam,
-                    nbest,
-                    max(max_lens[active[i]], t + 1),
-                    alpha,
-                    t + 1,
-                )
-            ],
-            dtype=np.int64,
-        )
+        keep = _going_on(finished, active, live_scores, beam, nbest, max_lens, alpha, t + 1)
         if not len(keep):
             break
         live_beams = np.take_along_axis(cand_beams, live, 1)[keep]
@@ -153,6 +132,38 @@ def search(
         reorder(rows_t)
         t += 1
     return [sorted(f, key=lambda h: -h.score)[:nbest] for f in finished]
+
+
+def _allowed(lprobs: Tensor, at_limit: Tensor) -> Tensor:
+    """`lprobs` (R, V) with what may never come next banned, in place: PAD and BOS anywhere,
+    and anything but EOS in a row at its length limit (`at_limit`, (R,))."""
+    eos = lprobs[:, EOS].clone()
+    lprobs[:, PAD] = -math.inf
+    lprobs[:, BOS] = -math.inf
+    lprobs.masked_fill_(at_limit[:, None], -math.inf)
+    lprobs[:, EOS] = eos
+    return lprobs
+
+
+def _going_on(
+    finished: list[list[Hypothesis]],
+    active: np.ndarray,
+    live_scores: np.ndarray,
+    beam: int,
+    nbest: int,
+    max_lens: list[int],
+    alpha: float,
+    length: int,
+) -> np.ndarray:
+    """Which live sentences (indices into `active`) go on after a step to `length` tokens."""
+    going = [
+        i
+        for i, sentence in enumerate(active)
+        if not _is_done(
+            finished[sentence], live_scores[i], beam, nbest, max(max_lens[sentence], length), alpha, length
+        )
+    ]
+    return np.array(going, dtype=np.int64)
 
 
 def _is_done(
