@@ -1,6 +1,6 @@
 """Benchmark a training step: nmt against fairseq 0.12.2 on the CPU, or nmt alone on a GPU.
 
-    python benchmarks/train_throughput.py [--shapes tiny base] [--fairseq-python PATH]
+    python benchmarks/train_throughput.py [--shapes tiny base] [--rounds 3] [--fairseq-python PATH]
     python benchmarks/train_throughput.py --device cuda [--shapes base big] [--loop RUN_DIR]
     python benchmarks/train_throughput.py --loop RUN_DIR --loop-size small --loop-tokens 1024
 
@@ -241,6 +241,7 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="*", default=["fp32", "bf16"])
     ap.add_argument("--fairseq-python", default=str(ROOT.parent / "peers" / "fairseq" / "bin" / "python"))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="CPU: nmt and fairseq alternate this many times")
     ap.add_argument(
         "--loop",
         type=Path,
@@ -277,6 +278,37 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=2))
 
 
+def fairseq_step(args, shape: str, precision: str) -> dict | None:
+    """fairseq's step in its own venv (None when it is not installed)."""
+    if not Path(args.fairseq_python).exists():
+        return None
+    script = ROOT / "benchmarks" / "peers" / "fairseq_train.py"
+    done = subprocess.run(
+        [
+            args.fairseq_python,
+            str(script),
+            "--shape",
+            shape,
+            "--precision",
+            precision,
+            "--repeats",
+            str(args.repeats),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": done.stderr[-500:]}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median step time (the lower middle one of an even number); all the
+    rounds' times beside it."""
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds_seconds": [r["seconds"] for r in runs]}
+
+
 def cpu_main(args) -> dict:
     args.shapes = args.shapes or ["tiny", "base"]
     results = {
@@ -291,27 +323,17 @@ def cpu_main(args) -> dict:
     for shape in args.shapes:
         flops = train_flops(SHAPES[shape], 4096, 4096, 32, 32)
         for precision in args.precisions:
-            ours = nmt_step(shape, precision, args.repeats)
+            # nmt and fairseq alternate, --rounds times; each side's median step is compared.
+            rounds = [
+                (nmt_step(shape, precision, args.repeats), fairseq_step(args, shape, precision))
+                for _ in range(args.rounds)
+            ]
+            ours = median_run([r[0] for r in rounds])
+            peers = [r[1] for r in rounds if r[1] is not None]
             peer = None
-            if Path(args.fairseq_python).exists():
-                script = ROOT / "benchmarks" / "peers" / "fairseq_train.py"
-                done = subprocess.run(
-                    [
-                        args.fairseq_python,
-                        str(script),
-                        "--shape",
-                        shape,
-                        "--precision",
-                        precision,
-                        "--repeats",
-                        str(args.repeats),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "2"},
-                )
-                lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
-                peer = json.loads(lines[-1]) if lines else {"error": done.stderr[-500:]}
+            if peers:
+                ok = [x for x in peers if "seconds" in x]
+                peer = median_run(ok) if ok else peers[-1]
             row = {
                 "shape": shape,
                 "precision": precision,
