@@ -29,6 +29,7 @@ from nmt_cli.errors import NmtError
 
 @app.command()
 def translate(
+    ctx: typer.Context,
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
@@ -51,30 +52,16 @@ def translate(
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
     from nmt_cli import scoring
-    from nmt_cli.config import TranslateConfig
     from nmt_cli.translate import Translator
 
-    config = TranslateConfig(
-        checkpoint=str(checkpoint) if checkpoint else None,
-        beam=beam,
-        alpha=alpha,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        nbest=nbest,
-        max_tokens=max_tokens,
-        batch_size=batch_size,
-        device=device,
-        precision=precision,
-        int8=int8,
-        engine=engine,
-        threads=threads,
-    )
+    config = _translate_config(ctx)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
     scoring.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
 
 
 @app.command()
 def score(
+    ctx: typer.Context,
     hyp: Annotated[
         Optional[Path],
         typer.Option(help="Translations (default: stdin, or with no --ref, the run's test set)."),
@@ -123,24 +110,12 @@ def score(
     import json
 
     from nmt_cli import scoring
-    from nmt_cli.config import TranslateConfig
     from nmt_cli.rundir import RunDir, atomic_write_json
     from nmt_cli.textio import read_lines
 
     metric_names = scoring.parse_metrics(metrics)
     run = RunDir(run_dir)
-    config = TranslateConfig(
-        checkpoint=str(checkpoint) if checkpoint else None,
-        beam=beam,
-        alpha=alpha,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        device=device,
-        precision=precision,
-        int8=int8,
-        engine=engine,
-        threads=threads,
-    )
+    config = _translate_config(ctx)
     hyps, refs, names, found = scoring.inputs(
         run,
         split,
@@ -250,6 +225,19 @@ def serve(
         max_sentences=max_sentences,
     )
     serve_mod.run(package.locate(model), translate_config, config)
+
+
+def _translate_config(ctx: typer.Context):
+    """The TranslateConfig of a command's options: those named as its fields (one definition
+    of what each means, in config.py)."""
+    import dataclasses
+
+    from nmt_cli.config import TranslateConfig
+
+    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TranslateConfig) if f.name in ctx.params}
+    if given.get("checkpoint") is not None:
+        given["checkpoint"] = str(given["checkpoint"])
+    return TranslateConfig(**given)
 
 
 def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str]):
