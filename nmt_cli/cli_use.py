@@ -24,6 +24,7 @@ from nmt_cli.cli_options import (
     app,
     done,
 )
+from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 
 
@@ -54,7 +55,7 @@ def translate(
     from nmt_cli import scoring
     from nmt_cli.translate import Translator
 
-    config = _translate_config(ctx)
+    config = _config_of(TranslateConfig, ctx)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
     scoring.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
 
@@ -115,7 +116,7 @@ def score(
 
     metric_names = scoring.parse_metrics(metrics)
     run = RunDir(run_dir)
-    config = _translate_config(ctx)
+    config = _config_of(TranslateConfig, ctx)
     hyps, refs, names, found = scoring.inputs(
         run,
         split,
@@ -189,6 +190,7 @@ def export(
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     model: Annotated[
         Path,
         typer.Option("--model", help="A directory from `nmt export`, a run directory or a checkpoint file."),
@@ -212,32 +214,18 @@ def serve(
     """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
     from nmt_cli import package
     from nmt_cli import serve as serve_mod
-    from nmt_cli.config import ServeConfig, TranslateConfig
 
-    translate_config = TranslateConfig(beam=beam, engine=engine, device=device, threads=threads)
-    config = ServeConfig(
-        host=host,
-        port=port,
-        max_wait_ms=max_wait_ms,
-        max_batch=max_batch,
-        batching=batching,
-        max_queue=max_queue,
-        max_sentences=max_sentences,
-    )
+    translate_config, config = _config_of(TranslateConfig, ctx), _config_of(ServeConfig, ctx)
     serve_mod.run(package.locate(model), translate_config, config)
 
 
-def _translate_config(ctx: typer.Context):
-    """The TranslateConfig of a command's options: those named as its fields (one definition
-    of what each means, in config.py)."""
+def _config_of(cls, ctx: typer.Context):
+    """The config `cls` of a command's options: those named as its fields (one definition of
+    what each means, in config.py); paths become strings, as the configs keep them."""
     import dataclasses
 
-    from nmt_cli.config import TranslateConfig
-
-    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TranslateConfig) if f.name in ctx.params}
-    if given.get("checkpoint") is not None:
-        given["checkpoint"] = str(given["checkpoint"])
-    return TranslateConfig(**given)
+    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(cls) if f.name in ctx.params}
+    return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
 
 
 def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str]):
