@@ -102,7 +102,7 @@ def prepare(out: Path, log: Path) -> Path:
     return run_dir
 
 
-def train_both(out: Path, run_dir: Path, minutes: float, log: Path) -> dict:
+def train_both(out: Path, run_dir: Path, minutes: float) -> dict:
     """Both trainings at once, one thread each; returns their wall-clock seconds."""
     s, r = SHAPE, RECIPE
     nmt_cmd = nmt(
@@ -142,13 +142,16 @@ def train_both(out: Path, run_dir: Path, minutes: float, log: Path) -> dict:
             ),
             logfile,
         )
-    seconds = {}
+    seconds = {}  # each one's own end, whichever ends first
+    while len(seconds) < len(procs):
+        for name, (proc, _) in procs.items():
+            if name not in seconds and proc.poll() is not None:
+                seconds[name] = time.perf_counter() - started
+        time.sleep(0.5)
     for name, (proc, logfile) in procs.items():
-        code = proc.wait()
-        seconds[name] = time.perf_counter() - started
         logfile.close()
-        if code:
-            sys.exit(f"{name} training failed (exit {code}); see {out / f'train_{name}.log'}")
+        if proc.returncode:
+            sys.exit(f"{name} training failed (exit {proc.returncode}); see {out / f'train_{name}.log'}")
     return seconds
 
 
@@ -198,7 +201,7 @@ def bleu(hyps: list[str], refs: list[str]) -> float:
     return score.score(hyps, refs, ["bleu"])[0].score
 
 
-def run_dir_records(run_dir: Path) -> list[dict]:
+def train_records(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
@@ -241,7 +244,7 @@ def main() -> None:
     log = args.out / "steps.log"
     started = time.perf_counter()
     run_dir = prepare(args.out, log)
-    seconds = train_both(args.out, run_dir, args.minutes, log)
+    seconds = train_both(args.out, run_dir, args.minutes)
     run(nmt("average", "--last", RECIPE["average"], "--run-dir", run_dir), log)
     averaged = average_fairseq(args.out, log)
     refs = {
@@ -261,7 +264,7 @@ def main() -> None:
         "minutes": args.minutes,
         "train_seconds": seconds,
         "updates": {
-            "nmt": max(r["step"] for r in run_dir_records(run_dir)),
+            "nmt": max(r["step"] for r in train_records(run_dir)),
             "fairseq": averaged["updates"][-1],
         },
         "fairseq_averaged": averaged,
