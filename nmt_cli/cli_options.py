@@ -40,10 +40,11 @@ Int8Option = Annotated[
     bool, typer.Option("--int8", help="int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
 ]
 ModelOption = Annotated[
-    Optional[Path],
+    Optional[list[Path]],
     typer.Option(
         "--model",
-        help="An `nmt export` directory, a run directory or a checkpoint (instead of --run-dir's model).",
+        help="An `nmt export` directory, a run directory or a checkpoint (instead of --run-dir's "
+        "model); give it again for an ensemble of models that share a vocabulary.",
     ),
 ]
 EngineOption = Annotated[

@@ -122,7 +122,7 @@ def score(
         split,
         config,
         lambda: _load_model(run_dir, model, config.checkpoint),
-        model is not None,
+        bool(model),
         src=src,
         hyp=hyp,
         ref=ref,
@@ -140,7 +140,7 @@ def score(
         moses_lc_lang=lang if moses_lc else None,
         baseline=(str(compare), list(read_lines(compare))) if compare is not None else None,
     )
-    if ref is None and model is None:
+    if ref is None and not model:
         atomic_write_json(run.scores(split), report)
     if json_out:
         print(json.dumps(report, indent=2))
@@ -174,6 +174,8 @@ def export(
     """Write the model, its sentencepiece model, settings and provenance into one directory."""
     from nmt_cli import package
 
+    if model and len(model) > 1:
+        raise NmtError("export takes one --model (an ensemble's members are exported one by one)")
     found = _load_model(run_dir, model, str(checkpoint) if checkpoint else None)
     if fmt == "nmt":
         if quantization != "float32":
@@ -228,14 +230,15 @@ def _config_of(cls, ctx: typer.Context):
     return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
 
 
-def _load_model(run_dir: Path, model: Optional[Path], checkpoint: Optional[str]):
+def _load_model(run_dir: Path, model: Optional[list[Path]], checkpoint: Optional[str]):
+    """The model of --model (several: their ensemble), else the run's (--checkpoint)."""
     from nmt_cli import package
     from nmt_cli.rundir import RunDir
 
-    if model is not None:
+    if model:
         if checkpoint:
-            raise NmtError("--model and --checkpoint name two models: give one")
-        return package.locate(model)
+            raise NmtError("--model and --checkpoint name two models: give --model for each")
+        return package.ensemble([package.locate(m) for m in model])
     return package.from_run(RunDir(run_dir), checkpoint)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -47,12 +48,54 @@ class Model:
     load_weights: Callable[[], dict[str, torch.Tensor]] | None  # None: a CTranslate2 export
     ct2_dir: Path | None = None
     provenance: dict = field(default_factory=dict)
+    members: tuple[Model, ...] = ()  # an ensemble's models, decoded together (`ensemble`)
 
     @property
     def text_settings(self) -> dict:
         # The one normalisation (normalize.py) is Moses punctuation for the source language,
         # non-printing characters to spaces, single spaces.
         return {"normalize": "moses-punct+printable+spaces", "lang": self.src}
+
+
+def ensemble(models: list[Model]) -> Model:
+    """Several models that share a vocabulary, as one: translating with it averages their
+    log-probabilities at every step of one beam search. One model stays itself."""
+    if len(models) == 1:
+        return models[0]
+    first = models[0]
+    spm_sha = sha256_file(first.spm)
+    for m in models[1:]:
+        if m.ct2_dir is not None or first.ct2_dir is not None:
+            raise NmtError(
+                f"{m.where if m.ct2_dir else first.where} is a CTranslate2 export: an "
+                "ensemble decodes nmt models (packages, runs or checkpoints)"
+            )
+        if (m.src, m.tgt) != (first.src, first.tgt):
+            raise NmtError(
+                f"{m.where} translates {m.src}-{m.tgt}, {first.where} {first.src}-{first.tgt}: "
+                "an ensemble needs one language pair"
+            )
+        if m.config.vocab_size != first.config.vocab_size or sha256_file(m.spm) != spm_sha:
+            raise NmtError(
+                f"{m.where} and {first.where} have different sentencepiece models: an "
+                "ensemble needs one vocabulary (train with `nmt bpe --from`)"
+            )
+
+    def refuse() -> dict[str, torch.Tensor]:
+        raise NmtError("an ensemble is several models: export each of them")
+
+    shas = [m.sha256 for m in models]
+    return Model(
+        where=Path(" + ".join(str(m.where) for m in models)),
+        config=first.config,
+        spm=first.spm,
+        src=first.src,
+        tgt=first.tgt,
+        sha256=hashlib.sha256(" ".join(shas).encode()).hexdigest(),
+        load_weights=refuse,
+        provenance={"ensemble": [{"model": str(m.where), "sha256": m.sha256} for m in models]},
+        members=tuple(models),
+    )
 
 
 def from_run(run: RunDir, checkpoint_path: str | None) -> Model:

@@ -59,6 +59,10 @@ CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def engine_of(model: Model, config: TranslateConfig) -> str:
+    if model.members:
+        if config.engine == "ctranslate2" or config.int8:
+            raise NmtError("an ensemble is decoded by nmt's engine: drop --engine ctranslate2 and --int8")
+        return "nmt"
     if model.ct2_dir is not None:
         if config.engine == "nmt":
             raise NmtError(
@@ -104,7 +108,9 @@ class Translator:
                 compute_type = CT2_TYPES[config.precision]
             self.ct2 = ct2.Engine(model, self.device, compute_type, config.threads or torch.get_num_threads())
         else:
-            self.model = load_model(model, self.device, resolve_precision(config.precision, self.device))
+            precision = resolve_precision(config.precision, self.device)
+            members = model.members or (model,)
+            self.models = [load_model(m, self.device, precision) for m in members]
         self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
         if self.sp.get_piece_size() != model.config.vocab_size:
             raise NmtError(
@@ -113,7 +119,8 @@ class Translator:
                 "different runs"
             )
         self.src_lang = model.src
-        self.max_src = model.config.max_positions - 1  # room for the EOS
+        # room for the EOS in every model
+        self.max_src = min(m.config.max_positions for m in model.members or (model,)) - 1
         self.counts = Counts()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
@@ -159,7 +166,7 @@ class Translator:
             else:
                 src = torch.from_numpy(pad_sources([ids[i] for i in batch])).to(self.device)
                 hyps = beam.translate(
-                    self.model,
+                    self.models,
                     src,
                     beam=c.beam,
                     alpha=c.alpha,

@@ -150,3 +150,61 @@ def test_sentences_that_finish_at_different_steps_of_one_batch(trained_longer, n
         for line, got in zip(lines, out):
             alone = nmt("translate", "--run-dir", trained_longer, *search, stdin=line.encode() + b"\n")
             assert alone.out == got + "\n"
+
+
+def test_ensembles_translate_and_score(trained, tmp_path, nmt):
+    """--model twice decodes the two models together (beam.translate on both, tested in
+    tests/unit), from checkpoints or packages alike; mixed vocabularies or languages are one
+    error line."""
+    import sentencepiece as spm
+    import torch
+
+    from nmt_cli.config import TranslateConfig
+    from nmt_cli.engine import beam
+    from nmt_cli.package import locate
+    from nmt_cli.translate import Translator
+
+    first, last = sorted((trained / "checkpoints").glob("*.pt"))[-2:]
+    lines = ["A dog runs on the grass.", "", "Two men play football in a park."]
+    stdin = "\n".join(lines).encode() + b"\n"
+    both = nmt("translate", "--model", first, "--model", last, *FAST, stdin=stdin)
+    assert both.code == 0, both.err
+    # What the engine's ensemble search gives on the two models, decoded by hand here.
+    models = [Translator(locate(p), TranslateConfig()).models[0] for p in (first, last)]
+    sp = spm.SentencePieceProcessor(model_file=str(RunDir(trained).spm_model))
+    expected = []
+    for line in lines:
+        if not line:
+            expected.append("")
+            continue
+        src = torch.tensor([sp.encode(line) + [beam.EOS]])
+        expected.append(sp.decode(beam.translate(models, src, max_len_b=6)[0][0].tokens))
+    assert both.out.split("\n")[:-1] == expected
+    alone = nmt("translate", "--model", last, *FAST, stdin=stdin)
+    twice = nmt("translate", "--model", last, "--model", last, *FAST, stdin=stdin)
+    assert twice.out == alone.out
+    # score translates with the ensemble too, from a package and a checkpoint.
+    package = tmp_path / "pkg"
+    assert nmt("export", str(package), "--model", first).code == 0
+    src, ref = RunDir(trained).text("valid", "en", raw=True), RunDir(trained).text("valid", "de", raw=True)
+    scored = nmt("score", "--model", package, "--model", last, "--src", src, "--ref", ref, *FAST, "--json")
+    assert scored.code == 0, scored.err
+    assert json.loads(scored.out)["lines"] == 1014
+    # Errors.
+    other = tmp_path / "other"
+    shutil.copytree(package, other)
+    (other / "spm.model").write_bytes((other / "spm.model").read_bytes() + b"\0")
+    line = one_error_line(nmt("translate", "--model", package, "--model", other, stdin=b"x\n"))
+    assert "one vocabulary" in line
+    settings = json.loads((package / "nmt.json").read_text())
+    (other / "spm.model").write_bytes((package / "spm.model").read_bytes())
+    (other / "nmt.json").write_text(json.dumps({**settings, "src": "fr"}))
+    assert "one language pair" in one_error_line(
+        nmt("translate", "--model", package, "--model", other, stdin=b"x\n")
+    )
+    assert "--engine" in one_error_line(
+        nmt("translate", "--model", package, "--model", last, "--int8", stdin=b"x\n")
+    )
+    assert "one --model" in one_error_line(
+        nmt("export", str(tmp_path / "e"), "--model", package, "--model", last)
+    )

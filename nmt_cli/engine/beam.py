@@ -11,7 +11,7 @@ its best finished one even with the most favourable length penalty it could stil
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,7 +225,7 @@ def greedy(
 
 @torch.no_grad()
 def translate(
-    model: Transformer,
+    model: Transformer | Sequence[Transformer],
     src: Tensor,
     beam: int = 4,
     alpha: float = 0.6,
@@ -234,38 +234,62 @@ def translate(
     nbest: int = 1,
     use_cache: bool = True,
 ) -> list[list[Hypothesis]]:
-    """Translate a padded (B, S) batch of source ids (with EOS); `nbest` hypotheses each."""
-    model.eval()
+    """Translate a padded (B, S) batch of source ids (with EOS); `nbest` hypotheses each.
+
+    Several models (an ensemble sharing one vocabulary) search together: each keeps its own
+    encoder output and cache, and a step's log-probs are the mean of theirs."""
+    models = [model] if isinstance(model, Transformer) else list(model)
     src_lengths = (src != PAD).sum(1).tolist()
-    max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b, model.config.max_positions - 1)
-    memory, src_mask = model.encode(src)
+    ceiling = min(m.config.max_positions for m in models) - 1
+    max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b, ceiling)
     k = 1 if beam == 1 else beam
+    parts = [_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models]
+    if len(parts) == 1:
+        step, reorder = parts[0]
+    else:
+
+        def step(tokens: Tensor) -> Tensor:
+            return torch.stack([own(tokens) for own, _ in parts]).mean(0)
+
+        def reorder(indices: Tensor) -> None:
+            for _, own in parts:
+                own(indices)
+
+    if beam == 1 and nbest == 1:
+        return greedy(step, reorder, max_lens, alpha, src.device)
+    return search(step, reorder, max_lens, k, alpha, nbest, src.device)
+
+
+def _decoder(
+    model: Transformer, src: Tensor, k: int, max_len: int, use_cache: bool
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
+    """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`."""
+    model.eval()
+    memory, src_mask = model.encode(src)
     if use_cache:
-        cache = DecoderCache(model.memory_keys_values(memory), src_mask, k, max(max_lens) + 1)
+        cache = DecoderCache(model.memory_keys_values(memory), src_mask, k, max_len)
 
         def step(tokens: Tensor) -> Tensor:
             h = model.decode(tokens, cache.memory_kv, cache.src_mask, cache)
             return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
 
-        reorder = cache.reorder
-    else:  # the reference: rerun the decoder's self-attention on the whole prefix every step
-        # (the encoder side, memory and its keys/values, is computed once all the same)
-        state = {
-            "kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
-            "mask": src_mask.repeat_interleave(k, 0),
-            "prefix": torch.full((len(src_lengths) * k, 0), BOS, dtype=torch.long, device=src.device),
-        }
+        return step, cache.reorder
+    # The reference: rerun the decoder's self-attention on the whole prefix every step (the
+    # encoder side, memory and its keys/values, is computed once all the same).
+    state = {
+        "kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
+        "mask": src_mask.repeat_interleave(k, 0),
+        "prefix": torch.full((src.shape[0] * k, 0), BOS, dtype=torch.long, device=src.device),
+    }
 
-        def step(tokens: Tensor) -> Tensor:
-            state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
-            h = model.decode(state["prefix"], state["kv"], state["mask"])
-            return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
+    def step_uncached(tokens: Tensor) -> Tensor:
+        state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
+        h = model.decode(state["prefix"], state["kv"], state["mask"])
+        return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
 
-        def reorder(indices: Tensor) -> None:
-            state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices)) for a, b in state["kv"]]
-            state["mask"] = state["mask"].index_select(0, indices)
-            state["prefix"] = state["prefix"].index_select(0, indices)
+    def reorder(indices: Tensor) -> None:
+        state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices)) for a, b in state["kv"]]
+        state["mask"] = state["mask"].index_select(0, indices)
+        state["prefix"] = state["prefix"].index_select(0, indices)
 
-    if beam == 1 and nbest == 1:
-        return greedy(step, reorder, max_lens, alpha, src.device)
-    return search(step, reorder, max_lens, k, alpha, nbest, src.device)
+    return step_uncached, reorder

@@ -202,3 +202,53 @@ def test_search_reads_the_device_once_per_step(beam):
         translate(m, SRC, beam=beam, max_len_b=12)
     assert steps["n"] >= 5
     assert reads["n"] <= steps["n"] + 1, (reads, steps)  # + the source lengths
+
+
+def _random_model(seed: int, d_model: int) -> Transformer:
+    torch.manual_seed(seed)
+    c = ModelConfig(
+        vocab_size=40, num_encoder_layers=1, num_decoder_layers=2, d_model=d_model, ffn=32, heads=2
+    )
+    return Transformer(c).eval()
+
+
+@torch.no_grad()
+def _mean_lprobs(models, src: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """The ensemble's next-token log-probs after `prefix`, from whole teacher-forced passes."""
+    outs = [torch.log_softmax(m.logits(m(src, prefix)[:, -1]), -1) for m in models]
+    return sum(outs) / len(outs)
+
+
+def test_an_ensemble_averages_the_log_probabilities_of_its_models():
+    # Two models of different widths, their own encoders and caches, one search.
+    models = [_random_model(1, 16), _random_model(2, 24)]
+    src = torch.tensor([[5, 6, 7, 8, EOS], [9, 10, EOS, PAD, PAD]])
+    # Greedy, against a reference that reruns both models on the whole prefix at every step.
+    got = translate(models, src, beam=1, max_len_a=0.0, max_len_b=6)
+    for i, hyps in enumerate(got):
+        prefix = torch.tensor([[BOS]])
+        total = 0.0
+        for t in range(6):
+            lp = _mean_lprobs(models, src[i : i + 1, : int((src[i] != PAD).sum())], prefix)[0]
+            lp[PAD] = lp[BOS] = -math.inf
+            best = EOS if t == 5 else int(lp.argmax())
+            total += float(lp[best])
+            if best == EOS:
+                break
+            prefix = torch.cat([prefix, torch.tensor([[best]])], 1)
+        assert hyps[0].tokens == prefix[0, 1:].tolist()
+        assert hyps[0].score == pytest.approx(total / length_penalty(len(prefix[0]), 0.6), abs=1e-4)
+    # Beam 4: each hypothesis's score is the sum of its tokens' mean log-probs, penalised.
+    for i, hyps in enumerate(translate(models, src, beam=4, alpha=0.6, max_len_a=0.0, max_len_b=6, nbest=4)):
+        one = src[i : i + 1, : int((src[i] != PAD).sum())]
+        for h in hyps:
+            tokens = torch.tensor([[BOS, *h.tokens]])
+            steps = [
+                float(_mean_lprobs(models, one, tokens[:, : j + 1])[0, tok])
+                for j, tok in enumerate([*h.tokens, EOS])
+            ]
+            assert h.score == pytest.approx(sum(steps) / length_penalty(len(h.tokens) + 1, 0.6), abs=1e-4)
+    # One model twice is that model.
+    alone = translate(models[0], src, beam=4, max_len_b=6, nbest=2)
+    twice = translate([models[0], models[0]], src, beam=4, max_len_b=6, nbest=2)
+    assert [[h.tokens for h in hs] for hs in twice] == [[h.tokens for h in hs] for hs in alone]
