@@ -189,6 +189,10 @@ def train(
     warmup: Annotated[int, typer.Option(help="Warm-up steps of the schedule.")] = 4000,
     beta2: Annotated[float, typer.Option(help="Adam beta2 (t2t later used 0.997).")] = 0.98,
     label_smoothing: Annotated[float, typer.Option(help="Label smoothing.")] = 0.1,
+    bpe_dropout: Annotated[
+        float,
+        typer.Option(help="BPE-dropout: re-encode the training side every epoch, each merge dropped with P."),
+    ] = 0.0,
     clip_norm: Annotated[float, typer.Option(help="Gradient norm clipping (0: off).")] = 0.0,
     max_steps: Annotated[int, typer.Option(help="Stop after this many updates (0: no limit).")] = 100_000,
     max_epochs: Annotated[int, typer.Option(help="Stop after this many epochs (0: no limit).")] = 0,

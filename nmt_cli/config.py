@@ -143,6 +143,9 @@ class TrainConfig:
     beta2: float = 0.98
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
+    # BPE-dropout (Provilkov et al. 2020): each epoch the training side is encoded anew with
+    # each merge dropped with this probability; 0: the fixed encoding of `nmt bpe`.
+    bpe_dropout: float = 0.0
     clip_norm: float = 0.0  # 0: no clipping
     max_steps: int = 100_000  # 0: no limit
     max_epochs: int = 0  # 0: no limit
@@ -182,7 +185,7 @@ class TrainConfig:
         for name in ("max_steps", "max_epochs", "max_time", "patience", "clip_norm", "threads"):
             if getattr(self, name) < 0:
                 raise NmtError(f"--{name.replace('_', '-')} must not be negative")
-        for name in ("dropout", "attention_dropout", "relu_dropout", "label_smoothing"):
+        for name in ("dropout", "attention_dropout", "relu_dropout", "label_smoothing", "bpe_dropout"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
                 raise NmtError(f"--{name.replace('_', '-')} must be in [0, 1)")

@@ -82,6 +82,18 @@ class Shard:
             np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
         )
 
+    @classmethod
+    def in_memory(cls, sentences: Sequence[Sequence[int]], vocab_size: int) -> Shard:
+        """Sentences held in memory, read like a shard on disk (BPE-dropout's per-epoch encoding)."""
+        shard = cls.__new__(cls)
+        shard.dtype = dtype_for(vocab_size)
+        lengths = np.fromiter((len(s) for s in sentences), dtype=np.int64, count=len(sentences))
+        shard.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        shard.tokens = np.fromiter(
+            (t for s in sentences for t in s), dtype=shard.dtype, count=int(shard.offsets[-1])
+        )
+        return shard
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -120,8 +120,24 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
 
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     init = initial_model(run, config.init_from) if config.init_from else None
+    resample = _resample(run, config) if config.bpe_dropout else None
     with ui.TrainDisplay() as display:
-        return trainer.train(config, run, display, bleu_of, init)
+        return trainer.train(config, run, display, bleu_of, init, resample)
+
+
+def _resample(run: RunDir, config: TrainConfig):
+    """--bpe-dropout's encoding of an epoch's training pairs, for the trainer."""
+    from nmt_cli.bpe import dropout_encoding
+
+    prep = run.load_manifest()["prep"]
+
+    def resample(epoch: int):
+        return tuple(
+            dropout_encoding(run, lang, config.bpe_dropout, config.seed, epoch)
+            for lang in (prep["src"], prep["tgt"])
+        )
+
+    return resample
 
 
 def initial_model(run: RunDir, where: str) -> state.Initial:

@@ -27,7 +27,11 @@ class Split:
 
     @classmethod
     def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> Split:
-        s, t = Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
+        return cls.of(Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt)), limit)
+
+    @classmethod
+    def of(cls, s: Shard, t: Shard, limit: int) -> Split:
+        """The pairs of `s` and `t`, those with a side over `limit` tokens left out."""
         sl, tl = s.lengths + 1, t.lengths + 1
         keep = np.flatnonzero((sl <= limit) & (tl <= limit))
         return cls(s, t, sl, tl, keep)

@@ -28,7 +28,7 @@ from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, g
 from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, now
-from nmt_cli.shards import padding_share
+from nmt_cli.shards import Shard, padding_share
 
 # Updates between two reads of the training figures. A read waits for the device to finish
 # what was queued, so the host reads only this often (and at validations and checkpoints);
@@ -44,11 +44,14 @@ class Trainer:
         reporter: Reporter,
         bleu_of: Callable[[list[list[int]]], float] | None = None,
         init: Initial | None = None,
+        resample: Callable[[int], tuple[Shard, Shard]] | None = None,
     ):
         """`bleu_of` scores greedy translations of the validation set, given as token ids
-        (for --eval-bleu; score.bleu_of_ids makes one)."""
+        (for --eval-bleu; score.bleu_of_ids makes one). `resample(epoch)` gives the training
+        pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them)."""
         self.config, self.run, self.reporter = config, run, reporter
-        self.bleu_of, self.init = bleu_of, init
+        self.bleu_of, self.init, self.resample = bleu_of, init, resample
+        self._sampled: tuple[int, Split] | None = None
         prep = run.load_manifest().get("prep")
         bpe = run.load_manifest().get("bpe")
         if not prep or not bpe:
@@ -64,7 +67,7 @@ class Trainer:
             self.reporter = reporter = Quiet()
         self.precision = resolve_precision(config.precision, self.device)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
-        limit = min(self.model_config.max_positions, config.max_tokens)
+        self.limit = limit = min(self.model_config.max_positions, config.max_tokens)
         self.train_data = Split.load(run, "train", self.src_lang, self.tgt_lang, limit)
         self.valid_data = (
             Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
@@ -101,10 +104,18 @@ class Trainer:
         self.saved_at = -1
         self._signal: int | None = None
 
+    def epoch_data(self, epoch: int) -> Split:
+        """The training pairs of `epoch`: always the same, or with --bpe-dropout its own."""
+        if self.resample is None:
+            return self.train_data
+        if self._sampled is None or self._sampled[0] != epoch:
+            self._sampled = (epoch, Split.of(*self.resample(epoch), self.limit))
+        return self._sampled[1]
+
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches of `epoch`."""
         return training_share(
-            self.train_data.batches(self.config.max_tokens, self.config.seed, epoch),
+            self.epoch_data(epoch).batches(self.config.max_tokens, self.config.seed, epoch),
             self.dist.rank,
             self.dist.world,
         )
@@ -392,15 +403,15 @@ class Trainer:
         try:
             reason = self.limit_reached() or self.agreed_stop()
             while reason is None:
-                batches = self.epoch_batches(self.state.epoch)
+                data, batches = self.epoch_data(self.state.epoch), self.epoch_batches(self.state.epoch)
                 if self.state.batch == 0:
-                    share = padding_share(batches, self.train_data.src_lengths, self.train_data.tgt_lengths)
+                    share = padding_share(batches, data.src_lengths, data.tgt_lengths)
                     self.log("epoch", {"batches": len(batches), "padding": share})
                 updates = [
                     batches[i : i + c.update_freq]
                     for i in range(self.state.batch, len(batches), c.update_freq)
                 ]
-                for group in on_device(self.train_data, updates, self.device):
+                for group in on_device(data, updates, self.device):
                     self.step(group)
                     reason = self.after_update()
                     if reason:
@@ -448,5 +459,6 @@ def train(
     reporter: Reporter,
     bleu_of: Callable[[list[list[int]]], float] | None = None,
     init: Initial | None = None,
+    resample: Callable[[int], tuple[Shard, Shard]] | None = None,
 ) -> dict:
-    return Trainer(config, run, reporter, bleu_of, init).train()
+    return Trainer(config, run, reporter, bleu_of, init, resample).train()
