@@ -52,7 +52,8 @@ def sample_lines(paths: list[Path], k: int, seed: int) -> list[str]:
     return reservoir
 
 
-def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int) -> None:
+def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int, tags: list[str]) -> None:
+    """The joint BPE model; each corpus tag (`nmt prep custom --tag`) is one piece of its own."""
     import sentencepiece as spm
 
     sample = sample_lines([run.text("train", src), run.text("train", tgt)], config.sample_lines, config.seed)
@@ -76,6 +77,7 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int) -
                 bos_id=BOS,
                 eos_id=EOS,
                 pad_piece="<pad>",
+                user_defined_symbols=tags,
                 input_sentence_size=0,
                 shuffle_input_sentence=False,
                 num_threads=config.threads,
@@ -101,8 +103,9 @@ def spm_of(where: Path) -> Path:
     )
 
 
-def adopt(where: Path, run: RunDir) -> None:
-    """Take another model's sentencepiece model as this run's (for fine-tuning that model)."""
+def adopt(where: Path, run: RunDir, tags: list[str]) -> None:
+    """Take another model's sentencepiece model as this run's (for fine-tuning that model); it
+    must hold the run's corpus `tags` as pieces."""
     import sentencepiece as spm
 
     path = spm_of(where)
@@ -112,6 +115,12 @@ def adopt(where: Path, run: RunDir) -> None:
         raise NmtError(f"{path} is not a sentencepiece model ({e})") from None
     if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD, UNK, BOS, EOS):
         raise NmtError(f"{path} was not made by `nmt bpe`: its special pieces have other ids")
+    for tag in tags:
+        if sp.piece_to_id(tag) == UNK:
+            raise NmtError(
+                f"the BPE model of {where} has no piece {tag!r} (a --tag of this run's corpora), so "
+                "the tag would be cut into pieces: prep without it, or learn a BPE model here"
+            )
     ui.say(f"encoding with the BPE model of {where} ({sp.get_piece_size()} pieces)")
     run.spm_model.parent.mkdir(parents=True, exist_ok=True)
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
@@ -240,13 +249,14 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
     for split in splits:
         for lang in (src, tgt):
             run.require(run.text(split, lang), "prep")
+    tags = [c["tag"] for c in manifest["splits"]["train"].get("corpora", []) if c["tag"]]
     if config.from_model:
-        adopt(Path(config.from_model), run)
+        adopt(Path(config.from_model), run, tags)
         sp = load(run)
         vocab_size = sp.get_piece_size()
     else:
         vocab_size = config.vocab_size or auto_vocab_size(manifest["splits"]["train"]["kept"])
-        learn(config, run, src, tgt, vocab_size)
+        learn(config, run, src, tgt, vocab_size, tags)
         sp = load(run)
     stats: dict = {}
     produced: list[Path] = [run.spm_model, run.spm_vocab]

@@ -77,8 +77,24 @@ def prep(
             show_default=False,
         ),
     ] = None,
-    train_src: Annotated[Optional[Path], typer.Option(help="custom: training source (plain or .gz).")] = None,
-    train_tgt: Annotated[Optional[Path], typer.Option(help="custom: training target.")] = None,
+    train_src: Annotated[
+        Optional[list[Path]],
+        typer.Option(help="custom: training source (plain or .gz); again for each further corpus."),
+    ] = None,
+    train_tgt: Annotated[
+        Optional[list[Path]], typer.Option(help="custom: training target, one per --train-src.")
+    ] = None,
+    tag: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="custom: per training corpus, a token put before its source lines, e.g. '<bt>' for "
+            "back-translations ('' for none)."
+        ),
+    ] = None,
+    weight: Annotated[
+        Optional[list[float]],
+        typer.Option(help="custom: per training corpus, times an epoch takes each pair on average (1)."),
+    ] = None,
     valid_src: Annotated[
         Optional[Path],
         typer.Option(help="custom: validation source (default: every 100th training pair, up to 2000)."),
@@ -106,8 +122,10 @@ def prep(
         mirror=opt(mirror),
         max_words=max_words,
         max_ratio=max_ratio,
-        train_src=opt(train_src),
-        train_tgt=opt(train_tgt),
+        train_src=tuple(str(p) for p in train_src or ()),
+        train_tgt=tuple(str(p) for p in train_tgt or ()),
+        tags=tuple(tag or ()),
+        weights=tuple(weight or ()),
         valid_src=opt(valid_src),
         valid_tgt=opt(valid_tgt),
         test_src=opt(test_src),
@@ -220,6 +238,13 @@ def train(
         str, typer.Option(help="nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
     ] = "nll",
     seed: Annotated[int, typer.Option(help="Seed of initialisation, dropout and batch order.")] = 1,
+    tensorboard: Annotated[
+        bool,
+        typer.Option(
+            "--tensorboard",
+            help="Also write the figures as TensorBoard events in RUN/tensorboard ('.[tensorboard]').",
+        ),
+    ] = False,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     compile: Annotated[bool, typer.Option(help="torch.compile the model.")] = False,
     threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,

@@ -68,8 +68,13 @@ class PrepConfig:
     max_words: int = 250  # training pairs with a longer side are dropped
     # ... and pairs whose length ratio is larger; None: the recipe's (MAX_RATIO)
     max_ratio: float | None = None
-    train_src: str | None = None  # custom recipe: the user's files (plain or .gz)
-    train_tgt: str | None = None
+    # custom recipe: the user's files (plain or .gz); several training corpora, one pair each
+    train_src: tuple[str, ...] = ()
+    train_tgt: tuple[str, ...] = ()
+    # custom, per training corpus (none, or one each): a token put before each source line
+    # ("" for none), and how many times an epoch takes each pair on average (1: once)
+    tags: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
     valid_src: str | None = None
     valid_tgt: str | None = None
     test_src: str | None = None
@@ -78,6 +83,9 @@ class PrepConfig:
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
             raise NmtError(f"unknown recipe {self.recipe!r}: choose one of {', '.join(RECIPES)}")
+        for name in ("train_src", "train_tgt", "tags", "weights"):  # a list from JSON, one path before
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
         if self.src == self.tgt:
             raise NmtError(f"--src and --tgt are both {self.src!r}: give two languages")
         if self.recipe != "custom" and {self.src, self.tgt} != {"en", "de"}:
@@ -90,10 +98,38 @@ class PrepConfig:
             raise NmtError("--max-words must be at least 1 and --max-ratio at least 1.0")
         if self.recipe == "custom" and not (self.train_src and self.train_tgt):
             raise NmtError("`nmt prep custom` needs --train-src and --train-tgt")
+        if self.recipe != "custom" and (self.train_src or self.train_tgt or self.tags or self.weights):
+            raise NmtError("--train-src, --train-tgt, --tag and --weight are for `nmt prep custom`")
+        self._check_corpora()
         for side in ("valid", "test"):
             a, b = getattr(self, f"{side}_src"), getattr(self, f"{side}_tgt")
             if bool(a) != bool(b):
                 raise NmtError(f"give both --{side}-src and --{side}-tgt, or neither")
+
+    def _check_corpora(self) -> None:
+        n = len(self.train_src)
+        if len(self.train_tgt) != n:
+            raise NmtError(
+                f"{n} --train-src but {len(self.train_tgt)} --train-tgt: give one of each per corpus"
+            )
+        for name, values in (("--tag", self.tags), ("--weight", self.weights)):
+            if values and len(values) != n:
+                raise NmtError(f"{len(values)} {name} for {n} training corpora: give none, or one per corpus")
+        for tag in self.tags:
+            if tag and (len(tag.split()) != 1 or tag != tag.strip()):
+                raise NmtError(
+                    f"--tag {tag!r} must be one token without spaces (e.g. '<bt>'), or '' for none"
+                )
+        if any(not 0 < w < 1000 for w in self.weights):
+            raise NmtError(
+                "--weight must be above 0 (1: each pair once an epoch; 0.5: half of them; 2: twice)"
+            )
+
+    def corpus_tag(self, i: int) -> str:
+        return self.tags[i] if self.tags else ""
+
+    def corpus_weight(self, i: int) -> float:
+        return float(self.weights[i]) if self.weights else 1.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +197,7 @@ class TrainConfig:
     keep_best: int = 0  # also keep the N best models by best_metric
     best_metric: str = "nll"  # nll, or bleu (with eval_bleu); for patience too
     seed: int = 1
+    tensorboard: bool = False  # also write metrics.jsonl's figures as TensorBoard events
     device: str = "auto"
     compile: bool = False
     threads: int = 0  # 0: torch's default

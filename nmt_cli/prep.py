@@ -70,6 +70,7 @@ class SplitStats:
     kept: int = 0
     dropped: dict = field(default_factory=lambda: collections.Counter())
     not_utf8: int = 0
+    corpora: list = field(default_factory=list)  # training: each corpus's file, pairs, tag, weight
 
 
 def _read_part(part: Part, path: Path, damage: Damage) -> Iterator[str]:
@@ -158,8 +159,10 @@ def clean_split(
                 files[(s, tgt, True)].write(raw[1] + "\n")
             stats[s].kept += 1
 
-        for corpus, corpus_paths in zip(corpora, paths):
+        for i, (corpus, corpus_paths) in enumerate(zip(corpora, paths)):
             pairs = _pairs(corpus, corpus_paths, src, tgt, damage)
+            tag = f"{config.corpus_tag(i)} " if train and config.corpus_tag(i) else ""
+            kept_before = stats[split].kept
             for raw_chunk, chunk in _normalized(chunks(pairs, 2000), (src, tgt), workers):
                 stats[split].read += len(chunk)
                 bar.advance(task, len(chunk))
@@ -168,16 +171,27 @@ def clean_split(
                         write(split, (a, b), raw)
                         continue
                     # A pair is remembered for dedup only once it passed the other filters.
-                    reason = _drop_reason(a, b, config) or (None if seen.add(a, b) else "duplicate")
+                    reason = _drop_reason(a, b, config) or (None if seen.add(tag + a, b) else "duplicate")
                     if reason is not None:
                         stats[split].dropped[reason] += 1
                         continue
                     accepted += 1
-                    if holdout and accepted % 100 == 0 and stats["valid"].kept < 2000:
+                    # The validation pairs held out come from the first (the main) corpus.
+                    if holdout and i == 0 and accepted % 100 == 0 and stats["valid"].kept < 2000:
                         stats["valid"].read += 1
                         write("valid", (a, b), raw)
                     else:
-                        write(split, (a, b), raw)
+                        write(split, (tag + a, b), raw)
+            if train:
+                stats[split].corpora.append(
+                    {
+                        "source": corpus[src].describe(),
+                        "target": corpus[tgt].describe(),
+                        "pairs": stats[split].kept - kept_before,  # lines of text/train, in order
+                        "tag": config.corpus_tag(i),
+                        "weight": config.corpus_weight(i),
+                    }
+                )
         if stats[split].kept == 0:
             what = ", ".join(f"{n} {r}" for r, n in stats[split].dropped.items()) or "none read"
             raise NmtError(
@@ -332,7 +346,13 @@ def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict
         for raw in ((False,) if s == TRAIN else (False, True))
     ]
     summary = {
-        s: {"read": st.read, "kept": st.kept, "dropped": dict(st.dropped), "not_utf8": st.not_utf8}
+        s: {
+            "read": st.read,
+            "kept": st.kept,
+            "dropped": dict(st.dropped),
+            "not_utf8": st.not_utf8,
+            **({"corpora": st.corpora} if st.corpora else {}),
+        }
         for s, st in all_stats.items()
     }
     run.record("prep", produced, splits=summary, src=config.src, tgt=config.tgt)
@@ -340,7 +360,8 @@ def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict
 
 
 def show(summary: dict) -> None:
-    """The table of what `prepare` kept and dropped."""
+    """The table of what `prepare` kept and dropped; with several training corpora, a row each."""
+    corpora = summary.get(TRAIN, {}).get("corpora", [])
     ui.table(
         "nmt prep",
         ["split", "read", "kept", "dropped", "not UTF-8"],
@@ -353,5 +374,9 @@ def show(summary: dict) -> None:
                 f"{v['not_utf8']:,}",
             ]
             for s, v in summary.items()
+        ]
+        + [
+            [f"  {c['source']}", "", f"{c['pairs']:,}", f"tag {c['tag'] or '-'}, weight {c['weight']:g}", ""]
+            for c in (corpora if len(corpora) > 1 else [])
         ],
     )

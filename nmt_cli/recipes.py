@@ -108,8 +108,13 @@ MULTI30K_EN_DE: Recipe = {
 
 
 def custom_recipe(config: PrepConfig) -> Recipe:
-    recipe: Recipe = {}
-    for split in (TRAIN, "valid", "test"):
+    recipe: Recipe = {
+        TRAIN: [
+            {config.src: Part(None, path=src), config.tgt: Part(None, path=tgt)}
+            for src, tgt in zip(config.train_src, config.train_tgt)
+        ]
+    }
+    for split in ("valid", "test"):
         src, tgt = getattr(config, f"{split}_src"), getattr(config, f"{split}_tgt")
         if src:
             recipe[split] = [{config.src: Part(None, path=src), config.tgt: Part(None, path=tgt)}]

@@ -13,6 +13,7 @@ Layout (each step writes only its own part, and records it in manifest.json):
     checkpoints/checkpoint_{step:08d}.pt/.json   training checkpoints (engine/checkpoint.py)
     checkpoints/best/best_{step:08d}.pt/.json    the best models by validation (--keep-best)
     metrics.jsonl               every logged training/validation figure, one JSON object a line
+    tensorboard/                the same figures as TensorBoard event files (`--tensorboard`)
     averaged.pt/.json           the average of the last checkpoints (`nmt average`)
     translations/{split}.{lang}(.json)  translations made by `nmt score`, and their settings
     scores/{split}.json         the scores `nmt score` computed for a split
@@ -179,6 +180,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
 
     @property
     def averaged(self) -> Path:

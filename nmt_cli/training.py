@@ -121,8 +121,13 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     init = initial_model(run, config.init_from) if config.init_from else None
     resample = _resample(run, config) if config.bpe_dropout else None
-    with ui.TrainDisplay() as display:
-        return trainer.train(config, run, display, bleu_of, init, resample)
+    with ui.TrainDisplay() as display, contextlib.ExitStack() as stack:
+        reporter = display
+        if config.tensorboard:
+            from nmt_cli.tensorboard import TensorBoard
+
+            reporter = stack.enter_context(TensorBoard(display, run.tensorboard))
+        return trainer.train(config, run, reporter, bleu_of, init, resample)
 
 
 def _resample(run: RunDir, config: TrainConfig):

@@ -151,3 +151,6 @@ class TrainDisplay:
 
     def say(self, message: str) -> None:
         say(message)
+
+    def record(self, record: dict) -> None:
+        pass  # progress() shows what a person reads; metrics.jsonl keeps the rest

@@ -213,3 +213,106 @@ def test_the_length_filter_keeps_translations_into_scripts_without_spaces(tmp_pa
         assert train["kept"] == 2 and train["dropped"] == {"duplicate": 4}, train
     # A side far longer than the other is still dropped, in any script.
     assert length(UDHR["zh"][1]) * 1.5 < length(UDHR["en"][0])
+
+
+def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
+    """A clean corpus and a tagged one of weight 2.5 (as back-translations are used): the tag
+    starts the second corpus's source lines as one BPE piece, and each epoch takes its pairs
+    2.5 times on average, the extra half changing from epoch to epoch."""
+    import numpy as np
+
+    from nmt_cli.engine.data import Split
+
+    def lines(name, lang, start, stop):
+        with gzip.open(multi30k_dir / f"{name}.{lang}.gz", "rt", encoding="utf-8") as f:
+            return f.read().splitlines()[start:stop]
+
+    files = {}
+    for key, (name, start, stop) in {
+        "a": ("train", 0, 3000),
+        "b": ("train", 3000, 5000),
+        "v": ("val", 0, 300),
+    }.items():
+        for lang in ("en", "de"):
+            files[key, lang] = write(tmp_path / f"{key}.{lang}", lines(name, lang, start, stop))
+    run = RunDir(tmp_path / "run")
+    args = [
+        "prep",
+        "custom",
+        "--run-dir",
+        run.root,
+        "--valid-src",
+        files["v", "en"],
+        "--valid-tgt",
+        files["v", "de"],
+    ]
+    args += ["--train-src", files["a", "en"], "--train-tgt", files["a", "de"], "--tag", "", "--weight", "1"]
+    args += [
+        "--train-src",
+        files["b", "en"],
+        "--train-tgt",
+        files["b", "de"],
+        "--tag",
+        "<bt>",
+        "--weight",
+        "2.5",
+    ]
+    result = nmt(*args)
+    assert result.code == 0, result.err
+    corpora = run.load_manifest()["prep"]["splits"]["train"]["corpora"]
+    assert [(c["source"], c["tag"], c["weight"]) for c in corpora] == [
+        (str(files["a", "en"]), "", 1.0),
+        (str(files["b", "en"]), "<bt>", 2.5),
+    ]
+    na, nb = corpora[0]["pairs"], corpora[1]["pairs"]
+    assert 2800 < na <= 3000 and 1800 < nb <= 2000  # pairs over the 1.5 length ratio go
+    train = run.text("train", "en").read_text(encoding="utf-8").splitlines()
+    assert len(train) == na + nb
+    assert not any(x.startswith("<bt>") for x in train[:na])
+    assert all(x.startswith("<bt> ") and not x.startswith("<bt> <bt>") for x in train[na:])
+    assert train[na][len("<bt> ") :] == normalize(lines("train", "en", 3000, 3001)[0], "en")
+    assert not any(x.startswith("<bt>") for x in run.text("valid", "en").read_text().splitlines())
+
+    assert nmt("bpe", "--run-dir", run.root, "--vocab-size", "1000").code == 0
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(run.spm_model))
+    tag = sp.piece_to_id("<bt>")
+    # One piece (after sentencepiece's word-start piece).
+    assert tag != sp.unk_id() and sp.encode("<bt> A dog runs.", out_type=str)[:3] == [
+        "\u2581",
+        "<bt>",
+        "\u2581A",
+    ]
+    split = Split.load(run, "train", "en", "de", 1024, corpora)
+    assert all(split.src[i][1] == tag for i in range(na, na + nb)) and tag not in split.src[0]
+    e0, e1 = split.chosen(seed=1, epoch=0), split.chosen(seed=1, epoch=1)
+    counts = np.bincount(e0, minlength=na + nb)
+    assert np.all(counts[:na] == 1)
+    assert set(counts[na:]) == {2, 3} and (counts[na:] == 3).sum() == round(0.5 * nb)
+    assert not np.array_equal(np.sort(e0), np.sort(e1))  # another half each epoch
+    assert np.array_equal(e0, split.chosen(seed=1, epoch=0))
+    assert sorted(np.concatenate(split.batches(1024, 1, 0)).tolist()) == sorted(e0.tolist())
+    steps = ["--size", "tiny", "--d-model", "16", "--ffn", "32", "--heads", "2", "--max-steps", "3"]
+    assert nmt("train", "--run-dir", run.root, *steps, "--max-tokens", "256", "--eval-every", "3").code == 0
+
+
+def test_corpus_options_must_match(corpus, tmp_path, nmt):
+    base = [
+        "prep",
+        "custom",
+        "--run-dir",
+        tmp_path / "run",
+        "--train-src",
+        corpus[0],
+        "--train-tgt",
+        corpus[1],
+    ]
+    assert "one per corpus" in one_error_line(nmt(*base, "--tag", "<a>", "--tag", "<b>"))
+    assert "one token" in one_error_line(nmt(*base, "--tag", "two words"))
+    assert "above 0" in one_error_line(nmt(*base, "--weight", "0"))
+    assert "one of each" in one_error_line(nmt(*base, "--train-src", corpus[0]))
+    assert "nmt prep custom" in one_error_line(
+        nmt("prep", "multi30k-en-de", "--run-dir", tmp_path / "m", "--weight", "2")
+    )
+    assert not (tmp_path / "run").exists()

@@ -683,3 +683,31 @@ def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_
     subprocess.run(_train_cmd(plain, 12), check=True, capture_output=True)
     c, _ = _final_weights(plain)
     assert not torch.equal(a["model"]["embed.weight"], c["model"]["embed.weight"])
+
+
+def test_tensorboard_events_hold_the_series_of_metrics_jsonl_across_a_resume(run_copy, nmt):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def train(steps: int) -> None:
+        args = ["--max-steps", steps, "--save-every", "20", "--eval-every", "20", "--tensorboard"]
+        result = nmt("train", "--run-dir", run_copy, *TINY, "--warmup", "20", *args)
+        assert result.code == 0, result.err
+
+    train(30)
+    # Lose the last checkpoint: the rerun resumes from step 20 and writes steps 21-30 anew;
+    # metrics.jsonl is cut back to step 20, and TensorBoard must forget those steps too.
+    for path in (run_copy / "checkpoints").glob("checkpoint_00000030.*"):
+        path.unlink()
+    train(40)
+    records = RunDir(run_copy).metric_records()
+    events = EventAccumulator(str(run_copy / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "valid/valid_nll", "epoch/padding"} <= tags
+    for tag in ("train/loss", "train/lr", "valid/valid_nll", "valid/valid_ppl"):
+        kind, name = tag.split("/")
+        expected = [(r["step"], r[name]) for r in records if r["kind"] == kind]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in expected], tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6), tag
+    assert [s for s, _ in expected] == [20, 40]

@@ -24,24 +24,44 @@ class Split:
     src_lengths: np.ndarray  # with the EOS
     tgt_lengths: np.ndarray  # with the BOS/EOS
     keep: np.ndarray  # sentences short enough for the model and the batch size
+    # Corpora of different sampling weights: (first sentence, end, weight), in order.
+    weights: tuple[tuple[int, int, float], ...] = ()
 
     @classmethod
-    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int) -> Split:
-        return cls.of(Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt)), limit)
+    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int, corpora: list[dict] = ()) -> Split:
+        """`corpora`: the manifest's record of the split's corpora (`nmt prep custom`)."""
+        return cls.of(Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt)), limit, corpora)
 
     @classmethod
-    def of(cls, s: Shard, t: Shard, limit: int) -> Split:
+    def of(cls, s: Shard, t: Shard, limit: int, corpora: list[dict] = ()) -> Split:
         """The pairs of `s` and `t`, those with a side over `limit` tokens left out."""
         sl, tl = s.lengths + 1, t.lengths + 1
         keep = np.flatnonzero((sl <= limit) & (tl <= limit))
-        return cls(s, t, sl, tl, keep)
+        ends = np.cumsum([c["pairs"] for c in corpora], dtype=np.int64)
+        weights = tuple((int(e - c["pairs"]), int(e), float(c["weight"])) for e, c in zip(ends, corpora))
+        if all(w == 1.0 for *_, w in weights):
+            weights = ()
+        return cls(s, t, sl, tl, keep, weights)
+
+    def chosen(self, seed: int, epoch: int) -> np.ndarray:
+        """The sentences an epoch trains on: each kept one once, or as its corpus's weight says:
+        weight 2.5 takes every pair twice and a different half of them a third time each epoch."""
+        if not self.weights:
+            return self.keep
+        rng = np.random.default_rng([seed, epoch, 1])  # not make_batches's stream
+        parts = []
+        for start, end, weight in self.weights:
+            mine = self.keep[(self.keep >= start) & (self.keep < end)]
+            whole, part = divmod(weight, 1.0)
+            parts += [mine] * int(whole)
+            parts.append(np.sort(rng.choice(mine, size=round(part * len(mine)), replace=False)))
+        return np.concatenate(parts)
 
     def batches(self, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
         """Sentence indices of every batch of the epoch, in its shuffled order."""
-        groups = make_batches(
-            self.src_lengths[self.keep], self.tgt_lengths[self.keep], max_tokens, seed, epoch
-        )
-        return [self.keep[g] for g in groups]
+        chosen = self.chosen(seed, epoch)
+        groups = make_batches(self.src_lengths[chosen], self.tgt_lengths[chosen], max_tokens, seed, epoch)
+        return [chosen[g] for g in groups]
 
 
 def training_share(batches: list[np.ndarray], rank: int, world: int) -> list[np.ndarray]:

@@ -34,6 +34,7 @@ class State:
 class Reporter(Protocol):
     def progress(self, state: State, total_steps: int | None, metrics: dict) -> None: ...
     def say(self, message: str) -> None: ...
+    def record(self, record: dict) -> None: ...  # each line metrics.jsonl gets, as written
 
 
 class Quiet:
@@ -41,6 +42,9 @@ class Quiet:
         pass
 
     def say(self, message: str) -> None:
+        pass
+
+    def record(self, record: dict) -> None:
         pass
 
 

@@ -68,7 +68,8 @@ class Trainer:
         self.precision = resolve_precision(config.precision, self.device)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
         self.limit = limit = min(self.model_config.max_positions, config.max_tokens)
-        self.train_data = Split.load(run, "train", self.src_lang, self.tgt_lang, limit)
+        self.corpora = prep["splits"]["train"].get("corpora", [])
+        self.train_data = Split.load(run, "train", self.src_lang, self.tgt_lang, limit, self.corpora)
         self.valid_data = (
             Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
             if "valid" in prep["splits"]
@@ -109,7 +110,7 @@ class Trainer:
         if self.resample is None:
             return self.train_data
         if self._sampled is None or self._sampled[0] != epoch:
-            self._sampled = (epoch, Split.of(*self.resample(epoch), self.limit))
+            self._sampled = (epoch, Split.of(*self.resample(epoch), self.limit, self.corpora))
         return self._sampled[1]
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
@@ -216,6 +217,7 @@ class Trainer:
             **metrics,
         }
         self.run.add_metric(record)
+        self.reporter.record(record)
 
     def elapsed(self) -> float:
         return self.state.seconds + time.monotonic() - self._started
