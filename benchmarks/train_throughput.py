@@ -181,8 +181,8 @@ def loop_against_bare(
             warmup=100,
         )
         t = trainer.Trainer(config, RunDir(run), state.Quiet())
-        groups = [[b] for b in t.epoch_batches(0)[:steps]]
-        updates = list(on_device(t.train_data, groups, t.device))  # collated and copied first
+        groups = [[b] for b in t.epochs.batches(0)[:steps]]
+        updates = list(on_device(t.epochs.fixed, groups, t.device))  # collated and copied first
 
         device = t.device
 

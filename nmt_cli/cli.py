@@ -231,6 +231,20 @@ def train(
             "run's (`nmt bpe --from`)."
         ),
     ] = None,
+    init_optimizer: Annotated[
+        bool,
+        typer.Option(
+            "--init-optimizer", help="With --init-from: keep its Adam moments (a training checkpoint's)."
+        ),
+    ] = False,
+    init_schedule: Annotated[
+        bool,
+        typer.Option(
+            "--init-schedule",
+            help="With --init-from: go on from its step, and so its learning-rate schedule "
+            "(--max-steps counts from 0).",
+        ),
+    ] = False,
     keep_best: Annotated[
         int, typer.Option(help="Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
     ] = 0,

@@ -194,6 +194,10 @@ class TrainConfig:
     keep_last: int = 20  # enough to average the last 20 (big)
     # Start from this model's weights (a run, a checkpoint or a package); fresh optimizer.
     init_from: str | None = None
+    # ... keeping, from its training checkpoint, the Adam moments and / or the step (and so the
+    # point of the learning-rate schedule)
+    init_optimizer: bool = False
+    init_schedule: bool = False
     keep_best: int = 0  # also keep the N best models by best_metric
     best_metric: str = "nll"  # nll, or bleu (with eval_bleu); for patience too
     seed: int = 1
@@ -230,6 +234,11 @@ class TrainConfig:
             raise NmtError("--lr-scale must be positive")
         if self.keep_best < 0:
             raise NmtError("--keep-best must not be negative")
+        if (self.init_optimizer or self.init_schedule) and not self.init_from:
+            raise NmtError(
+                "--init-optimizer and --init-schedule keep what --init-from's checkpoint had: "
+                "give --init-from"
+            )
         if self.best_metric not in ("nll", "bleu"):
             raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
         if self.best_metric == "bleu" and not self.eval_bleu:

@@ -119,7 +119,7 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
         from nmt_cli.score import bleu_of_ids
 
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
-    init = initial_model(run, config.init_from) if config.init_from else None
+    init = initial_model(run, config) if config.init_from else None
     resample = _resample(run, config) if config.bpe_dropout else None
     with ui.TrainDisplay() as display, contextlib.ExitStack() as stack:
         reporter = display
@@ -145,14 +145,22 @@ def _resample(run: RunDir, config: TrainConfig):
     return resample
 
 
-def initial_model(run: RunDir, where: str) -> state.Initial:
+def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     """--init-from: a package, a run directory (its averaged model, else its latest
-    checkpoint) or a checkpoint file; refused unless it shares this run's BPE model."""
+    checkpoint) or a checkpoint file; refused unless it shares this run's BPE model. With
+    --init-optimizer / --init-schedule, a training checkpoint (a run's latest, or the file)."""
     from pathlib import Path
 
     from nmt_cli import package
     from nmt_cli.rundir import sha256_file
 
+    where = config.init_from
+    keep = config.init_optimizer or config.init_schedule
+    if keep and RunDir(Path(where)).manifest_path.is_file():  # a run: its latest checkpoint
+        found = checkpoint.listed(RunDir(Path(where)).checkpoints)
+        if not found:
+            raise NmtError(f"--init-from {where} has no training checkpoint to keep the optimizer or step of")
+        where = str(found[-1])
     model = package.locate(Path(where))
     if model.load_weights is None:
         raise NmtError(
@@ -164,7 +172,17 @@ def initial_model(run: RunDir, where: str) -> state.Initial:
             f"{run.root}'s BPE model is not the one {where} was trained with: "
             f"encode the data with `nmt bpe --from {where}`"
         )
-    return state.Initial(str(model.where), model.config, model.load_weights)
+    optimizer, step = None, 0
+    if keep:
+        tensors, meta = checkpoint.load_tensors(Path(where)) if Path(where).is_file() else ({}, {})
+        if "optimizer" not in tensors:
+            raise NmtError(
+                f"--init-from {where} is not a training checkpoint (an averaged model or a package "
+                "keeps no optimizer or step): give one of checkpoints/checkpoint_*.pt"
+            )
+        optimizer = tensors["optimizer"] if config.init_optimizer else None
+        step = meta["step"] if config.init_schedule else 0
+    return state.Initial(str(model.where), model.config, model.load_weights, optimizer, step)
 
 
 if __name__ == "__main__":

@@ -70,8 +70,8 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
     for precision in ("bf16", "fp16"):
         config = TrainConfig(size="tiny", max_tokens=1024, device="cuda", precision=precision, update_freq=2)
         t = trainer.Trainer(config, RunDir(run_copy), state.Quiet())
-        groups = [t.epoch_batches(0)[i : i + 2] for i in range(0, 8, 2)]
-        updates = list(on_device(t.train_data, groups, t.device))
+        groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 8, 2)]
+        updates = list(on_device(t.epochs.fixed, groups, t.device))
         assert updates[0][0].src.is_cuda
         step = dict(label_smoothing=0.1, clip_norm=1.0, lr=1e-4, autocast=t.autocast, group=t.dist)
         trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, updates[0], **step)

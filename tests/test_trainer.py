@@ -2,6 +2,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -379,8 +380,8 @@ def test_train_step_reads_nothing_back_from_the_device(run_copy):
     from nmt_cli.engine.data import on_device
 
     t = _tiny_trainer(run_copy, update_freq=2)
-    groups = [t.epoch_batches(0)[i : i + 2] for i in range(0, 12, 2)]
-    updates = list(on_device(t.train_data, groups, t.device))
+    groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 12, 2)]
+    updates = list(on_device(t.epochs.fixed, groups, t.device))
     with host_reads() as reads:
         figures = [
             trainer.train_step(
@@ -419,7 +420,7 @@ def test_a_skipped_update_changes_nothing(run_copy):
     from nmt_cli.engine.data import on_device
 
     t = _tiny_trainer(run_copy)
-    (batches,) = on_device(t.train_data, [t.epoch_batches(0)[:1]], t.device)
+    (batches,) = on_device(t.epochs.fixed, [t.epochs.batches(0)[:1]], t.device)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     figures = trainer.train_step(
         t.model,
@@ -575,6 +576,58 @@ def test_fine_tuning_starts_from_the_model_on_its_bpe(trained_longer, tmp_path, 
     assert first["tuned"]["lr"] == first["fresh"]["lr"]  # the schedule starts afresh
     assert first["tuned"]["loss"] < first["fresh"]["loss"] - 1.5, first
     assert "starting from the weights of" in (tmp_path / "tuned" / "log.txt").read_text()
+    # Fresh: Adam's own step count starts at 0 too.
+    tensors, _ = checkpoint.load_tensors(tmp_path / "tuned" / "checkpoints" / "checkpoint_00000010.pt")
+    assert {float(s["step"]) for s in tensors["optimizer"]["state"].values()} == {10.0}
+
+
+def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp_path, nmt):
+    text, run = trained_longer / "text", tmp_path / "kept"
+    start = checkpoint.listed(trained_longer / "checkpoints")[-1]
+    before, meta = checkpoint.load_tensors(start)
+    assert meta["step"] == 800
+    for command in (
+        ["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt", text / "test2017.de"],
+        ["bpe", "--from", trained_longer],
+    ):
+        assert nmt(*command, "--run-dir", run).code == 0
+    steps = [
+        "--max-steps",
+        "810",
+        "--eval-every",
+        "10",
+        "--save-every",
+        "10",
+        "--warmup",
+        "100",
+        "--lr-scale",
+        "2",
+    ]
+    both = ["--init-optimizer", "--init-schedule"]
+    result = nmt("train", "--run-dir", run, *LONGER, *steps, "--init-from", trained_longer, *both)
+    assert result.code == 0, result.err
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if r["kind"] == "train")
+    assert first["step"] == 810 and first["lr"] == pytest.approx(learning_rate(810, 64, 100, scale=2.0))
+    after, meta = checkpoint.load_tensors(run / "checkpoints" / "checkpoint_00000810.pt")
+    assert meta["step"] == 810 and meta["state"]["epoch"] == 0  # new data: its first epoch
+    # Adam went on from the checkpoint's moments: its step count too.
+    assert {float(s["step"]) for s in after["optimizer"]["state"].values()} == {810.0}
+    moved = after["optimizer"]["state"][0]["exp_avg_sq"] - before["optimizer"]["state"][0]["exp_avg_sq"]
+    assert moved.abs().max() < before["optimizer"]["state"][0]["exp_avg_sq"].abs().max()
+    assert "with its optimizer state, at its step 800" in (run / "log.txt").read_text()
+    # A package or an averaged model keeps no optimizer: one error line.
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    shutil.rmtree(other / "checkpoints")
+    (other / "metrics.jsonl").unlink()
+    package = tmp_path / "pkg"
+    assert nmt("export", package, "--model", start).code == 0
+    line = one_error_line(
+        nmt("train", "--run-dir", other, *LONGER, *steps, "--init-from", package, "--init-optimizer")
+    )
+    assert "not a training checkpoint" in line
+    assert "give --init-from" in one_error_line(nmt("train", "--run-dir", other, *LONGER, "--init-schedule"))
 
 
 def test_fine_tuning_errors(trained_longer, tmp_path, nmt):
@@ -650,8 +703,8 @@ def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_
 
     config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, max_tokens=256, bpe_dropout=0.1)
     t = trainer.Trainer(config, RunDir(run_copy), state.Quiet(), resample=_resample(RunDir(run_copy), config))
-    fixed, e0, e1 = t.train_data, t.epoch_data(0), t.epoch_data(1)
-    assert t.epoch_data(1) is e1  # an epoch is encoded once
+    fixed, e0, e1 = t.epochs.fixed, t.epochs.data(0), t.epochs.data(1)
+    assert t.epochs.data(1) is e1  # an epoch is encoded once
     assert fixed.src_lengths.sum() < e0.src_lengths.sum() and fixed.tgt_lengths.sum() < e0.tgt_lengths.sum()
     assert not np.array_equal(e0.src.tokens, e1.src.tokens)
     assert (

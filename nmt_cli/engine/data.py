@@ -7,12 +7,14 @@ many) is worked out here on the host, so that training never asks the GPU for it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from nmt_cli.config import TrainConfig
+from nmt_cli.engine.distributed import Group
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import PAD, Shard, collate, make_batches
 
@@ -24,6 +26,7 @@ class Split:
     src_lengths: np.ndarray  # with the EOS
     tgt_lengths: np.ndarray  # with the BOS/EOS
     keep: np.ndarray  # sentences short enough for the model and the batch size
+    limit: int  # the longest side kept, in tokens
     # Corpora of different sampling weights: (first sentence, end, weight), in order.
     weights: tuple[tuple[int, int, float], ...] = ()
 
@@ -35,13 +38,19 @@ class Split:
     @classmethod
     def of(cls, s: Shard, t: Shard, limit: int, corpora: list[dict] = ()) -> Split:
         """The pairs of `s` and `t`, those with a side over `limit` tokens left out."""
-        sl, tl = s.lengths + 1, t.lengths + 1
-        keep = np.flatnonzero((sl <= limit) & (tl <= limit))
         ends = np.cumsum([c["pairs"] for c in corpora], dtype=np.int64)
         weights = tuple((int(e - c["pairs"]), int(e), float(c["weight"])) for e, c in zip(ends, corpora))
-        if all(w == 1.0 for *_, w in weights):
-            weights = ()
-        return cls(s, t, sl, tl, keep, weights)
+        return cls._made(s, t, limit, () if all(w == 1.0 for *_, w in weights) else weights)
+
+    @classmethod
+    def _made(cls, s: Shard, t: Shard, limit: int, weights: tuple) -> Split:
+        sl, tl = s.lengths + 1, t.lengths + 1
+        keep = np.flatnonzero((sl <= limit) & (tl <= limit))
+        return cls(s, t, sl, tl, keep, limit, weights)
+
+    def reencoded(self, s: Shard, t: Shard) -> Split:
+        """The same pairs encoded otherwise (BPE-dropout), with the same limit and weights."""
+        return self._made(s, t, self.limit, self.weights)
 
     def chosen(self, seed: int, epoch: int) -> np.ndarray:
         """The sentences an epoch trains on: each kept one once, or as its corpus's weight says:
@@ -62,6 +71,35 @@ class Split:
         chosen = self.chosen(seed, epoch)
         groups = make_batches(self.src_lengths[chosen], self.tgt_lengths[chosen], max_tokens, seed, epoch)
         return [chosen[g] for g in groups]
+
+
+class Epochs:
+    """The training data, epoch by epoch: the pairs of an epoch (always `fixed`, or with
+    BPE-dropout their encoding for that epoch, from `resample(epoch)`) and this rank's batches."""
+
+    def __init__(
+        self,
+        fixed: Split,
+        config: TrainConfig,
+        group: Group,
+        resample: Callable[[int], tuple[Shard, Shard]] | None = None,
+    ):
+        self.fixed, self.config, self.group, self.resample = fixed, config, group, resample
+        self._last: tuple[int, Split] | None = None  # an epoch is encoded once
+
+    def data(self, epoch: int) -> Split:
+        if self.resample is None:
+            return self.fixed
+        if self._last is None or self._last[0] != epoch:
+            self._last = (epoch, self.fixed.reencoded(*self.resample(epoch)))
+        return self._last[1]
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's batches of `epoch`."""
+        c = self.config
+        return training_share(
+            self.data(epoch).batches(c.max_tokens, c.seed, epoch), self.group.rank, self.group.world
+        )
 
 
 def training_share(batches: list[np.ndarray], rank: int, world: int) -> list[np.ndarray]:

@@ -66,6 +66,8 @@ class Initial:
     where: str
     config: ModelConfig
     weights: Callable[[], dict[str, torch.Tensor]]
+    optimizer: dict | None = None  # Adam's state to keep (--init-optimizer)
+    step: int = 0  # the step to go on from (--init-schedule)
 
     def weights_for(self, config: ModelConfig) -> dict[str, torch.Tensor]:
         """The weights, if they fit a model of `config` (dropout is the training's own choice)."""
@@ -81,6 +83,19 @@ class Initial:
                 "the same shape options (--size, --d-model, ...)"
             )
         return self.weights()
+
+    def start(self, model: torch.nn.Module, config: ModelConfig, optimizer, state: State) -> str:
+        """Load the weights into a new run's `model` (and what --init-optimizer and
+        --init-schedule keep into `optimizer` and `state`); says what it did."""
+        model.load_state_dict(self.weights_for(config))
+        if self.optimizer is not None:
+            optimizer.load_state_dict(self.optimizer)
+        state.step = self.step
+        return (
+            f"starting from the weights of {self.where}"
+            + (", with its optimizer state" if self.optimizer is not None else "")
+            + (f", at its step {self.step}" if self.step else "")
+        )
 
 
 def gather_rng(group: Group, device: torch.device) -> dict[str, torch.Tensor]:

@@ -15,12 +15,11 @@ import signal
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig
 from nmt_cli.engine import checkpoint, distributed, validation
-from nmt_cli.engine.data import Batch, Split, on_device, training_share
+from nmt_cli.engine.data import Batch, Epochs, Split, on_device
 from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
@@ -50,8 +49,7 @@ class Trainer:
         (for --eval-bleu; score.bleu_of_ids makes one). `resample(epoch)` gives the training
         pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them)."""
         self.config, self.run, self.reporter = config, run, reporter
-        self.bleu_of, self.init, self.resample = bleu_of, init, resample
-        self._sampled: tuple[int, Split] | None = None
+        self.bleu_of, self.init = bleu_of, init
         prep = run.load_manifest().get("prep")
         bpe = run.load_manifest().get("bpe")
         if not prep or not bpe:
@@ -67,20 +65,25 @@ class Trainer:
             self.reporter = reporter = Quiet()
         self.precision = resolve_precision(config.precision, self.device)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
-        self.limit = limit = min(self.model_config.max_positions, config.max_tokens)
-        self.corpora = prep["splits"]["train"].get("corpora", [])
-        self.train_data = Split.load(run, "train", self.src_lang, self.tgt_lang, limit, self.corpora)
+        limit = min(self.model_config.max_positions, config.max_tokens)
+        corpora = prep["splits"]["train"].get("corpora", [])
+        self.epochs = Epochs(
+            Split.load(run, "train", self.src_lang, self.tgt_lang, limit, corpora),
+            config,
+            self.dist,
+            resample,
+        )
         self.valid_data = (
             Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
             if "valid" in prep["splits"]
             else None
         )
-        if len(self.train_data.keep) == 0:
+        if len(self.epochs.fixed.keep) == 0:
             raise NmtError(f"no training pair fits --max-tokens {config.max_tokens}: raise it")
-        dropped = len(self.train_data.src) - len(self.train_data.keep)
+        dropped = len(self.epochs.fixed.src) - len(self.epochs.fixed.keep)
         if dropped:
             reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
-        if not self.epoch_batches(0):
+        if not self.epochs.batches(0):
             raise NmtError(
                 f"too little training data for one batch per rank ({self.dist.world} "
                 "ranks): use fewer processes or a smaller --max-tokens"
@@ -104,22 +107,6 @@ class Trainer:
         self.last: dict = {}  # the figures of the last read
         self.saved_at = -1
         self._signal: int | None = None
-
-    def epoch_data(self, epoch: int) -> Split:
-        """The training pairs of `epoch`: always the same, or with --bpe-dropout its own."""
-        if self.resample is None:
-            return self.train_data
-        if self._sampled is None or self._sampled[0] != epoch:
-            self._sampled = (epoch, Split.of(*self.resample(epoch), self.limit, self.corpora))
-        return self._sampled[1]
-
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches of `epoch`."""
-        return training_share(
-            self.epoch_data(epoch).batches(self.config.max_tokens, self.config.seed, epoch),
-            self.dist.rank,
-            self.dist.world,
-        )
 
     # -- checkpoints
     def record(self, **extra) -> dict:
@@ -175,9 +162,8 @@ class Trainer:
                 "--run-dir must be one directory that every node shares"
             )
         if found is None:
-            if self.init is not None:  # a fresh optimizer and schedule
-                self.model.load_state_dict(self.init.weights_for(self.model_config))
-                self.reporter.say(f"starting from the weights of {self.init.where}")
+            if self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
+                self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
             return False
         tensors, meta = found
         if meta["model"] != dataclasses.asdict(self.model_config):
@@ -405,7 +391,7 @@ class Trainer:
         try:
             reason = self.limit_reached() or self.agreed_stop()
             while reason is None:
-                data, batches = self.epoch_data(self.state.epoch), self.epoch_batches(self.state.epoch)
+                data, batches = self.epochs.data(self.state.epoch), self.epochs.batches(self.state.epoch)
                 if self.state.batch == 0:
                     share = padding_share(batches, data.src_lengths, data.tgt_lengths)
                     self.log("epoch", {"batches": len(batches), "padding": share})
