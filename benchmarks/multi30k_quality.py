@@ -12,6 +12,11 @@
    measure the small-data literature reports (Wu et al. 2021, Transformer-Tiny: 41.02).
 4. The learning curve: greedy BLEU and NLL on the validation set against minutes of training.
 
+With `--seeds N`, N models of the recipe (seeds 1..N) train side by side for the same M minutes,
+the cores shared out (`--threads`, default cores / N), each averaged as the quickstart does; the
+test sets are translated by their ensemble (`nmt score --model A --model B`), and the validation
+set by the ensemble and by each model alone, the evidence for choosing the ensemble.
+
 Results go to OUT/quality.json and print as the markdown rows of docs/benchmarks.md. An OUT
 that already holds a run resumes it (the budget counts the time it trained before): remove OUT
 for a new measurement.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,9 +47,22 @@ def nmt(*args: str, log: Path) -> str:
     return done.stdout
 
 
-def scores(run: Path, split: str, log: Path) -> dict:
+def scores(run: Path, split: str, log: Path, models: list[Path] = ()) -> dict:
+    """The run's model's scores on `split`, or those of the ensemble of `models`."""
+    given = [a for m in models for a in ("--model", str(m))]
     cased = json.loads(
-        nmt("score", "--run-dir", str(run), "--split", split, "--json", "--metrics", "bleu,chrf", log=log)
+        nmt(
+            "score",
+            "--run-dir",
+            str(run),
+            "--split",
+            split,
+            "--json",
+            "--metrics",
+            "bleu,chrf",
+            *given,
+            log=log,
+        )
     )
     lc = json.loads(
         nmt(
@@ -73,41 +92,92 @@ def scores(run: Path, split: str, log: Path) -> dict:
     }
 
 
+def ensemble(args, train_options: list[str], log: Path) -> dict:
+    """--seeds N: N models of the recipe trained side by side on the cores (seeds 1..N, the
+    threads shared out), each averaged as the quickstart does, then decoded as one ensemble."""
+    from nmt_cli.quickstart import AVERAGE, TRAIN, VOCAB_SIZE
+
+    base = args.out / "data"
+    if not (base / "manifest.json").exists():
+        nmt("prep", "multi30k-en-de", "--run-dir", str(base), "--mirror", str(MULTI30K), log=log)
+        nmt("bpe", "--run-dir", str(base), "--vocab-size", str(VOCAB_SIZE), log=log)
+    runs = [args.out / f"run{k}" for k in range(1, args.seeds + 1)]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.seeds)
+    recipe = [
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in TRAIN.items()
+    ]
+    procs = []
+    for k, run in enumerate(runs, 1):
+        if not run.exists():
+            shutil.copytree(base, run)
+        command = ["train", "--run-dir", str(run), *recipe, "--max-steps=0", f"--max-time={args.minutes:g}"]
+        command += [f"--seed={k}", f"--threads={threads}", *train_options]
+        with open(log, "a", encoding="utf-8") as err:
+            procs.append(
+                subprocess.Popen([sys.executable, "-m", "nmt_cli", *command], stdout=err, stderr=err)
+            )
+    if any(p.wait() for p in procs):
+        sys.exit(f"a training run failed; see {log}")
+    for run in runs:
+        nmt("average", "--run-dir", str(run), "--last", str(AVERAGE), log=log)
+    models = [run / "averaged.pt" for run in runs]
+    return {
+        "members_valid": [scores(run, "valid", log) for run in runs],
+        "valid": scores(runs[0], "valid", log, models),
+        "test2016": scores(runs[0], "test", log, models),
+        "test2017": scores(runs[0], "test2017", log, models),
+        "train": json.loads((runs[0] / "train.json").read_text()),
+        "run": runs[0],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "quality")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument(
+        "--seeds", type=int, default=1, help="train this many models side by side and decode their ensemble"
+    )
     args, train_options = ap.parse_known_args()
-    run = args.out / "run"
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "quality.log"
-    extra = ["--threads", str(args.threads)] if args.threads else []
-    if (run / "checkpoints").is_dir():
-        print(f"{run} holds a run: resuming it (remove {args.out} for a new measurement)", file=sys.stderr)
     started = time.perf_counter()
-    # The quickstart keeps a minute of its budget for prep, BPE, decoding and scoring.
-    nmt(
-        "quickstart",
-        "--run-dir",
-        str(run),
-        "--minutes",
-        f"{args.minutes + 1:g}",
-        "--mirror",
-        str(MULTI30K),
-        *extra,
-        *train_options,
-        log=log,
-    )
+    if args.seeds > 1:
+        results = ensemble(args, train_options, log)
+        run = results.pop("run")
+    else:
+        run = args.out / "run"
+        extra = ["--threads", str(args.threads)] if args.threads else []
+        if (run / "checkpoints").is_dir():
+            print(
+                f"{run} holds a run: resuming it (remove {args.out} for a new measurement)", file=sys.stderr
+            )
+        # The quickstart keeps a minute of its budget for prep, BPE, decoding and scoring.
+        nmt(
+            "quickstart",
+            "--run-dir",
+            str(run),
+            "--minutes",
+            f"{args.minutes + 1:g}",
+            "--mirror",
+            str(MULTI30K),
+            *extra,
+            *train_options,
+            log=log,
+        )
+        results = {
+            "train": json.loads((run / "train.json").read_text()),
+            "test2016": scores(run, "test", log),
+            "test2017": scores(run, "test2017", log),
+        }
     pipeline = time.perf_counter() - started
-    results = {
-        "minutes": args.minutes,
-        "pipeline_minutes": pipeline / 60,
-        "train": json.loads((run / "train.json").read_text()),
-        "bpe": json.loads((run / "bpe.json").read_text()),
-        "test2016": scores(run, "test", log),
-        "test2017": scores(run, "test2017", log),
-    }
+    results.update(
+        minutes=args.minutes,
+        seeds=args.seeds,
+        pipeline_minutes=pipeline / 60,
+        bpe=json.loads((run / "bpe.json").read_text()),
+    )
     curve = []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -124,7 +194,13 @@ def main() -> None:
         print(f"| {name} | {r['moses_lc_bleu']:.2f} | {r['bleu']:.2f} | {r['chrf']:.2f} |")
     for name in ("moses_lc_signature", "bleu_signature", "chrf_signature"):
         print(f"- {name}: `{results['test2016'][name]}`")
-    print("\n| minutes | step | epoch | valid NLL | valid BLEU (greedy) |")
+    if args.seeds > 1:
+        members = ", ".join(f"{r['moses_lc_bleu']:.2f}" for r in results["members_valid"])
+        print(
+            f"\nvalidation moses-lc BLEU: ensemble {results['valid']['moses_lc_bleu']:.2f}, members {members}"
+        )
+    print("\nLearning curve" + (" of the first member" if args.seeds > 1 else "") + ":")
+    print("| minutes | step | epoch | valid NLL | valid BLEU (greedy) |")
     print("|---|---|---|---|---|")
     for row in curve:
         bleu = f"{row['valid_bleu']:.2f}" if row["valid_bleu"] is not None else "-"

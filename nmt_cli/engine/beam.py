@@ -238,7 +238,7 @@ def translate(
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
     encoder output and cache, and a step's log-probs are the mean of theirs."""
-    models = [model] if isinstance(model, Transformer) else list(model)
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
     src_lengths = (src != PAD).sum(1).tolist()
     ceiling = min(m.config.max_positions for m in models) - 1
     max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b, ceiling)
