@@ -182,16 +182,8 @@ def clean_split(
                         write("valid", (a, b), raw)
                     else:
                         write(split, (tag + a, b), raw)
-            if train:
-                stats[split].corpora.append(
-                    {
-                        "source": corpus[src].describe(),
-                        "target": corpus[tgt].describe(),
-                        "pairs": stats[split].kept - kept_before,  # lines of text/train, in order
-                        "tag": config.corpus_tag(i),
-                        "weight": config.corpus_weight(i),
-                    }
-                )
+            if train:  # what each corpus gave text/train, in order
+                stats[split].corpora.append(_record(corpus, i, stats[split].kept - kept_before, config))
         if stats[split].kept == 0:
             what = ", ".join(f"{n} {r}" for r, n in stats[split].dropped.items()) or "none read"
             raise NmtError(
@@ -200,6 +192,16 @@ def clean_split(
             )
     stats[split].not_utf8 += _warn_damage(split, damage)
     return stats
+
+
+def _record(corpus: Corpus, i: int, pairs: int, config: PrepConfig) -> dict:
+    return {
+        "source": corpus[config.src].describe(),
+        "target": corpus[config.tgt].describe(),
+        "pairs": pairs,
+        "tag": config.corpus_tag(i),
+        "weight": config.corpus_weight(i),
+    }
 
 
 def _warn_damage(split: str, damage: dict[str, Damage]) -> int:
