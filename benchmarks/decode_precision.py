@@ -52,7 +52,7 @@ def main() -> None:
     rows, reference = [], None
     for precision in args.precisions:
         # Loaded directly: `nmt translate` refuses fp16 on a CPU, where it is only measured.
-        translator.model = load_model(model, device, precision)
+        translator.models = [load_model(model, device, precision)]
         translator.translate(sources[:64])  # warm-up
         if device.type == "cuda":
             torch.cuda.synchronize()
