@@ -242,7 +242,7 @@ def train(
         typer.Option(
             "--init-schedule",
             help="With --init-from: go on from its step, and so its learning-rate schedule "
-            "(--max-steps counts from 0).",
+            "(--max-steps counts its steps too).",
         ),
     ] = False,
     keep_best: Annotated[
