@@ -51,6 +51,11 @@ class Model:
     members: tuple[Model, ...] = ()  # an ensemble's models, decoded together (`ensemble`)
 
     @property
+    def parts(self) -> tuple[Model, ...]:
+        """The models a translation runs: an ensemble's members, or this one."""
+        return self.members or (self,)
+
+    @property
     def text_settings(self) -> dict:
         # The one normalisation (normalize.py) is Moses punctuation for the source language,
         # non-printing characters to spaces, single spaces.

@@ -109,8 +109,7 @@ class Translator:
             self.ct2 = ct2.Engine(model, self.device, compute_type, config.threads or torch.get_num_threads())
         else:
             precision = resolve_precision(config.precision, self.device)
-            members = model.members or (model,)
-            self.models = [load_model(m, self.device, precision) for m in members]
+            self.models = [load_model(m, self.device, precision) for m in model.parts]
         self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
         if self.sp.get_piece_size() != model.config.vocab_size:
             raise NmtError(
@@ -120,7 +119,7 @@ class Translator:
             )
         self.src_lang = model.src
         # room for the EOS in every model
-        self.max_src = min(m.config.max_positions for m in model.members or (model,)) - 1
+        self.max_src = min(m.config.max_positions for m in model.parts) - 1
         self.counts = Counts()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
