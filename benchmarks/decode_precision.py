@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_name  # noqa: E402
 
 from nmt_cli.config import TranslateConfig  # noqa: E402
+from nmt_cli.decoder import load_model  # noqa: E402
 from nmt_cli.engine.device import resolve_device  # noqa: E402
 from nmt_cli.package import from_run  # noqa: E402
 from nmt_cli.rundir import RunDir  # noqa: E402
 from nmt_cli.score import score  # noqa: E402
-from nmt_cli.translate import Translator, load_model  # noqa: E402
+from nmt_cli.translate import Translator  # noqa: E402
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     rows, reference = [], None
     for precision in args.precisions:
         # Loaded directly: `nmt translate` refuses fp16 on a CPU, where it is only measured.
-        translator.models = [load_model(model, device, precision)]
+        translator.decoder.models = [load_model(model, device, precision)]
         translator.translate(sources[:64])  # warm-up
         if device.type == "cuda":
             torch.cuda.synchronize()

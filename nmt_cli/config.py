@@ -159,6 +159,15 @@ class BpeConfig:
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
+def resolve_precision(precision: str, device_type: str) -> str:
+    """--precision on a device of `device_type` ("cpu", "cuda"): auto is bf16 on a GPU, else fp32."""
+    if precision == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    if precision == "fp16" and device_type != "cuda":
+        raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
+    return precision
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     size: str = "base"  # one of PRESETS

@@ -23,12 +23,14 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, _umask, atomic_write_json, now, sha256_file
+
+if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
+    import torch
 
 SETTINGS, WEIGHTS, SPM, PROVENANCE = "nmt.json", "model.safetensors", "spm.model", "provenance.json"
 NMT, CT2 = "nmt", "ctranslate2"

@@ -19,17 +19,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
-import torch
-
 from nmt_cli.config import TranslateConfig
-from nmt_cli.engine import beam
-from nmt_cli.engine.device import resolve_device, resolve_precision
-from nmt_cli.engine.model import Transformer
-from nmt_cli.engine.packing import pack_for_cpu
+from nmt_cli.engine.hypothesis import Hypothesis
 from nmt_cli.errors import NmtError
 from nmt_cli.normalize import normalize
 from nmt_cli.package import Model
-from nmt_cli.shards import pad_sources
 from nmt_cli.textio import Damage, decode_line
 
 # Characters that some readers take for a line break: an output line must stay one line.
@@ -37,25 +31,6 @@ ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2
 # How long input may pause before what has arrived is translated: short for a person at a pipe,
 # long beside the microseconds between the lines of a file.
 PAUSE = 0.02  # seconds
-
-
-def load_model(model: Model, device: torch.device, precision: str) -> Transformer:
-    net = Transformer(model.config)
-    try:
-        net.load_state_dict(model.load_weights())
-    except RuntimeError as e:
-        raise NmtError(f"{model.where} does not fit its own model config: {str(e).splitlines()[0]}") from None
-    net.eval()
-    if precision == "bf16":
-        net = net.to(torch.bfloat16)
-    elif precision == "fp16":
-        net = net.to(torch.float16)
-    elif device.type == "cpu":
-        net = pack_for_cpu(net)
-    return net.to(device)
-
-
-CT2_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def engine_of(model: Model, config: TranslateConfig) -> str:
@@ -89,27 +64,15 @@ class Translator:
         import sentencepiece as spm
 
         self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.device = resolve_device(config.device)
         self.engine = engine_of(model, config)
-        if self.engine == "ctranslate2":
+        if self.engine == "ctranslate2":  # imported here: neither engine needs the other's
             from nmt_cli import ct2
 
-            if config.int8:
-                compute_type = "int8"
-            elif config.precision == "auto":  # an export's own type, else fp32 / bf16 as ours
-                compute_type = (
-                    "default"
-                    if model.ct2_dir is not None
-                    else CT2_TYPES[resolve_precision("auto", self.device)]
-                )
-            else:
-                compute_type = CT2_TYPES[config.precision]
-            self.ct2 = ct2.Engine(model, self.device, compute_type, config.threads or torch.get_num_threads())
+            self.decoder = ct2.Engine(model, config)
         else:
-            precision = resolve_precision(config.precision, self.device)
-            self.models = [load_model(m, self.device, precision) for m in model.parts]
+            from nmt_cli import decoder
+
+            self.decoder = decoder.Engine(model, config)
         self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
         if self.sp.get_piece_size() != model.config.vocab_size:
             raise NmtError(
@@ -148,36 +111,24 @@ class Translator:
 
     def hypotheses(
         self, lines: list[str], beam_size: int | None = None, nbest: int | None = None
-    ) -> list[list[beam.Hypothesis]]:
+    ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `beam_size` and
         `nbest` override the config's for this call."""
         c = dataclasses.replace(
             self.config, beam=beam_size or self.config.beam, nbest=nbest or self.config.nbest
         )
         ids = self.encode(lines)
-        out: list[list[beam.Hypothesis]] = [[beam.Hypothesis([], 0.0)] * c.nbest for _ in lines]
-        for batch in self.batches(ids):
-            if self.engine == "ctranslate2":
-                limits = beam.max_lengths(
-                    [len(ids[i]) for i in batch], c.max_len_a, c.max_len_b, self.max_src
-                )
-                hyps = self.ct2.search([ids[i] for i in batch], c.beam, c.alpha, limits, c.nbest)
-            else:
-                src = torch.from_numpy(pad_sources([ids[i] for i in batch])).to(self.device)
-                hyps = beam.translate(
-                    self.models,
-                    src,
-                    beam=c.beam,
-                    alpha=c.alpha,
-                    max_len_a=c.max_len_a,
-                    max_len_b=c.max_len_b,
-                    nbest=c.nbest,
-                )
+        out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * c.nbest for _ in lines]
+        batches = list(self.batches(ids))
+        found = self.decoder.search(
+            [[ids[i] for i in b] for b in batches], c.beam, c.alpha, c.max_len_a, c.max_len_b, c.nbest
+        )
+        for batch, hyps in zip(batches, found):
             for i, h in zip(batch, hyps):
                 out[i] = h
         return out
 
-    def texts(self, hyps: list[list[beam.Hypothesis]]) -> list[list[str]]:
+    def texts(self, hyps: list[list[Hypothesis]]) -> list[list[str]]:
         """The text of each hypothesis, kept to one line."""
         flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
         return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]

@@ -19,7 +19,7 @@ import torch
 from conftest import one_error_line
 
 from nmt_cli.config import TranslateConfig
-from nmt_cli.engine.beam import max_lengths
+from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.package import from_dir
 from nmt_cli.translate import Translator
 
@@ -183,6 +183,19 @@ def test_ctranslate2_keeps_nmts_line_guarantees(exported, nmt):
         assert len(lines) - 1 == 8 and lines[1] == lines[2] == ""
         assert all(lines[i] for i in (0, 3, 4, 5, 6, 7))
         assert "truncated" in result.err and "not UTF-8" in result.err
+
+
+def test_a_ctranslate2_export_translates_without_torch(exported):
+    """Importing torch is most of the start-up of a small model (docs/benchmarks.md)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nmt_cli", "translate", "--model", exported["int8"]],
+        input=b"A man is riding a bike.\n",
+        capture_output=True,
+        timeout=DEADLINE,
+    )
+    assert done.returncode == 0 and done.stdout.count(b"\n") == 1, done.stderr[-2000:]
+    imported = {line.rsplit(b"|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert b"ctranslate2" in imported and b"torch" not in imported
 
 
 def test_int8_stays_close_to_float32(package, exported, multi30k_bpe):

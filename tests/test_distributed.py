@@ -37,7 +37,14 @@ def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nm
     b, meta_b = checkpoint.load_tensors(checkpoint.listed(run_copy / "checkpoints")[-1])
     assert meta_a["step"] == meta_b["step"] == 20 and meta_b["world"] == 2
     for name in a["model"]:
-        assert torch.allclose(a["model"][name], b["model"][name], rtol=1e-4, atol=1e-5), name
+        x, y = a["model"][name], b["model"][name]
+        if name.endswith("attn.kv.bias"):
+            # The key bias adds one constant to all of a query's scores, which softmax ignores:
+            # its gradient is rounding noise, which Adam scales up to steps of the learning
+            # rate's size in either direction (a failure seen once in the full suite). The value
+            # half is set by the data.
+            x, y = x[len(x) // 2 :], y[len(y) // 2 :]
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), name
     loss_a = [(r["step"], r["loss"], r["tokens"]) for r in _metrics(single) if r["kind"] == "train"]
     loss_b = [(r["step"], r["loss"], r["tokens"]) for r in _metrics(run_copy) if r["kind"] == "train"]
     assert [x[0] for x in loss_a] == [x[0] for x in loss_b]

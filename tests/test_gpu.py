@@ -163,10 +163,10 @@ def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
 
 
 def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
+    from nmt_cli.decoder import load_model
     from nmt_cli.engine import beam
     from nmt_cli.package import from_run
     from nmt_cli.rundir import RunDir
-    from nmt_cli.translate import load_model
 
     path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
     model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda"), "fp32")

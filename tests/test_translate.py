@@ -170,7 +170,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     both = nmt("translate", "--model", first, "--model", last, *FAST, stdin=stdin)
     assert both.code == 0, both.err
     # What the engine's ensemble search gives on the two models, decoded by hand here.
-    models = [Translator(locate(p), TranslateConfig()).models[0] for p in (first, last)]
+    models = [Translator(locate(p), TranslateConfig()).decoder.models[0] for p in (first, last)]
     sp = spm.SentencePieceProcessor(model_file=str(RunDir(trained).spm_model))
     expected = []
     for line in lines:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,25 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nmt_cli.engine.cache import DecoderCache
+from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.engine.model import Transformer
 from nmt_cli.shards import BOS, EOS, PAD
-
-
-@dataclass
-class Hypothesis:
-    tokens: list[int]  # without BOS and EOS
-    score: float  # log-probability divided by the length penalty
-
-
-def length_penalty(length: int | Tensor, alpha: float):
-    """GNMT's ((5 + |Y|) / 6) ** alpha, |Y| counting the EOS."""
-    return ((5.0 + length) / 6.0) ** alpha
-
-
-def max_lengths(source_lengths: list[int], a: float, b: int, ceiling: int) -> list[int]:
-    """Each sentence's output limit, a * |X| + b tokens counting the EOS (|X| without its EOS),
-    within the model's positions."""
-    return [max(1, min(int(a * n + b), ceiling)) for n in source_lengths]
 
 
 def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor]:

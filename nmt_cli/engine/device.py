@@ -16,14 +16,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp16" and device.type != "cuda":
-        raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
-    return precision
-
-
 def dtype_of(precision: str) -> torch.dtype | None:
     """The autocast dtype of a precision; None for fp32."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import torch
 
-from nmt_cli.config import ModelConfig, TrainConfig
+from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
 from nmt_cli.engine import checkpoint, distributed, validation
 from nmt_cli.engine.data import Batch, Epochs, Split, on_device
-from nmt_cli.engine.device import dtype_of, resolve_device, resolve_precision
+from nmt_cli.engine.device import dtype_of, resolve_device
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, gather_rng, restore_rng
@@ -63,7 +63,7 @@ class Trainer:
         self.dist, self.device = distributed.setup(resolve_device(config.device))
         if not self.dist.is_main:  # rank 0 alone talks, logs and writes
             self.reporter = reporter = Quiet()
-        self.precision = resolve_precision(config.precision, self.device)
+        self.precision = resolve_precision(config.precision, self.device.type)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
         limit = min(self.model_config.max_positions, config.max_tokens)
         corpora = prep["splits"]["train"].get("corpora", [])

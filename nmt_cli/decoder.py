@@ -1,0 +1,56 @@
+"""nmt's own engine as `nmt translate` runs it: the model(s) loaded for a device and number
+format, and batches of source ids searched by beam.py. ct2.Engine answers the same `search`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from nmt_cli.config import TranslateConfig, resolve_precision
+from nmt_cli.engine import beam
+from nmt_cli.engine.device import resolve_device
+from nmt_cli.engine.hypothesis import Hypothesis
+from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.packing import pack_for_cpu
+from nmt_cli.errors import NmtError
+from nmt_cli.package import Model
+from nmt_cli.shards import pad_sources
+
+
+def load_model(model: Model, device: torch.device, precision: str) -> Transformer:
+    net = Transformer(model.config)
+    try:
+        net.load_state_dict(model.load_weights())
+    except RuntimeError as e:
+        raise NmtError(f"{model.where} does not fit its own model config: {str(e).splitlines()[0]}") from None
+    net.eval()
+    if precision == "bf16":
+        net = net.to(torch.bfloat16)
+    elif precision == "fp16":
+        net = net.to(torch.float16)
+    elif device.type == "cpu":
+        net = pack_for_cpu(net)
+    return net.to(device)
+
+
+class Engine:
+    """`model`'s parts (one model, or an ensemble's members) on the configured device."""
+
+    def __init__(self, model: Model, config: TranslateConfig):
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        precision = resolve_precision(config.precision, self.device.type)
+        self.models = [load_model(m, self.device, precision) for m in model.parts]
+
+    def search(
+        self, batches: list[list[list[int]]], beam_size: int, alpha: float, a: float, b: int, nbest: int
+    ) -> Iterator[list[list[Hypothesis]]]:
+        """The `nbest` best of each sentence of each batch (source ids without EOS), batch by
+        batch; outputs at most a * |X| + b tokens."""
+        for batch in batches:
+            src = torch.from_numpy(pad_sources(batch)).to(self.device)
+            yield beam.translate(
+                self.models, src, beam=beam_size, alpha=alpha, max_len_a=a, max_len_b=b, nbest=nbest
+            )
