@@ -6,15 +6,16 @@ streaming translate, and `nmt serve` under load. Each part prints JSON lines and
         nmt's, BLEU and chrF of each.
     python benchmarks/deploy.py speed RUN [--shape base] [--repeats 2]
         `nmt translate` end to end (process start, load, translate, write) on RUN's 1000 test
-        sentences: nmt fp32 against `--engine ctranslate2` float32 and `--int8`, alternating;
+        sentences: nmt fp32 against CTranslate2 exports (float32, int8) and `--int8`, alternating;
         with --shape, a model of that shape with random weights and RUN's vocabulary (its
         outputs are cut at the source length: --max-len-a 1 --max-len-b 0, for every engine).
     python benchmarks/deploy.py latency RUN [--old REV] [--lines 10000] [--repeats 2]
         One line written into an open `nmt translate` pipe: seconds until its answer (median
         of 20). Then a file of the first --lines training sentences, this code against revision REV's
         (alternating), seconds each.
-    python benchmarks/deploy.py serve RUN [--clients 16] [--requests 2000]
-        `nmt serve` on RUN's model exported, with and without dynamic batching: a bounded load
+    python benchmarks/deploy.py serve RUN [--clients 16] [--requests 2000] [--ct2 int8]
+        `nmt serve` on RUN's model exported (--ct2: as a CTranslate2 export of that
+        quantization), with and without dynamic batching: a bounded load
         generator (each client one request at a time, 1-8 sentences each) reports requests/s,
         sentences/s, p50/p99 latency, and checks every answer against `nmt translate`'s.
 """
@@ -140,7 +141,12 @@ def speed(args, work: Path) -> None:
     (work / "in.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     if args.shape:
         random_model(args.run, args.shape, work / "package")
-        nmt("export", str(work / "ct2-float32"), "--format", "ctranslate2", "--model", str(work / "package"))
+        for q in ("float32", "int8"):
+            nmt(
+                "export",
+                str(work / f"ct2-{q}"),
+                *("--format", "ctranslate2", "--quantization", q, "--model", str(work / "package")),
+            )
         limits = ["--max-len-a", "1", "--max-len-b", "0"]
     else:
         exports(args.run, work)
@@ -148,7 +154,8 @@ def speed(args, work: Path) -> None:
     systems = {
         "nmt fp32": ["--model", str(work / "package")],
         "CTranslate2 float32": ["--model", str(work / "ct2-float32")],
-        "CTranslate2 int8": ["--model", str(work / "package"), "--int8"],
+        "CTranslate2 int8 (export)": ["--model", str(work / "ct2-int8")],
+        "CTranslate2 int8 (`--int8`, converted on load)": ["--model", str(work / "package"), "--int8"],
     }
     times: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.repeats):
@@ -289,14 +296,15 @@ def load(
 
 
 def serve(args, work: Path) -> None:
-    models = exports(args.run, work, ct2=False)
+    models = exports(args.run, work, ct2=bool(args.ct2))
+    served = models[args.ct2] if args.ct2 else models["package"]
     src, _ = split_files(args.run, "valid")
     pool = src.read_text(encoding="utf-8").splitlines()[:500]
     (work / "pool.txt").write_text("\n".join(pool) + "\n", encoding="utf-8")
     nmt(
         "translate",
         "--model",
-        str(models["package"]),
+        str(served),
         "--threads",
         str(args.threads),
         stdin=work / "pool.txt",
@@ -315,7 +323,7 @@ def serve(args, work: Path) -> None:
                 *NMT,
                 "serve",
                 "--model",
-                str(models["package"]),
+                str(served),
                 "--port",
                 "0",
                 "--threads",
@@ -361,6 +369,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--ct2", choices=["float32", "int8"], help="serve: a CTranslate2 export instead")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-deploy-"))

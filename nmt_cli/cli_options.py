@@ -50,7 +50,9 @@ ModelOption = Annotated[
 EngineOption = Annotated[
     str, typer.Option(help="nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8).")
 ]
-ThreadsOption = Annotated[int, typer.Option(help="CPU threads (0: torch's default).")]
+ThreadsOption = Annotated[
+    int, typer.Option(help="CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
+]
 
 
 def done(message: str, next_command: str) -> None:
