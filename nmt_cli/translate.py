@@ -123,7 +123,7 @@ class Translator:
         found = self.decoder.search(
             [[ids[i] for i in b] for b in batches], c.beam, c.alpha, c.max_len_a, c.max_len_b, c.nbest
         )
-        for batch, hyps in zip(batches, found):
+        for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h
         return out
