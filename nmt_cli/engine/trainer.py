@@ -50,8 +50,8 @@ class Trainer:
         pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them)."""
         self.config, self.run, self.reporter = config, run, reporter
         self.bleu_of, self.init = bleu_of, init
-        prep = run.load_manifest().get("prep")
-        bpe = run.load_manifest().get("bpe")
+        manifest = run.load_manifest()
+        prep, bpe = manifest.get("prep"), manifest.get("bpe")
         if not prep or not bpe:
             raise NmtError(
                 f"{run.root} has no binarized data: run `nmt "
@@ -65,6 +65,30 @@ class Trainer:
             self.reporter = reporter = Quiet()
         self.precision = resolve_precision(config.precision, self.device.type)
         self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
+        self._load_data(prep, resample)
+        torch.manual_seed(config.seed)
+        self.model = Transformer(self.model_config).to(self.device)
+        if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
+            torch.manual_seed(config.seed + 7919 * self.dist.rank)
+        self.forward = self.dist.wrap(self.model, self.device, config.compile)
+        # Fused Adam (CPU and CUDA) can skip a non-finite update on the device (train_step).
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(),
+            lr=0.0,
+            betas=(config.beta1, config.beta2),
+            eps=config.adam_eps,
+            fused=True,
+        )
+        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
+        self.state = State()
+        self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
+        self.last: dict = {}  # the figures of the last read
+        self.saved_at = -1
+        self._signal: int | None = None
+
+    def _load_data(self, prep: dict, resample: Callable[[int], tuple[Shard, Shard]] | None) -> None:
+        """The training epochs and the validation split, pairs over the length limit left out."""
+        config, run, reporter = self.config, self.run, self.reporter
         limit = min(self.model_config.max_positions, config.max_tokens)
         corpora = prep["splits"]["train"].get("corpora", [])
         self.epochs = Epochs(
@@ -88,25 +112,6 @@ class Trainer:
                 f"too little training data for one batch per rank ({self.dist.world} "
                 "ranks): use fewer processes or a smaller --max-tokens"
             )
-        torch.manual_seed(config.seed)
-        self.model = Transformer(self.model_config).to(self.device)
-        if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
-            torch.manual_seed(config.seed + 7919 * self.dist.rank)
-        self.forward = self.dist.wrap(self.model, self.device, config.compile)
-        # Fused Adam (CPU and CUDA) can skip a non-finite update on the device (train_step).
-        self.optimizer = torch.optim.Adam(
-            self.model.parameters(),
-            lr=0.0,
-            betas=(config.beta1, config.beta2),
-            eps=config.adam_eps,
-            fused=True,
-        )
-        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
-        self.state = State()
-        self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
-        self.last: dict = {}  # the figures of the last read
-        self.saved_at = -1
-        self._signal: int | None = None
 
     # -- checkpoints
     def record(self, **extra) -> dict:
