@@ -132,7 +132,7 @@ class Engine:
             compute_type = "default"  # the export's own type
         else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
             compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind)]
-        threads = config.threads or len(os.sched_getaffinity(0))
+        threads = config.threads or cpus()
         self._tmp = None
         where = model.ct2_dir
         if where is None:  # convert on the fly, in float32; compute_type quantises on load
@@ -210,3 +210,10 @@ def device_of(ct2, name: str) -> tuple[str, int]:
     if kind == "cuda" and not gpus:
         raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
     return kind, int(index or 0)
+
+
+def cpus() -> int:
+    """The CPUs this process may run on (all of them where the OS cannot say, as on macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
