@@ -66,10 +66,14 @@ def split_files(run: Path, split: str) -> tuple[Path, Path]:
     return (run / "text" / f"{split}.raw.{prep['src']}", run / "text" / f"{split}.raw.{prep['tgt']}")
 
 
-def exports(run: Path, work: Path, ct2: bool = True) -> dict[str, Path]:
-    """RUN's model as a package, and (`ct2`) as CTranslate2 float32 and int8 exports."""
+def exports(run: Path, work: Path, ct2: bool = True, shape: str | None = None) -> dict[str, Path]:
+    """RUN's model as a package (`shape`: a model of that shape with random weights instead),
+    and (`ct2`) as CTranslate2 float32 and int8 exports."""
     out = {"package": work / "package", "float32": work / "ct2-float32", "int8": work / "ct2-int8"}
-    nmt("export", str(out["package"]), "--run-dir", str(run))
+    if shape:
+        random_model(run, shape, out["package"])
+    else:
+        nmt("export", str(out["package"]), "--run-dir", str(run))
     for q in ("float32", "int8") if ct2 else ():
         nmt(
             "export",
@@ -139,18 +143,9 @@ def speed(args, work: Path) -> None:
     src, _ = split_files(args.run, "test")
     lines = src.read_text(encoding="utf-8").splitlines()[:1000]
     (work / "in.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    if args.shape:
-        random_model(args.run, args.shape, work / "package")
-        for q in ("float32", "int8"):
-            nmt(
-                "export",
-                str(work / f"ct2-{q}"),
-                *("--format", "ctranslate2", "--quantization", q, "--model", str(work / "package")),
-            )
-        limits = ["--max-len-a", "1", "--max-len-b", "0"]
-    else:
-        exports(args.run, work)
-        limits = []
+    exports(args.run, work, shape=args.shape)
+    # random weights never stop: outputs cut at the source length, for every engine
+    limits = ["--max-len-a", "1", "--max-len-b", "0"] if args.shape else []
     systems = {
         "nmt fp32": ["--model", str(work / "package")],
         "CTranslate2 float32": ["--model", str(work / "ct2-float32")],

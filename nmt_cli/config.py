@@ -159,6 +159,16 @@ class BpeConfig:
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
+def resolve_device_name(name: str, gpu: bool) -> str:
+    """--device where `gpu` says whether a CUDA GPU is visible: auto is the GPU if there is one.
+    Torch-free, so that CTranslate2 (which counts GPUs itself) shares it with nmt's engine."""
+    if name == "auto":
+        return "cuda" if gpu else "cpu"
+    if name.startswith("cuda") and not gpu:
+        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    return name
+
+
 def resolve_precision(precision: str, device_type: str) -> str:
     """--precision on a device of `device_type` ("cpu", "cuda"): auto is bf16 on a GPU, else fp32."""
     if precision == "auto":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmt_cli.config import TranslateConfig, resolve_precision
+from nmt_cli.config import TranslateConfig, resolve_device_name, resolve_precision
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.errors import NmtError
 from nmt_cli.package import CT2, SETTINGS, Model, settings, writing
@@ -203,12 +203,7 @@ class Engine:
 
 def device_of(ct2, name: str) -> tuple[str, int]:
     """--device as CTranslate2's (kind, index), GPUs counted by CTranslate2 itself."""
-    gpus = ct2.get_cuda_device_count()
-    if name == "auto":
-        return ("cuda", 0) if gpus else ("cpu", 0)
-    kind, _, index = name.partition(":")
-    if kind == "cuda" and not gpus:
-        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    kind, _, index = resolve_device_name(name, ct2.get_cuda_device_count() > 0).partition(":")
     return kind, int(index or 0)
 
 

@@ -1,19 +1,14 @@
-"""Which device and number format a command runs in, from its --device and --precision."""
+"""The torch device of --device, and the autocast dtype of a resolved --precision."""
 
 from __future__ import annotations
 
 import torch
 
-from nmt_cli.errors import NmtError
+from nmt_cli.config import resolve_device_name
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
-    return device
+    return torch.device(resolve_device_name(name, torch.cuda.is_available()))
 
 
 def dtype_of(precision: str) -> torch.dtype | None:
