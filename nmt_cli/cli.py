@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions
 
 from nmt_cli import __version__
-from nmt_cli.cli_options import RunDirOption, ThreadsOption, app, done
+from nmt_cli.cli_options import RunDirOption, app, done
 from nmt_cli.errors import NmtError
 
 _debug = bool(os.environ.get("NMT_DEBUG"))
@@ -374,7 +374,7 @@ def quickstart(
             envvar="NMT_MIRROR", help="Take Multi30k from this local folder instead of the network."
         ),
     ] = None,
-    threads: ThreadsOption = 0,
+    threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,
 ) -> None:
     """Multi30k English-German end to end: prep, bpe, train, average, translate, score, plot.
 
@@ -388,17 +388,7 @@ def quickstart(
     train_ctx = (
         typer.main.get_command(app).get_command(ctx, "train").make_context("nmt train", list(ctx.args))
     )
-    import dataclasses
-
-    from nmt_cli.config import TrainConfig
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     overrides = {name: value for name, value in train_ctx.params.items() if _given(train_ctx, name)}
-    for name in set(overrides) - fields:
-        raise NmtError(
-            f"--{name.replace('_', '-')} is not for `nmt quickstart`, which trains "
-            "in this process: run the steps one by one to use it"
-        )
     try:
         quickstart_mod.run(RunDir(run_dir), minutes, str(mirror) if mirror else None, threads, overrides)
     except Interrupted as e:  # its checkpoint is saved: a rerun resumes

@@ -29,6 +29,13 @@ STEPS = 6
 def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int, train_options: dict) -> None:
     """The whole pipeline in `run_dir`; `train_options` (TrainConfig fields) override the
     recipe's. A rerun keeps the data steps already done and resumes training."""
+    # Checked before prep and BPE run, not after.
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name in sorted(set(train_options) - fields):
+        raise NmtError(
+            f"--{name.replace('_', '-')} is not for `nmt quickstart`, which trains "
+            "in this process: run the steps one by one to use it"
+        )
     if minutes < RESERVE_MINUTES + 1:
         raise NmtError(
             f"--minutes {minutes:g} is too short: give at least "

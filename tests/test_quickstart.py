@@ -150,6 +150,12 @@ def test_quickstart_passes_unknown_options_to_train_which_rejects_them(nmt, tmp_
     assert "--no-such-option" in line
 
 
+def test_quickstart_refuses_launch_options_before_any_step(nmt, tmp_path):
+    line = one_error_line(nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", MULTI30K, "--gpus", "2"))
+    assert "--gpus is not for `nmt quickstart`" in line
+    assert not (tmp_path / "r").exists()
+
+
 def test_plot_draws_a_png_into_the_run_directory(trained, tmp_path, nmt):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
