@@ -105,8 +105,9 @@ def ensemble(models: list[Model]) -> Model:
     )
 
 
-def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
-    """The run's model: --checkpoint, else the averaged model, else the latest checkpoint."""
+def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict] | None = None) -> Model:
+    """The run's model: --checkpoint, else the averaged model, else the latest checkpoint.
+    `loaded`: that checkpoint's tensors and record, when the caller has read them already."""
     from nmt_cli.engine import checkpoint
 
     if checkpoint_path:
@@ -128,7 +129,7 @@ def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
             f"{path} is not an nmt model (expected a .pt file with its .json record, "
             "or a directory from `nmt export`)"
         )
-    tensors, meta = checkpoint.load_tensors(path)  # verifies the sha256 once, here
+    tensors, meta = loaded or checkpoint.load_tensors(path)  # verifies the sha256 once, here
     run.require(run.spm_model, "bpe")
     weights = {k: v.float() for k, v in tensors["model"].items()}
     return Model(
@@ -143,13 +144,14 @@ def from_run(run: RunDir, checkpoint_path: str | None) -> Model:
     )
 
 
-def locate(where: Path) -> Model:
+def locate(where: Path, loaded: tuple[dict, dict] | None = None) -> Model:
     """The model one path names: a package or export, a run directory (as `from_run`), or a
-    checkpoint file of a run (in its checkpoints/, or averaged.pt at its top)."""
+    checkpoint file of a run (in its checkpoints/, or averaged.pt at its top; `loaded` as in
+    `from_run`)."""
     path = Path(where)
     if path.is_file():
         root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        return from_run(RunDir(root), str(path))
+        return from_run(RunDir(root), str(path), loaded)
     if (path / SETTINGS).is_file():
         return from_dir(path)
     if RunDir(path).manifest_path.is_file():

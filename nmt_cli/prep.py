@@ -138,27 +138,10 @@ def clean_split(
         stats["valid"] = SplitStats()
     seen = SeenPairs()
     damage = {src: Damage(), tgt: Damage()}
-    outputs = [
-        (s, lang, raw)
-        for s in stats
-        for lang in (src, tgt)
-        for raw in ((False,) if s == TRAIN else (False, True))
-    ]
     with contextlib.ExitStack() as stack, ui.progress() as bar:
-        files = {
-            key: stack.enter_context(atomic_open(run.text(key[0], key[1], raw=key[2]))) for key in outputs
-        }
+        out = _Outputs(stack, run, list(stats), (src, tgt))
         task = bar.add_task(f"clean {split}", total=None)
         accepted = 0
-
-        def write(s: str, pair: tuple[str, str], raw: tuple[str, str]) -> None:
-            files[(s, src, False)].write(pair[0] + "\n")
-            files[(s, tgt, False)].write(pair[1] + "\n")
-            if s != TRAIN:
-                files[(s, src, True)].write(raw[0] + "\n")
-                files[(s, tgt, True)].write(raw[1] + "\n")
-            stats[s].kept += 1
-
         for i, (corpus, corpus_paths) in enumerate(zip(corpora, paths)):
             pairs = _pairs(corpus, corpus_paths, src, tgt, damage)
             tag = f"{config.corpus_tag(i)} " if train and config.corpus_tag(i) else ""
@@ -168,7 +151,7 @@ def clean_split(
                 bar.advance(task, len(chunk))
                 for raw, (a, b) in zip(raw_chunk, chunk):
                     if not train:
-                        write(split, (a, b), raw)
+                        out.write(split, (a, b), raw, stats[split])
                         continue
                     # A pair is remembered for dedup only once it passed the other filters.
                     reason = _drop_reason(a, b, config) or (None if seen.add(tag + a, b) else "duplicate")
@@ -179,19 +162,44 @@ def clean_split(
                     # The validation pairs held out come from the first (the main) corpus.
                     if holdout and i == 0 and accepted % 100 == 0 and stats["valid"].kept < 2000:
                         stats["valid"].read += 1
-                        write("valid", (a, b), raw)
+                        out.write("valid", (a, b), raw, stats["valid"])
                     else:
-                        write(split, (tag + a, b), raw)
+                        out.write(split, (tag + a, b), raw, stats[split])
             if train:  # what each corpus gave text/train, in order
                 stats[split].corpora.append(_record(corpus, i, stats[split].kept - kept_before, config))
-        if stats[split].kept == 0:
-            what = ", ".join(f"{n} {r}" for r, n in stats[split].dropped.items()) or "none read"
-            raise NmtError(
-                f"no pairs left in {split} after cleaning ({stats[split].read} read; "
-                f"dropped: {what}); check the input files and --max-words/--max-ratio"
-            )
+        _check_kept(split, stats[split])
     stats[split].not_utf8 += _warn_damage(split, damage)
     return stats
+
+
+class _Outputs:
+    """The text/ files of some splits, each pair normalised and, in evaluation splits, also as
+    released (the reference for scoring)."""
+
+    def __init__(self, stack: contextlib.ExitStack, run: RunDir, splits: list[str], langs: tuple[str, str]):
+        self.langs = langs
+        self.files = {
+            (s, lang, raw): stack.enter_context(atomic_open(run.text(s, lang, raw=raw)))
+            for s in splits
+            for lang in langs
+            for raw in ((False,) if s == TRAIN else (False, True))
+        }
+
+    def write(self, split: str, pair: tuple[str, str], raw: tuple[str, str], stats: SplitStats) -> None:
+        for lang, text, released in zip(self.langs, pair, raw):
+            self.files[(split, lang, False)].write(text + "\n")
+            if split != TRAIN:
+                self.files[(split, lang, True)].write(released + "\n")
+        stats.kept += 1
+
+
+def _check_kept(split: str, stats: SplitStats) -> None:
+    if stats.kept == 0:
+        what = ", ".join(f"{n} {r}" for r, n in stats.dropped.items()) or "none read"
+        raise NmtError(
+            f"no pairs left in {split} after cleaning ({stats.read} read; "
+            f"dropped: {what}); check the input files and --max-words/--max-ratio"
+        )
 
 
 def _record(corpus: Corpus, i: int, pairs: int, config: PrepConfig) -> dict:

@@ -161,7 +161,9 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
         if not found:
             raise NmtError(f"--init-from {where} has no training checkpoint to keep the optimizer or step of")
         where = str(found[-1])
-    model = package.locate(Path(where))
+    # Read once: the weights come from the same tensors as the optimizer state.
+    loaded = checkpoint.load_tensors(Path(where)) if keep and Path(where).is_file() else None
+    model = package.locate(Path(where), loaded)
     if model.load_weights is None:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"
@@ -172,16 +174,14 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
             f"{run.root}'s BPE model is not the one {where} was trained with: "
             f"encode the data with `nmt bpe --from {where}`"
         )
-    optimizer, step = None, 0
-    if keep:
-        tensors, meta = checkpoint.load_tensors(Path(where)) if Path(where).is_file() else ({}, {})
-        if "optimizer" not in tensors:
-            raise NmtError(
-                f"--init-from {where} is not a training checkpoint (an averaged model or a package "
-                "keeps no optimizer or step): give one of checkpoints/checkpoint_*.pt"
-            )
-        optimizer = tensors["optimizer"] if config.init_optimizer else None
-        step = meta["step"] if config.init_schedule else 0
+    tensors, meta = loaded or ({}, {})
+    if keep and "optimizer" not in tensors:
+        raise NmtError(
+            f"--init-from {where} is not a training checkpoint (an averaged model or a package "
+            "keeps no optimizer or step): give one of checkpoints/checkpoint_*.pt"
+        )
+    optimizer = tensors["optimizer"] if config.init_optimizer else None
+    step = meta["step"] if config.init_schedule else 0
     return state.Initial(str(model.where), model.config, model.load_weights, optimizer, step)
 
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import TINY, one_error_line
 
+from nmt_cli import training
+from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state, step, trainer
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.schedule import learning_rate
@@ -581,7 +583,7 @@ def test_fine_tuning_starts_from_the_model_on_its_bpe(trained_longer, tmp_path, 
     assert {float(s["step"]) for s in tensors["optimizer"]["state"].values()} == {10.0}
 
 
-def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp_path, nmt):
+def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp_path, nmt, monkeypatch):
     text, run = trained_longer / "text", tmp_path / "kept"
     start = checkpoint.listed(trained_longer / "checkpoints")[-1]
     before, meta = checkpoint.load_tensors(start)
@@ -616,6 +618,14 @@ def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp
     moved = after["optimizer"]["state"][0]["exp_avg_sq"] - before["optimizer"]["state"][0]["exp_avg_sq"]
     assert moved.abs().max() < before["optimizer"]["state"][0]["exp_avg_sq"].abs().max()
     assert "with its optimizer state, at its step 800" in (run / "log.txt").read_text()
+    # The checkpoint is read (and its sha256 verified) once for the weights and the optimizer.
+    reads = []
+    load = checkpoint.load_tensors
+    monkeypatch.setattr(checkpoint, "load_tensors", lambda *a, **k: reads.append(a) or load(*a, **k))
+    config = TrainConfig(init_from=str(trained_longer), init_optimizer=True, init_schedule=True)
+    initial = training.initial_model(RunDir(run), config)
+    assert reads == [(start,)] and initial.step == 800 and initial.optimizer is not None
+    assert initial.weights()["embed.weight"].equal(before["model"]["embed.weight"].float())
     # A package or an averaged model keeps no optimizer: one error line.
     other = tmp_path / "other"
     shutil.copytree(run, other)

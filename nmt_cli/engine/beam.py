@@ -90,12 +90,8 @@ def search(
         done, live = choose(cand_scores, cand_tokens, beam)
         penalty = length_penalty(t + 1, alpha)
         for row, col in zip(*np.nonzero(done)):
-            finished[active[row]].append(
-                Hypothesis(
-                    history[row * beam + cand_beams[row, col]].tolist(),
-                    float(cand_scores[row, col]) / penalty,
-                )
-            )
+            tokens_so_far = history[row * beam + cand_beams[row, col]].tolist()
+            finished[active[row]].append(Hypothesis(tokens_so_far, float(cand_scores[row, col]) / penalty))
         live_scores = np.take_along_axis(cand_scores, live, 1)
         keep = _going_on(finished, active, live_scores, beam, nbest, max_lens, alpha, t + 1)
         if not len(keep):

@@ -128,6 +128,23 @@ def load_latest(folder: Path, warn: Callable[[str], None]) -> tuple[dict, dict] 
     return None
 
 
+def load_agreed(
+    folder: Path, warn: Callable[[str], None], gather: Callable[[Any], list[Any]]
+) -> tuple[dict, dict] | None:
+    """`load_latest` on every rank (`gather` is the ranks' all-gather), refused unless they all
+    found the same checkpoint. DDP gave every rank rank 0's initial weights already: a rank that
+    resumed from another checkpoint than the others (or from none) would silently train apart."""
+    found = load_latest(folder, warn)
+    everyone = gather((found[1]["step"], found[1]["sha256"]) if found else None)
+    if any(x != everyone[0] for x in everyone):
+        seen = ", ".join(f"rank {r}: {f'step {x[0]}' if x else 'none'}" for r, x in enumerate(everyone))
+        raise NmtError(
+            f"the ranks found different checkpoints to resume from ({seen}): "
+            "--run-dir must be one directory that every node shares"
+        )
+    return found
+
+
 def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     """The fp32 mean of the models in `paths`, holding at most two models in memory."""
     if not paths:

@@ -155,17 +155,7 @@ class Trainer:
         checkpoint.prune(self.run.checkpoints, self.config.keep_last)
 
     def resume(self) -> bool:
-        found = checkpoint.load_latest(self.run.checkpoints, self.reporter.say)
-        # DDP gave every rank rank 0's initial weights already: a rank that resumed from
-        # another checkpoint than the others (or from none) would silently train apart.
-        mine = (found[1]["step"], found[1]["sha256"]) if found else None
-        everyone = self.dist.gather_objects(mine)
-        if any(x != everyone[0] for x in everyone):
-            seen = ", ".join(f"rank {r}: {f'step {x[0]}' if x else 'none'}" for r, x in enumerate(everyone))
-            raise NmtError(
-                f"the ranks found different checkpoints to resume from ({seen}): "
-                "--run-dir must be one directory that every node shares"
-            )
+        found = checkpoint.load_agreed(self.run.checkpoints, self.reporter.say, self.dist.gather_objects)
         if found is None:
             if self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
                 self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
