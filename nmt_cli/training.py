@@ -162,7 +162,9 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
             raise NmtError(f"--init-from {where} has no training checkpoint to keep the optimizer or step of")
         where = str(found[-1])
     # Read once: the weights come from the same tensors as the optimizer state.
-    loaded = checkpoint.load_tensors(Path(where)) if keep and Path(where).is_file() else None
+    path = Path(where)
+    is_checkpoint = path.is_file() and path.with_suffix(".json").is_file()
+    loaded = checkpoint.load_tensors(path) if keep and is_checkpoint else None
     model = package.locate(Path(where), loaded)
     if model.load_weights is None:
         raise NmtError(
