@@ -24,8 +24,8 @@ bootstrap.
    (1000 samples) of nmt against fairseq for each. The validation rows are where recipe and
    decoding choices are made; the test rows are the figure.
 
-Results go to OUT/vs_fairseq.json and print as the markdown table of docs/benchmarks.md. OUT is
-made afresh (an existing OUT is refused).
+Results go to OUT/vs_fairseq.json (the translations to OUT/hyps/SET.WHO.PENALTY.de) and print
+as the markdown table of docs/benchmarks.md. OUT is made afresh (an existing OUT is refused).
 """
 
 from __future__ import annotations
@@ -276,6 +276,10 @@ def main() -> None:
         for name, split in SPLITS.items():
             ours = nmt_hyps(run_dir, split, penalty["nmt"], log)
             theirs = fairseq_hyps(args.out, run_dir, split, penalty["fairseq"], log)
+            for who, hyps in (("nmt", ours), ("fairseq", theirs)):  # kept for a look at the outputs
+                kept = args.out / "hyps" / f"{name}.{who}.{penalty[who]:g}.de"
+                kept.parent.mkdir(exist_ok=True)
+                kept.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
             rows[name] = compare(ours, theirs, refs[split])
     results["pipeline_minutes"] = (time.perf_counter() - started) / 60
     (args.out / "vs_fairseq.json").write_text(json.dumps(results, indent=2))
