@@ -661,6 +661,13 @@ def test_fine_tuning_errors(trained_longer, tmp_path, nmt):
     assert "not found" in one_error_line(
         nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", tmp_path / "nowhere")
     )
+    stray = tmp_path / "stray.pt"
+    stray.write_bytes(b"not a checkpoint")
+    for keep in ([], ["--init-optimizer"]):
+        line = one_error_line(
+            nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", stray, *keep)
+        )
+        assert "is not an nmt model" in line, line
     assert "drop --vocab-size" in one_error_line(
         nmt("bpe", "--run-dir", same_bpe, "--from", trained_longer, "--vocab-size", "900")
     )
