@@ -77,7 +77,12 @@ def score(
     split: Annotated[
         str, typer.Option(help="Without --ref: the run's split to translate and score.")
     ] = "test",
-    metrics: Annotated[str, typer.Option(help="Comma-separated: bleu, chrf, ter.")] = "bleu,chrf,ter",
+    metrics: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="bleu, chrf, ter: comma-separated, or the option given again.", show_default="bleu,chrf,ter"
+        ),
+    ] = None,
     tokenize: Annotated[str, typer.Option(help="sacreBLEU tokenizer for BLEU.")] = "13a",
     lowercase: Annotated[bool, typer.Option("--lowercase", help="Case-insensitive scores.")] = False,
     moses_lc: Annotated[
@@ -114,7 +119,7 @@ def score(
     from nmt_cli.rundir import RunDir, atomic_write_json
     from nmt_cli.textio import read_lines
 
-    metric_names = scoring.parse_metrics(metrics)
+    metric_names = scoring.parse_metrics(",".join(metrics or ["bleu,chrf,ter"]))
     run = RunDir(run_dir)
     config = _config_of(TranslateConfig, ctx)
     hyps, refs, names, found = scoring.inputs(

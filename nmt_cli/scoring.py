@@ -20,7 +20,7 @@ from nmt_cli.translate import Counts, Translator
 
 
 def parse_metrics(text: str) -> list[str]:
-    names = [m.strip().lower() for m in text.split(",") if m.strip()]
+    names = list(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
     for m in names:
         if m not in score.METRICS:
             raise NmtError(f"unknown metric {m!r} in --metrics: choose from {', '.join(score.METRICS)}")

@@ -93,6 +93,9 @@ def test_score_files(tmp_path, nmt):
     piped = nmt("score", "--ref", ref, "--metrics", "bleu", "--json", stdin=hyp.read_bytes())
     report = json.loads(piped.out)
     assert round(report["scores"][0]["score"], 6) == 100.0 and report["scores"][0]["metric"] == "bleu"
+    # Given again, the option adds metrics (a metric named twice is scored once).
+    again = nmt("score", "--hyp", hyp, "--ref", ref, "--metrics", "bleu", "--metrics", "chrf,bleu", "--json")
+    assert [s["metric"] for s in json.loads(again.out)["scores"]] == ["bleu", "chrf"]
 
 
 def test_score_moses_lc_and_compare(tmp_path, nmt):
