@@ -165,7 +165,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     path = Path(where)
     is_checkpoint = path.is_file() and path.with_suffix(".json").is_file()
     loaded = checkpoint.load_tensors(path) if keep and is_checkpoint else None
-    model = package.locate(Path(where), loaded)
+    model = package.locate(path, loaded)
     if model.load_weights is None:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"
