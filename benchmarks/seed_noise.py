@@ -4,7 +4,8 @@ The side-by-side against fairseq (vs_fairseq_quality.py) compares one training o
 with sacreBLEU's paired bootstrap, which resamples the test sentences but not the training. This
 script puts the same test to two runs of nmt that differ only in their seed (for example the two
 of `multi30k_quality.py --seeds 2`): whatever it calls significant there is training noise.
-It reads the validation set only.
+It reads the validation set only. Any two runs of one data set can be compared the same way
+(precision_lever.sh compares an fp32 run with a bf16 one).
 
     python benchmarks/seed_noise.py RUN_A RUN_B [--split valid]
 
