@@ -67,6 +67,10 @@ def target_language(run: RunDir, model: Model | None) -> str:
     if model is not None:
         return model.tgt
     prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
+    if "tgt" not in prepped:
+        ui.warn(
+            "--moses-lc: no run or model here names the target language; tokenizing as English (give --lang)"
+        )
     return prepped.get("tgt", "en")
 
 

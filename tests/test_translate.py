@@ -108,6 +108,9 @@ def test_score_moses_lc_and_compare(tmp_path, nmt):
     )
     report = json.loads(result.out)
     assert round(report["scores"][0]["score"], 6) == 100.0 and "tok:none" in report["scores"][0]["signature"]
+    assert "tokenizing as English" not in result.err
+    guessed = nmt("score", "--hyp", hyp, "--ref", ref, "--moses-lc", "--metrics", "bleu", "--json")
+    assert guessed.code == 0 and "tokenizing as English (give --lang)" in guessed.err
     worse = tmp_path / "worse.de"
     worse.write_text("Katze\n" * 30)
     result = nmt("score", "--hyp", hyp, "--ref", ref, "--compare", worse, "--metrics", "chrf", "--json")
