@@ -44,10 +44,11 @@ def main() -> None:
     ap.add_argument("--split", default="valid", help="valid (the default); a test set only at the end")
     args = ap.parse_args()
     a, b = (translations(run, args.split) for run in args.runs)
-    refs = (args.runs[0] / "text" / f"{args.split}.raw.de").read_text(encoding="utf-8").splitlines()
+    tgt = json.loads((args.runs[0] / "manifest.json").read_text())["prep"]["tgt"]
+    refs = (args.runs[0] / "text" / f"{args.split}.raw.{tgt}").read_text(encoding="utf-8").splitlines()
     names = (str(args.runs[0]), "ref")
     cased = scoring.report(a, refs, names, ["bleu", "chrf"], baseline=(str(args.runs[1]), b))["compare"]
-    lc = scoring.report(a, refs, names, ["bleu"], moses_lc_lang="de", baseline=(str(args.runs[1]), b))
+    lc = scoring.report(a, refs, names, ["bleu"], moses_lc_lang=tgt, baseline=(str(args.runs[1]), b))
     rows = {"moses_lc": lc["compare"]["bleu"], "bleu": cased["bleu"], "chrf": cased["chrf"]}
     print(f"{args.split}: A = {args.runs[0]}, B = {args.runs[1]}")
     print("| metric | A | B | A - B | p |\n| --- | ---: | ---: | ---: | ---: |")

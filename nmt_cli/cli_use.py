@@ -119,7 +119,7 @@ def score(
     from nmt_cli.rundir import RunDir, atomic_write_json
     from nmt_cli.textio import read_lines
 
-    metric_names = scoring.parse_metrics(",".join(metrics or ["bleu,chrf,ter"]))
+    metric_names = scoring.parse_metrics(metrics)
     run = RunDir(run_dir)
     config = _config_of(TranslateConfig, ctx)
     hyps, refs, names, found = scoring.inputs(

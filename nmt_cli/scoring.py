@@ -19,7 +19,9 @@ from nmt_cli.textio import read_lines
 from nmt_cli.translate import Counts, Translator
 
 
-def parse_metrics(text: str) -> list[str]:
+def parse_metrics(values: list[str] | None) -> list[str]:
+    """--metrics, given any number of times, each comma-separated; not given: every metric."""
+    text = ",".join(values) if values else ",".join(score.METRICS)
     names = list(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
     for m in names:
         if m not in score.METRICS:
