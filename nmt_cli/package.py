@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, _umask, atomic_write_json, now, sha256_file
+from nmt_cli.rundir import RunDir, atomic_write_json, new_file_mode, now, sha256_file
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
     import torch
@@ -231,7 +231,7 @@ def export_nmt(model: Model, out: Path) -> None:
     with writing(model, out) as staging:
         weights = {k: v.contiguous() for k, v in model.load_weights().items()}
         save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-        os.chmod(staging / WEIGHTS, 0o666 & ~_umask())  # safetensors writes it 0600
+        os.chmod(staging / WEIGHTS, new_file_mode())  # safetensors writes it 0600
         atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
 
 

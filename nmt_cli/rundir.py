@@ -41,15 +41,16 @@ from nmt_cli.errors import NmtError
 
 
 @functools.cache
-def _umask() -> int:
-    """The process's umask: mkstemp creates files 0600, and our outputs should get the
-    permissions of any new file. Linux says it in /proc; elsewhere reading it means setting it."""
+def new_file_mode() -> int:
+    """The permissions of any new file under the process's umask: mkstemp (and safetensors)
+    create files 0600, and our outputs should be like any other file the user makes. Linux says
+    the umask in /proc; elsewhere reading it means setting it."""
     with contextlib.suppress(OSError, StopIteration, ValueError):
         status = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+        return 0o666 & ~int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def now() -> str:
@@ -67,7 +68,7 @@ def atomic_open(path: Path, mode: str = "w", encoding: str | None = "utf-8") -> 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     binary = "b" in mode
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(
             fd, mode, encoding=None if binary else encoding, newline=None if binary else "\n"
         ) as f:

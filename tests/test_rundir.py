@@ -22,6 +22,13 @@ def test_atomic_write_keeps_old_content_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]  # no temp file left behind
 
 
+def test_written_files_get_the_umasks_permissions_not_mkstemps(tmp_path):
+    mask = os.umask(0)
+    os.umask(mask)
+    atomic_write_text(tmp_path / "a.txt", "x")
+    assert (tmp_path / "a.txt").stat().st_mode & 0o777 == 0o666 & ~mask != 0o600
+
+
 def test_manifest_records_sha256_and_lines(tmp_path):
     run = RunDir(tmp_path)
     out = tmp_path / "text" / "x"
