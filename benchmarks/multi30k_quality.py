@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_name  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data")) / "multi30k"
 
@@ -131,6 +134,20 @@ def ensemble(args, train_options: list[str], log: Path) -> dict:
     }
 
 
+def trained_precision(train_options: list[str]) -> str:
+    """The precision the trainings ran in on this CPU: --precision among OPTIONS, else auto's."""
+    from nmt_cli.config import resolve_precision
+    from nmt_cli.engine.device import cpu_has_bf16
+
+    given = "auto"
+    for k, option in enumerate(train_options):
+        if option == "--precision" and k + 1 < len(train_options):
+            given = train_options[k + 1]
+        elif option.startswith("--precision="):
+            given = option.split("=", 1)[1]
+    return resolve_precision(given, "cpu", cpu_has_bf16())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training")
@@ -175,6 +192,8 @@ def main() -> None:
     results.update(
         minutes=args.minutes,
         seeds=args.seeds,
+        cpu=cpu_name(),
+        precision=trained_precision(train_options),
         pipeline_minutes=pipeline / 60,
         bpe=json.loads((run / "bpe.json").read_text()),
     )

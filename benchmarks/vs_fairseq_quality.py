@@ -5,6 +5,7 @@ bootstrap.
 
     bash benchmarks/peers/install_fairseq.sh          # once: fairseq in ../peers/fairseq
     python benchmarks/vs_fairseq_quality.py [--minutes 60] [--out benchmarks/out/vs_fairseq]
+        [--nmt-precision auto|fp32|bf16]
 
 1. `nmt prep multi30k-en-de` and `nmt bpe --vocab-size 8000` (joint sentencepiece). fairseq gets
    the same cleaned text cut into the same pieces (`fairseq-preprocess --joined-dictionary`).
@@ -13,7 +14,9 @@ bootstrap.
    batches, warmup 1000 to a peak of 128^-0.5 * 1000^-0.5 = 2.8e-3, inverse square root decay,
    Adam (0.9, 0.98, 1e-9), label smoothing 0.1, a checkpoint every 250 updates). Validation:
    nmt's NLL every 500 updates; fairseq's loss at each checkpoint and epoch (its behaviour with
-   --save-interval-updates).
+   --save-interval-updates). Precision: nmt's --precision (default auto, which is bf16 autocast
+   on a CPU with bf16 arithmetic, fp32 elsewhere); fairseq fp32, as its --bf16 on a CPU stops in
+   its Trainer looking for a TPU (fairseq 0.12.2: get_tpu_device, 'NoneType' has no 'xla_device').
 3. Each averages its last 5 checkpoints and translates with beam 4, first with its default
    length penalty (nmt: GNMT's ((5+|Y|)/6)^alpha, alpha 0.6; fairseq: score / |Y|^lenpen,
    lenpen 1), then with the penalty that gave it the best BLEU on the validation set among five
@@ -102,13 +105,14 @@ def prepare(out: Path, log: Path) -> Path:
     return run_dir
 
 
-def train_both(out: Path, run_dir: Path, minutes: float) -> dict:
+def train_both(out: Path, run_dir: Path, minutes: float, precision: str) -> dict:
     """Both trainings at once, one thread each; returns their wall-clock seconds."""
     s, r = SHAPE, RECIPE
     nmt_cmd = nmt(
         "train", "--run-dir", run_dir, "--size", "small", "--max-tokens", r["max_tokens"],
         "--warmup", r["warmup"], "--save-every", r["save_every"], "--eval-every", r["eval_every"],
         "--keep-last", 10, "--seed", r["seed"], "--max-time", minutes, "--threads", 1,
+        "--precision", precision,
     )  # fmt: skip
     peak = s["d"] ** -0.5 * r["warmup"] ** -0.5  # nmt's schedule at its peak (step = warmup)
     fairseq_cmd = [
@@ -232,9 +236,13 @@ def compare(ours: list[str], theirs: list[str], refs: list[str]) -> dict:
 
 
 def main() -> None:
+    from nmt_cli.config import resolve_precision
+    from nmt_cli.engine.device import cpu_has_bf16
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training, each")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "vs_fairseq")
+    ap.add_argument("--nmt-precision", default="auto", choices=("auto", "fp32", "bf16"))
     args = ap.parse_args()
     if not FAIRSEQ_PYTHON.exists():
         sys.exit(f"no fairseq at {FAIRSEQ_PYTHON}: run `bash benchmarks/peers/install_fairseq.sh` first")
@@ -244,7 +252,7 @@ def main() -> None:
     log = args.out / "steps.log"
     started = time.perf_counter()
     run_dir = prepare(args.out, log)
-    seconds = train_both(args.out, run_dir, args.minutes)
+    seconds = train_both(args.out, run_dir, args.minutes, args.nmt_precision)
     run(nmt("average", "--last", RECIPE["average"], "--run-dir", run_dir), log)
     averaged = average_fairseq(args.out, log)
     refs = {
@@ -263,6 +271,7 @@ def main() -> None:
     results = {
         "minutes": args.minutes,
         "train_seconds": seconds,
+        "precision": {"nmt": resolve_precision(args.nmt_precision, "cpu", cpu_has_bf16()), "fairseq": "fp32"},
         "updates": {
             "nmt": max(r["step"] for r in train_records(run_dir)),
             "fairseq": averaged["updates"][-1],
@@ -285,7 +294,11 @@ def main() -> None:
     (args.out / "vs_fairseq.json").write_text(json.dumps(results, indent=2))
 
     u = results["updates"]
-    print(f"{args.minutes:g} minutes each: nmt {u['nmt']} updates, fairseq {u['fairseq']}")
+    p = results["precision"]
+    print(
+        f"{args.minutes:g} minutes each: nmt {u['nmt']} updates ({p['nmt']}), "
+        f"fairseq {u['fairseq']} ({p['fairseq']})"
+    )
     for who, scores in sweep.items():
         tried = ", ".join(f"{k:g}: {v:.2f}" for k, v in scores.items())
         print(f"- {who} valid BLEU by length penalty: {tried}; chosen {chosen[who]:g}")

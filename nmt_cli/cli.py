@@ -216,7 +216,10 @@ def train(
     max_epochs: Annotated[int, typer.Option(help="Stop after this many epochs (0: no limit).")] = 0,
     max_time: Annotated[float, typer.Option(help="Stop after this many minutes (0: no limit).")] = 0.0,
     precision: Annotated[
-        str, typer.Option(help="auto (bf16 on GPU, fp32 on CPU), fp32, bf16, fp16 (GPU).")
+        str,
+        typer.Option(
+            help="auto (bf16 on a GPU and on a CPU with bf16 arithmetic, else fp32), fp32, bf16, fp16 (GPU)."
+        ),
     ] = "auto",
     eval_every: Annotated[int, typer.Option(help="Validate every N updates.")] = 1000,
     eval_bleu: Annotated[bool, typer.Option(help="Also log greedy BLEU on the validation set.")] = False,

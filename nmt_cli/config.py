@@ -169,10 +169,11 @@ def resolve_device_name(name: str, gpu: bool) -> str:
     return name
 
 
-def resolve_precision(precision: str, device_type: str) -> str:
-    """--precision on a device of `device_type` ("cpu", "cuda"): auto is bf16 on a GPU, else fp32."""
+def resolve_precision(precision: str, device_type: str, cpu_bf16: bool = False) -> str:
+    """--precision on a device of `device_type` ("cpu", "cuda"): auto is bf16 on a GPU, and on a
+    CPU when `cpu_bf16` (the CPU has bf16 arithmetic and the caller gains from it), else fp32."""
     if precision == "auto":
-        return "bf16" if device_type == "cuda" else "fp32"
+        return "bf16" if device_type == "cuda" or cpu_bf16 else "fp32"
     if precision == "fp16" and device_type != "cuda":
         raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
     return precision

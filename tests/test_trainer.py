@@ -376,6 +376,26 @@ def _tiny_trainer(run_dir, **options):
     return trainer.Trainer(config, RunDir(run_dir), state.Quiet())
 
 
+@pytest.mark.parametrize("cpu_bf16", [True, False])
+def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatch, cpu_bf16):
+    class Said(state.Quiet):
+        def __init__(self):
+            self.lines: list[str] = []
+
+        def say(self, message: str) -> None:
+            self.lines.append(message)
+
+    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: cpu_bf16)
+    config = dict(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1)
+    said = Said()
+    auto = trainer.Trainer(TrainConfig(device="cpu", **config), RunDir(run_copy), said)
+    assert auto.precision == ("bf16" if cpu_bf16 else "fp32")
+    assert any("bf16 autocast" in line for line in said.lines) == cpu_bf16
+    kept = TrainConfig(device="cpu", precision="fp32", **config)
+    fp32 = trainer.Trainer(kept, RunDir(run_copy), state.Quiet())
+    assert fp32.precision == "fp32"
+
+
 def test_train_step_reads_nothing_back_from_the_device(run_copy):
     from conftest import host_reads
 
