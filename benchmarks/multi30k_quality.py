@@ -134,21 +134,10 @@ def ensemble(args, train_options: list[str], log: Path) -> dict:
     }
 
 
-def trained_precision(train_options: list[str]) -> str:
-    """The precision the trainings ran in on this CPU: --precision among OPTIONS, else auto's."""
+def main() -> None:
     from nmt_cli.config import resolve_precision
     from nmt_cli.engine.device import cpu_has_bf16
 
-    given = "auto"
-    for k, option in enumerate(train_options):
-        if option == "--precision" and k + 1 < len(train_options):
-            given = train_options[k + 1]
-        elif option.startswith("--precision="):
-            given = option.split("=", 1)[1]
-    return resolve_precision(given, "cpu", cpu_has_bf16())
-
-
-def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "quality")
@@ -156,7 +145,9 @@ def main() -> None:
     ap.add_argument(
         "--seeds", type=int, default=1, help="train this many models side by side and decode their ensemble"
     )
+    ap.add_argument("--precision", default="auto", help="training's --precision (recorded as resolved)")
     args, train_options = ap.parse_known_args()
+    train_options += ["--precision", args.precision]
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "quality.log"
     started = time.perf_counter()
@@ -193,7 +184,7 @@ def main() -> None:
         minutes=args.minutes,
         seeds=args.seeds,
         cpu=cpu_name(),
-        precision=trained_precision(train_options),
+        precision=resolve_precision(args.precision, "cpu", cpu_has_bf16()),
         pipeline_minutes=pipeline / 60,
         bpe=json.loads((run / "bpe.json").read_text()),
     )

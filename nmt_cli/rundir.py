@@ -45,11 +45,13 @@ def new_file_mode() -> int:
     """The permissions of any new file under the process's umask: mkstemp (and safetensors)
     create files 0600, and our outputs should be like any other file the user makes. Linux says
     the umask in /proc; elsewhere reading it means setting it."""
+    mask = None
     with contextlib.suppress(OSError, StopIteration, ValueError):
         status = Path("/proc/self/status").read_text().splitlines()
-        return 0o666 & ~int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
-    mask = os.umask(0)
-    os.umask(mask)
+        mask = int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    if mask is None:
+        mask = os.umask(0)
+        os.umask(mask)
     return 0o666 & ~mask
 
 
