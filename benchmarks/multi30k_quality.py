@@ -7,7 +7,8 @@
    test2016 with beam 4, score, plot. Further OPTIONS (`nmt train`'s, e.g. `--dropout 0.1`) go
    to the quickstart and override its recipe.
 2. `nmt score --split test2017` (translates test2017 with the same model).
-3. For both test sets: cased detokenized sacreBLEU and chrF with signatures, and BLEU on text
+3. For both test sets: cased detokenized sacreBLEU and chrF with signatures (case-insensitive
+   with `--lowercase`, which makes the model read and write lowercase), and BLEU on text
    processed like the Multi30k repository's tokenized files (`nmt score --moses-lc`), the
    measure the small-data literature reports (Wu et al. 2021, Transformer-Tiny: 41.02).
 4. The learning curve: greedy BLEU and NLL on the validation set against minutes of training.
@@ -103,7 +104,8 @@ def ensemble(args, train_options: list[str], log: Path) -> dict:
     base = args.out / "data"
     if not (base / "manifest.json").exists():
         nmt("prep", "multi30k-en-de", "--run-dir", str(base), "--mirror", str(MULTI30K), log=log)
-        nmt("bpe", "--run-dir", str(base), "--vocab-size", str(VOCAB_SIZE), log=log)
+        lowercase = ["--lowercase"] if args.lowercase else []
+        nmt("bpe", "--run-dir", str(base), "--vocab-size", str(VOCAB_SIZE), *lowercase, log=log)
     runs = [args.out / f"run{k}" for k in range(1, args.seeds + 1)]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.seeds)
     recipe = [
@@ -146,6 +148,9 @@ def main() -> None:
         "--seeds", type=int, default=1, help="train this many models side by side and decode their ensemble"
     )
     ap.add_argument("--precision", default="auto", help="training's --precision (recorded as resolved)")
+    ap.add_argument(
+        "--lowercase", action="store_true", help="`nmt bpe --lowercase`: the model reads and writes lowercase"
+    )
     args, train_options = ap.parse_known_args()
     train_options += ["--precision", args.precision]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -157,6 +162,7 @@ def main() -> None:
     else:
         run = args.out / "run"
         extra = ["--threads", str(args.threads)] if args.threads else []
+        extra += ["--lowercase"] if args.lowercase else []
         if (run / "checkpoints").is_dir():
             print(
                 f"{run} holds a run: resuming it (remove {args.out} for a new measurement)", file=sys.stderr
@@ -185,6 +191,7 @@ def main() -> None:
         seeds=args.seeds,
         cpu=cpu_name(),
         precision=resolve_precision(args.precision, "cpu", cpu_has_bf16()),
+        lowercase=args.lowercase,
         pipeline_minutes=pipeline / 60,
         bpe=json.loads((run / "bpe.json").read_text()),
     )

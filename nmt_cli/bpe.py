@@ -2,7 +2,9 @@
 
 The model is learned from a bounded random sample of both training sides, so memory does not
 grow with the corpus. Normalisation is the identity (prep already normalised the text), which
-makes decoding an exact inverse of encoding; byte fallback means no input is ever unknown.
+makes decoding an exact inverse of encoding; byte fallback means no input is ever unknown. With
+`--lowercase` it is lowercasing instead, held in the model file itself, so that whatever encodes
+with the model (training, `nmt translate`, an export, `nmt serve`) folds case the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int, t
         text = Path(tmp) / "sample.txt"
         text.write_text("".join(line + "\n" for line in sample), encoding="utf-8")
         del sample
+        normalization = {"normalization_rule_name": "identity"}
+        if config.lowercase:
+            rules = Path(tmp) / "lowercase.tsv"
+            rules.write_text(_lowercase_rules(), encoding="utf-8")
+            normalization = {"normalization_rule_tsv": str(rules)}
         try:
             spm.SentencePieceTrainer.train(
                 input=str(text),
@@ -71,7 +78,7 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int, t
                 vocab_size=vocab_size,
                 character_coverage=1.0,
                 byte_fallback=True,
-                normalization_rule_name="identity",
+                **normalization,
                 pad_id=PAD,
                 unk_id=UNK,
                 bos_id=BOS,
@@ -90,6 +97,28 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int, t
         # Both files appear together, each atomically.
         for name, dest in (("spm.vocab", run.spm_vocab), ("spm.model", run.spm_model)):
             (Path(tmp) / name).replace(dest)
+
+
+def _lowercase_rules() -> str:
+    """sentencepiece's rule file (hex code points, tab, hex code points) mapping every character
+    to Python's lowercase of it. Not sentencepiece's own nmt_nfkc_cf: Unicode case folding makes
+    "ß" "ss", which German references keep, and NFKC changes more than case."""
+    rules = []
+    for code in range(0x110000):
+        if 0xD800 <= code < 0xE000:  # surrogates are not characters
+            continue
+        lower = chr(code).lower()
+        if lower != chr(code):
+            rules.append(f"{code:X}\t{' '.join(f'{ord(c):X}' for c in lower)}\n")
+    return "".join(rules)
+
+
+def folds_case(spm_model: Path) -> bool:
+    """Whether a sentencepiece model lowercases what it encodes (`nmt bpe --lowercase`)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    return sp.decode(sp.encode("A")) == "a"
 
 
 def spm_of(where: Path) -> Path:

@@ -164,6 +164,14 @@ def bpe(
             "package, or a .model file) instead of learning one.",
         ),
     ] = None,
+    lowercase: Annotated[
+        bool,
+        typer.Option(
+            "--lowercase",
+            help="Lowercase everything the model encodes, so its translations are lowercase too "
+            "(for setups scored lowercased, as Multi30k papers).",
+        ),
+    ] = False,
 ) -> None:
     """Learn a joint sentencepiece BPE model and binarize every split."""
     from nmt_cli import bpe as bpe_mod
@@ -176,6 +184,7 @@ def bpe(
         seed=seed,
         threads=threads,
         from_model=str(from_model) if from_model else None,
+        lowercase=lowercase,
     )
     run = RunDir(run_dir)
     if not run.root.is_dir():
@@ -378,6 +387,9 @@ def quickstart(
         ),
     ] = None,
     threads: Annotated[int, typer.Option(help="CPU threads (0: torch's default).")] = 0,
+    lowercase: Annotated[
+        bool, typer.Option("--lowercase", help="`nmt bpe --lowercase`: lowercase translations.")
+    ] = False,
 ) -> None:
     """Multi30k English-German end to end: prep, bpe, train, average, translate, score, plot.
 
@@ -393,7 +405,9 @@ def quickstart(
     )
     overrides = {name: value for name, value in train_ctx.params.items() if _given(train_ctx, name)}
     try:
-        quickstart_mod.run(RunDir(run_dir), minutes, str(mirror) if mirror else None, threads, overrides)
+        quickstart_mod.run(
+            RunDir(run_dir), minutes, str(mirror) if mirror else None, threads, overrides, lowercase
+        )
     except Interrupted as e:  # its checkpoint is saved: a rerun resumes
         from nmt_cli import ui
 

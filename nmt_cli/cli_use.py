@@ -135,6 +135,7 @@ def score(
     )
     if moses_lc and lang is None:
         lang = scoring.target_language(run, found)
+    lowercase = lowercase or scoring.writes_lowercase(found, run if ref is None else None, moses_lc)
     report = scoring.report(
         hyps,
         refs,

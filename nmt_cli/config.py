@@ -140,6 +140,9 @@ class BpeConfig:
     from_model: str | None = None
     sample_lines: int = 500_000  # sentences (of both sides) the BPE model is learned from
     seed: int = 1
+    # Fold case inside the sentencepiece model: every side, at training and translation time, is
+    # lowercased, and so are the translations (for setups scored lowercased, as Multi30k's).
+    lowercase: bool = False
     threads: int = max(1, os.cpu_count() or 1)
 
     def __post_init__(self) -> None:
@@ -150,6 +153,8 @@ class BpeConfig:
             )
         if self.from_model and self.vocab_size:
             raise NmtError("--from takes the vocabulary of that model: drop --vocab-size")
+        if self.from_model and self.lowercase:
+            raise NmtError("--from takes that model's normalisation, its casing included: drop --lowercase")
         if self.sample_lines < 1000:
             raise NmtError("--sample-lines must be at least 1000")
         if self.threads < 1:

@@ -26,9 +26,17 @@ RESERVE_MINUTES = 1.0
 STEPS = 6
 
 
-def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int, train_options: dict) -> None:
+def run(
+    run_dir: RunDir,
+    minutes: float,
+    mirror: str | None,
+    threads: int,
+    train_options: dict,
+    lowercase: bool = False,
+) -> None:
     """The whole pipeline in `run_dir`; `train_options` (TrainConfig fields) override the
-    recipe's. A rerun keeps the data steps already done and resumes training."""
+    recipe's; `lowercase` is `nmt bpe --lowercase`. A rerun keeps the data steps already done
+    and resumes training."""
     # Checked before prep and BPE run, not after.
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for name in sorted(set(train_options) - fields):
@@ -55,9 +63,15 @@ def run(run_dir: RunDir, minutes: float, mirror: str | None, threads: int, train
     _step(2, "learn BPE and binarize")
     # A rerun must not re-learn the BPE its checkpoints were trained on.
     if "bpe" in done:
+        learned = json.loads(run_dir.config_path("bpe").read_text()).get("lowercase", False)
+        if learned != lowercase:
+            raise NmtError(
+                f"{run_dir.root} holds a BPE model learned {'with' if learned else 'without'} "
+                "--lowercase: give `nmt quickstart` a new --run-dir, or the same option again"
+            )
         ui.say(f"{run_dir.root} already has this step's output (manifest.json): kept")
     else:
-        config = BpeConfig(vocab_size=VOCAB_SIZE)
+        config = BpeConfig(vocab_size=VOCAB_SIZE, lowercase=lowercase)
         with run_dir.lock("bpe"):
             run_dir.save_config("bpe", config)
             bpe.show(bpe.run_bpe(config, run_dir))

@@ -105,7 +105,8 @@ def compare(
 
 def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
-    token ids of the validation set, against its references as released."""
+    token ids of the validation set, against its references as released (case-insensitive
+    where the BPE model lowercases)."""
     from nmt_cli import bpe
 
     path = run.text("valid", tgt_lang, raw=True)
@@ -113,8 +114,9 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
         path = run.text("valid", tgt_lang)
     refs = path.read_text(encoding="utf-8").splitlines()
     sp = bpe.load(run)
+    lowercase = bpe.folds_case(run.spm_model)
 
     def bleu(ids: list[list[int]]) -> float:
-        return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"])[0].score
+        return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
 
     return bleu

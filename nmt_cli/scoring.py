@@ -76,6 +76,19 @@ def target_language(run: RunDir, model: Model | None) -> str:
     return prepped.get("tgt", "en")
 
 
+def writes_lowercase(model: Model | None, run: RunDir | None, moses_lc: bool) -> bool:
+    """Whether the translations scored come from a model that writes lowercase (`nmt bpe
+    --lowercase`): then case-insensitive scores, said so, rather than cased ones no casing of
+    the model could reach. `run`: the run whose model translated, where no other did."""
+    from nmt_cli.bpe import folds_case
+
+    spm = model.spm if model is not None else run.spm_model if run is not None else None
+    if moses_lc or spm is None or not spm.exists() or not folds_case(spm):
+        return False
+    ui.say("the model writes lowercase (`nmt bpe --lowercase`): the scores are case-insensitive")
+    return True
+
+
 def report(
     hyps: list[str],
     refs: list[str],

@@ -4,7 +4,7 @@ import gzip
 import json
 
 import pytest
-from conftest import prepared_multi30k
+from conftest import one_error_line, prepared_multi30k
 
 from nmt_cli import bpe
 from nmt_cli.rundir import RunDir, file_stats
@@ -71,3 +71,61 @@ def test_rerun_is_idempotent(prepared, multi30k_dir, nmt):
     result = nmt("prep", "multi30k-en-de", "--run-dir", prepared.root, "--mirror", multi30k_dir)
     assert result.code == 0, result.err
     assert prepared.load_manifest()["prep"]["files"] == before
+
+
+def test_lowercase_bpe_folds_case_in_training_translation_and_scoring(run_copy, tmp_path, nmt):
+    """`nmt bpe --lowercase`: the sentencepiece model itself lowercases, so the shards, the
+    translations and the scores of its model are lowercase, and German's ß stays ß (Unicode case
+    folding would make it ss, unlike the references)."""
+    from conftest import TINY, run_ok
+
+    from nmt_cli.score import bleu_of_ids
+
+    run = RunDir(run_copy)
+    run_ok(["bpe", "--run-dir", run_copy, "--vocab-size", 1000, "--lowercase"])
+    assert json.loads(run.config_path("bpe").read_text())["lowercase"] is True
+    sp = bpe.load(run)
+    assert bpe.folds_case(run.spm_model)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_byte(i)]
+    assert not [p for p in pieces if p != p.lower() and not p.startswith("<")]
+    assert sp.decode(sp.encode("Die STRASSE, die Straße.")) == "die strasse, die straße."
+    for split, lang in (("train", "de"), ("valid", "en")):
+        shard = Shard(run.tokens(split, lang))
+        lines = run.text(split, lang).read_text(encoding="utf-8").splitlines()
+        assert sp.decode([shard[i].tolist() for i in range(len(shard))]) == [s.lower() for s in lines]
+    # --eval-bleu scores lowercase translations case-insensitively against the released text.
+    valid = Shard(run.tokens("valid", "de"))
+    assert bleu_of_ids(run, "de")([valid[i].tolist() for i in range(len(valid))]) > 99
+
+    run_ok(
+        ["train", "--run-dir", run_copy, *TINY, "--max-steps", "20", "--save-every", "20", "--warmup", "5"]
+    )
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("A Man in a RED shirt.\nTwo dogs play.\n", encoding="utf-8")
+    ref.write_text("Ein Mann in einem roten Hemd.\nZwei Hunde spielen.\n", encoding="utf-8")
+    out = nmt("translate", "--run-dir", run_copy, "--beam", "1", stdin=src.read_bytes())
+    assert out.code == 0, out.err
+    assert out.out.strip() and out.out == out.out.lower()
+    scored = nmt(
+        "score",
+        "--run-dir",
+        run_copy,
+        "--src",
+        src,
+        "--ref",
+        ref,
+        "--metrics",
+        "bleu",
+        "--json",
+        "--beam",
+        "1",
+    )
+    assert scored.code == 0, scored.err
+    assert "case:lc" in json.loads(scored.out)["scores"][0]["signature"]
+    assert "case-insensitive" in scored.err
+    # Scoring another system's file says nothing of casing.
+    plain = nmt("score", "--hyp", ref, "--ref", ref, "--metrics", "bleu", "--json")
+    assert "case:mixed" in json.loads(plain.out)["scores"][0]["signature"]
+    assert "--lowercase" in one_error_line(
+        nmt("bpe", "--run-dir", run_copy, "--from", run_copy, "--lowercase")
+    )

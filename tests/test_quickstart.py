@@ -104,6 +104,15 @@ def test_quickstart_rerun_resumes_and_reports_on_stderr_only(tmp_path, nmt, quic
     assert (run / "bpe" / "spm.model").read_bytes() == spm_before
 
 
+def test_quickstart_refuses_to_change_the_casing_of_a_run(tmp_path, nmt, quickstarted):
+    run = tmp_path / "run"
+    shutil.copytree(quickstarted, run)
+    spm_before = (run / "bpe" / "spm.model").read_bytes()
+    line = one_error_line(nmt("quickstart", "--run-dir", run, "--mirror", MULTI30K, "--lowercase"))
+    assert "without --lowercase" in line and "new --run-dir" in line
+    assert (run / "bpe" / "spm.model").read_bytes() == spm_before
+
+
 def test_quickstart_refuses_a_run_directory_of_another_corpus(run_copy, nmt):
     prep = json.loads((run_copy / "prep.json").read_text())
     (run_copy / "prep.json").write_text(json.dumps({**prep, "recipe": "custom"}))
