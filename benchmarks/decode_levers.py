@@ -6,7 +6,7 @@ Each RUN is a run directory from `benchmarks/multi30k_quality.py` (OUT/run, or O
 OUT/run2 with --seeds 2) with its last 10 checkpoints (the quickstart keeps 10, 250 updates
 apart), all with one BPE model. Each choice is decoded with beam 4 on the 1014 validation
 sentences and scored as the benchmark reports (`nmt score --moses-lc`, with cased sacreBLEU and
-chrF beside it):
+chrF beside it, case-insensitive for a model from `nmt bpe --lowercase`):
 
 - `avg5`: the first run's mean of its last 5 checkpoints (what `nmt average` does);
 - `avg10`: the first run's mean of its last 10;
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nmt_cli import package, scoring  # noqa: E402
+from nmt_cli.bpe import folds_case  # noqa: E402
 from nmt_cli.config import ModelConfig, TranslateConfig  # noqa: E402
 from nmt_cli.engine import checkpoint  # noqa: E402
 from nmt_cli.rundir import RunDir  # noqa: E402
@@ -68,7 +69,8 @@ def score(model: package.Model, alpha: float, run: RunDir, split: str) -> dict:
     refs = list(read_lines(run.text(split, "de", raw=True)))
     hyps = Translator(model, TranslateConfig(alpha=alpha)).translate(src)
     names = (f"{model.where}@{alpha}", split)
-    cased = scoring.report(hyps, refs, names, ["bleu", "chrf"])["scores"]
+    # A lowercasing model (`nmt bpe --lowercase`) gets case-insensitive scores, as `nmt score` gives.
+    cased = scoring.report(hyps, refs, names, ["bleu", "chrf"], lowercase=folds_case(model.spm))["scores"]
     lc = scoring.report(hyps, refs, names, ["bleu"], moses_lc_lang="de")["scores"][0]
     return {"moses_lc": lc["score"], "bleu": cased[0]["score"], "chrf": cased[1]["score"]}
 

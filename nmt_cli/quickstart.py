@@ -83,7 +83,8 @@ def run(
     _step(5, "translate and score test2016")
     hyp, ref = scoring.translate_split(run_dir, "test", TranslateConfig(threads=threads))
     hyps, refs = list(read_lines(hyp)), list(read_lines(ref))
-    report = scoring.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"])
+    lowercase = scoring.writes_lowercase(None, run_dir, moses_lc=False)
+    report = scoring.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"], lowercase=lowercase)
     atomic_write_json(run_dir.scores("test"), report)
     _step(6, "plot")
     try:

@@ -113,6 +113,18 @@ def test_quickstart_refuses_to_change_the_casing_of_a_run(tmp_path, nmt, quickst
     assert (run / "bpe" / "spm.model").read_bytes() == spm_before
 
 
+def test_quickstart_lowercase_translates_and_scores_in_lowercase(tmp_path, nmt):
+    run = tmp_path / "run"
+    tiny = [*TINY, "--max-steps", "10", "--save-every", "10", "--eval-every", "10", "--warmup", "5"]
+    result = nmt("quickstart", "--run-dir", run, "--mirror", MULTI30K, "--minutes", "5", "--lowercase", *tiny)
+    assert result.code == 0, result.err
+    assert json.loads((run / "bpe.json").read_text())["lowercase"] is True
+    hyps = (run / "translations" / "test.de").read_text(encoding="utf-8")
+    assert hyps.strip() and hyps == hyps.lower()
+    assert "scores are case-insensitive" in result.err
+    assert "nrefs:1|case:lc|eff:no|tok:13a" in result.err
+
+
 def test_quickstart_refuses_a_run_directory_of_another_corpus(run_copy, nmt):
     prep = json.loads((run_copy / "prep.json").read_text())
     (run_copy / "prep.json").write_text(json.dumps({**prep, "recipe": "custom"}))
