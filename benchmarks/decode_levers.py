@@ -98,7 +98,8 @@ def main() -> None:
             for alpha in args.alphas
         }
     out.write_text(json.dumps(results, indent=2))
-    print("| choice | split | BLEU moses-lc | sacreBLEU cased | chrF |\n|---|---|---:|---:|---:|")
+    case = "lowercased" if folds_case(models["avg5"].spm) else "cased"
+    print(f"| choice | split | BLEU moses-lc | sacreBLEU {case} | chrF |\n|---|---|---:|---:|---:|")
     rows = [(c, "valid", r) for c, r in results.get("valid", {}).items()]
     rows += [
         (results["test"]["choice"], s, results["test"][s]) for s in ("test", "test2017") if "test" in results
