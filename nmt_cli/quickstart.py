@@ -63,7 +63,7 @@ def run(
     _step(2, "learn BPE and binarize")
     # A rerun must not re-learn the BPE its checkpoints were trained on.
     if "bpe" in done:
-        learned = json.loads(run_dir.config_path("bpe").read_text()).get("lowercase", False)
+        learned = bpe.folds_case(run_dir.spm_model)  # the model, not its config: what encodes
         if learned != lowercase:
             raise NmtError(
                 f"{run_dir.root} holds a BPE model learned {'with' if learned else 'without'} "
