@@ -8,6 +8,8 @@ CPU: a step is forward + label-smoothed loss + backward + Adam on 4096 source an
 tokens without padding, timed through nmt's own `train_step` (the trainer's code path). fairseq
 runs in its own venv (benchmarks/peers/install_fairseq.sh). Also reports the matmul ceilings
 measured in the same run, achieved model GFLOP/s, and the padding share of real Multi30k batches.
+nmt's process keeps large blocks in glibc's heap, as the trainer does on a CPU; `--malloc glibc`
+leaves glibc's setting, to measure what that buys.
 
 GPU (`--device cuda`): each shape in bf16 on 16384 source and 16384 target tokens, eager and
 `torch.compile`d, with model FLOPs utilisation against the bf16 matmul ceiling of the same GPU
@@ -37,6 +39,7 @@ from common import SHAPES, batch, cpu_name, matmul_ceiling, time_steps, train_fl
 from nmt_cli.config import ModelConfig  # noqa: E402
 from nmt_cli.engine import distributed  # noqa: E402
 from nmt_cli.engine.data import Batch, to_device  # noqa: E402
+from nmt_cli.engine.device import keep_large_blocks_in_heap  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.step import train_step  # noqa: E402
 
@@ -259,6 +262,13 @@ def main() -> None:
         default=None,
         help="--max-tokens of the loop measurement (default: 8192 GPU, 1024 CPU)",
     )
+    ap.add_argument(
+        "--malloc",
+        default="heap",
+        choices=["heap", "glibc"],
+        help="CPU: nmt's large blocks from the heap, as the trainer sets it (default), or glibc's "
+        "own setting, to measure what that buys (fairseq runs in processes of its own, unchanged)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     gpu = args.device == "cuda"
@@ -311,8 +321,11 @@ def median_run(runs: list[dict]) -> dict:
 
 def cpu_main(args) -> dict:
     args.shapes = args.shapes or ["tiny", "base"]
+    if args.malloc == "heap":
+        keep_large_blocks_in_heap()  # as the trainer does on a CPU
     results = {
         "threads": torch.get_num_threads(),
+        "malloc": args.malloc,
         "cpu": cpu_name(),
         "ceiling_gflops": {"fp32": matmul_ceiling(torch.float32), "bf16": matmul_ceiling(torch.bfloat16)},
         "padding_share_multi30k": padding_share(),

@@ -801,3 +801,46 @@ def test_tensorboard_events_hold_the_series_of_metrics_jsonl_across_a_resume(run
         assert [s for s, _ in got] == [s for s, _ in expected], tag
         assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6), tag
     assert [s for s, _ in expected] == [20, 40]
+
+
+# In a process of its own: glibc's malloc settings are process-wide and sticky.
+_HEAP_PROBE = """
+import ctypes, sys
+import torch
+from nmt_cli.engine import state, trainer
+from nmt_cli.config import TrainConfig
+from nmt_cli.rundir import RunDir
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+
+def mapped_by_64mib_tensor():
+    before = libc.mallinfo2().hblks
+    x = torch.empty(64 << 20, dtype=torch.uint8)
+    return libc.mallinfo2().hblks - before
+
+
+first = mapped_by_64mib_tensor()
+config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1,
+                     num_decoder_layers=1, max_tokens=256, device="cpu")
+trainer.Trainer(config, RunDir(sys.argv[1]), state.Quiet())
+print(first, mapped_by_64mib_tensor())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_cpu_training_keeps_large_blocks_in_the_heap(run_copy):
+    # Each step's logits and their gradient are such blocks: mapped afresh every step, they were
+    # page-faulted in every step (docs/benchmarks.md, training step).
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE, str(run_copy)], capture_output=True, text=True, check=True
+    )
+    before, after = map(int, out.stdout.split())
+    assert (before, after) == (1, 0)
