@@ -32,9 +32,10 @@ def keep_large_blocks_in_heap() -> bool:
     glibc maps every block over its mmap threshold (32 MiB at most) afresh and unmaps it when
     freed, so each step's (tokens x vocabulary) logits, their gradient and other large tensors
     are page-faulted in anew every step on a CPU. With the threshold at 1 GiB (and freed memory
-    kept rather than trimmed) they reuse the heap: 1.14-1.25x the tokens per second of a training
-    step at the same peak memory (benchmarks/malloc_ab.py). Process-wide; False where the C
-    library is not glibc (macOS, musl), which is then left as it is."""
+    kept rather than trimmed) they reuse the heap: 1.14-1.25x the tokens per second of a
+    4096-token training step, 1.04x at 1024 tokens, at the same peak memory
+    (benchmarks/malloc_ab.py). Process-wide; False where the C library is not glibc (macOS,
+    musl), which is then left as it is."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
