@@ -13,10 +13,11 @@
    measure the small-data literature reports (Wu et al. 2021, Transformer-Tiny: 41.02).
 4. The learning curve: greedy BLEU and NLL on the validation set against minutes of training.
 
-With `--seeds N`, N models of the recipe (seeds 1..N) train side by side for the same M minutes,
-the cores shared out (`--threads`, default cores / N), each averaged as the quickstart does; the
-test sets are translated by their ensemble (`nmt score --model A --model B`), and the validation
-set by the ensemble and by each model alone, the evidence for choosing the ensemble.
+With `--seeds N`, N models of the recipe (seeds 1..N; `--first-seed F`: F..F+N-1) train side by
+side for the same M minutes, the cores shared out (`--threads`, default cores / N), each averaged
+as the quickstart does; the test sets are translated by their ensemble (`nmt score --model A
+--model B`), and the validation set by the ensemble and by each model alone, the evidence for
+choosing the ensemble.
 
 Results go to OUT/quality.json and print as the markdown rows of docs/benchmarks.md. An OUT
 that already holds a run resumes it (the budget counts the time it trained before): remove OUT
@@ -97,8 +98,9 @@ def scores(run: Path, split: str, log: Path, models: list[Path] = ()) -> dict:
 
 
 def ensemble(args, train_options: list[str], log: Path) -> dict:
-    """--seeds N: N models of the recipe trained side by side on the cores (seeds 1..N, the
-    threads shared out), each averaged as the quickstart does, then decoded as one ensemble."""
+    """--seeds N: N models of the recipe trained side by side on the cores (seeds F..F+N-1 for
+    --first-seed F, the threads shared out), each averaged as the quickstart does, then decoded
+    as one ensemble."""
     from nmt_cli.quickstart import AVERAGE, TRAIN, VOCAB_SIZE
 
     base = args.out / "data"
@@ -116,7 +118,7 @@ def ensemble(args, train_options: list[str], log: Path) -> dict:
         if not run.exists():
             shutil.copytree(base, run)
         command = ["train", "--run-dir", str(run), *recipe, "--max-steps=0", f"--max-time={args.minutes:g}"]
-        command += [f"--seed={k}", f"--threads={threads}", *train_options]
+        command += [f"--seed={args.first_seed + k - 1}", f"--threads={threads}", *train_options]
         with open(log, "a", encoding="utf-8") as err:
             procs.append(
                 subprocess.Popen([sys.executable, "-m", "nmt_cli", *command], stdout=err, stderr=err)
@@ -147,6 +149,7 @@ def main() -> None:
     ap.add_argument(
         "--seeds", type=int, default=1, help="train this many models side by side and decode their ensemble"
     )
+    ap.add_argument("--first-seed", type=int, default=1, help="with --seeds N: seeds F..F+N-1 (another pair)")
     ap.add_argument("--precision", default="auto", help="training's --precision (recorded as resolved)")
     ap.add_argument(
         "--lowercase", action="store_true", help="`nmt bpe --lowercase`: the model reads and writes lowercase"
@@ -189,6 +192,7 @@ def main() -> None:
     results.update(
         minutes=args.minutes,
         seeds=args.seeds,
+        first_seed=args.first_seed,
         cpu=cpu_name(),
         precision=resolve_precision(args.precision, "cpu", cpu_has_bf16()),
         lowercase=args.lowercase,
