@@ -47,9 +47,10 @@ def child(shape: str, precision: str, heap: bool) -> None:
 
 
 def loop_child(run_dir: str, steps: int, heap: bool) -> None:
-    import shutil
-    import statistics
     import tempfile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_throughput import copy_to_train_in, trained_tokens_per_s
 
     from nmt_cli.config import TrainConfig
     from nmt_cli.engine import state, trainer
@@ -57,10 +58,8 @@ def loop_child(run_dir: str, steps: int, heap: bool) -> None:
 
     if not heap:
         trainer.keep_large_blocks_in_heap = lambda: False
-    leave = ("checkpoints", "metrics.jsonl", "averaged.*", "train.json", "translations", "scores")
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns(*leave))
+        run = copy_to_train_in(Path(run_dir), tmp)
         config = TrainConfig(
             size="small",
             d_model=256,
@@ -74,11 +73,9 @@ def loop_child(run_dir: str, steps: int, heap: bool) -> None:
             save_every=10**6,
             warmup=1000,
         )
-        trainer.Trainer(config, RunDir(run), state.Quiet()).train()
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    per_window = [r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 20]
+        tokens = trained_tokens_per_s(trainer.Trainer(config, RunDir(run), state.Quiet()), run)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"tgt_tokens_per_s": statistics.median(per_window), "peak_rss_mib": peak}))
+    print(json.dumps({"tgt_tokens_per_s": tokens, "peak_rss_mib": peak}))
 
 
 def loop_pairs(run_dir: Path, steps: int) -> dict:

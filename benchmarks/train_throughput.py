@@ -154,11 +154,29 @@ def gpu_main(args) -> dict:
     return results
 
 
+def copy_to_train_in(run_dir: Path, tmp: str) -> Path:
+    """A copy of a prepared run to train in afresh: its checkpoints, metrics, averaged model and
+    training config left behind."""
+    import shutil
+
+    run = Path(tmp) / "run"
+    leave = ("checkpoints", "metrics.jsonl", "averaged.*", "train.json")
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns(*leave))
+    return run
+
+
+def trained_tokens_per_s(loop, run: Path) -> float:
+    """Train with `loop` (a Trainer in `run`, validation and checkpoints out of reach) and give
+    the median target tokens/s of its logged windows after update 20."""
+    loop.train()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 20)
+
+
 def loop_against_bare(
     run_dir: Path, size: str, max_tokens: int, device: str, precision: str, steps: int = 200
 ) -> dict:
     """Target tokens/s of the trainer's loop and of bare train_step on the same batches."""
-    import shutil
     import tempfile
 
     from nmt_cli.config import TrainConfig
@@ -167,12 +185,7 @@ def loop_against_bare(
     from nmt_cli.rundir import RunDir
 
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        shutil.copytree(
-            run_dir,
-            run,
-            ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "averaged.*", "train.json"),
-        )
+        run = copy_to_train_in(run_dir, tmp)
         config = TrainConfig(
             size=size,
             max_tokens=max_tokens,
@@ -204,10 +217,7 @@ def loop_against_bare(
         bare = sum(b[0].tokens for b in updates) / (time.perf_counter() - start)
         del t, updates
         loop = trainer.Trainer(config, RunDir(run), state.Quiet())
-        loop.train()  # logs tokens/s per window, leaving out validation and checkpoints
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        windows = [r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 20]
-        looped = statistics.median(windows)
+        looped = trained_tokens_per_s(loop, run)
         start = time.perf_counter()
         loop.save()
         save_seconds = time.perf_counter() - start
