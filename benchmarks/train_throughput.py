@@ -224,7 +224,7 @@ def loop_against_bare(
     return {
         "size": size,
         "max_tokens": max_tokens,
-        "device": device,
+        "device": str(device),
         "precision": precision,
         "steps": steps,
         "bare_tgt_tokens_per_s": bare,
