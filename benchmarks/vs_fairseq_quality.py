@@ -5,7 +5,7 @@ bootstrap.
 
     bash benchmarks/peers/install_fairseq.sh          # once: fairseq in ../peers/fairseq
     python benchmarks/vs_fairseq_quality.py [--minutes 60] [--out benchmarks/out/vs_fairseq]
-        [--nmt-precision auto|fp32|bf16]
+        [--nmt-precision auto|fp32|bf16] [--seed 1]
 
 1. `nmt prep multi30k-en-de` and `nmt bpe --vocab-size 8000` (joint sentencepiece). fairseq gets
    the same cleaned text cut into the same pieces (`fairseq-preprocess --joined-dictionary`).
@@ -105,9 +105,9 @@ def prepare(out: Path, log: Path) -> Path:
     return run_dir
 
 
-def train_both(out: Path, run_dir: Path, minutes: float, precision: str) -> dict:
-    """Both trainings at once, one thread each; returns their wall-clock seconds."""
-    s, r = SHAPE, RECIPE
+def train_both(out: Path, run_dir: Path, minutes: float, precision: str, seed: int) -> dict:
+    """Both trainings at once, one thread each, the same seed; returns their wall-clock seconds."""
+    s, r = SHAPE, {**RECIPE, "seed": seed}
     nmt_cmd = nmt(
         "train", "--run-dir", run_dir, "--size", "small", "--max-tokens", r["max_tokens"],
         "--warmup", r["warmup"], "--save-every", r["save_every"], "--eval-every", r["eval_every"],
@@ -243,6 +243,8 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=60.0, help="minutes of training, each")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "vs_fairseq")
     ap.add_argument("--nmt-precision", default="auto", choices=("auto", "fp32", "bf16"))
+    # One training per toolkit is one draw: a seed alone moves validation BLEU by up to 1.4.
+    ap.add_argument("--seed", type=int, default=RECIPE["seed"], help="both toolkits' training seed")
     args = ap.parse_args()
     if not FAIRSEQ_PYTHON.exists():
         sys.exit(f"no fairseq at {FAIRSEQ_PYTHON}: run `bash benchmarks/peers/install_fairseq.sh` first")
@@ -252,7 +254,7 @@ def main() -> None:
     log = args.out / "steps.log"
     started = time.perf_counter()
     run_dir = prepare(args.out, log)
-    seconds = train_both(args.out, run_dir, args.minutes, args.nmt_precision)
+    seconds = train_both(args.out, run_dir, args.minutes, args.nmt_precision, args.seed)
     run(nmt("average", "--last", RECIPE["average"], "--run-dir", run_dir), log)
     averaged = average_fairseq(args.out, log)
     refs = {
@@ -270,6 +272,7 @@ def main() -> None:
     chosen = {who: max(scores, key=scores.get) for who, scores in sweep.items()}
     results = {
         "minutes": args.minutes,
+        "seed": args.seed,
         "train_seconds": seconds,
         "precision": {"nmt": resolve_precision(args.nmt_precision, "cpu", cpu_has_bf16()), "fairseq": "fp32"},
         "updates": {
