@@ -27,10 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+# The draws' own settings: each toolkit's default length penalty, the sets and nmt's splits.
+from vs_fairseq_quality import DEFAULTS, SPLITS  # noqa: E402
 
-SETS = {"valid": "valid", "test2016": "test", "test2017": "test2017"}  # shown name: nmt's split
 SETTINGS = ("defaults", "chosen on valid")  # vs_fairseq.json's rows
-DEFAULTS = {"nmt": 0.6, "fairseq": 1.0}
 METRICS = ("moses_lc", "bleu", "chrf")
 
 
@@ -43,7 +44,7 @@ def hyps(out: Path, name: str, who: str, penalty: float) -> list[str]:
 
 
 def refs(out: Path, name: str) -> list[str]:
-    path = out / "nmt" / "text" / f"{SETS[name]}.raw.de"
+    path = out / "nmt" / "text" / f"{SPLITS[name]}.raw.de"
     return path.read_text(encoding="utf-8").splitlines()
 
 
@@ -94,7 +95,7 @@ def main() -> None:
             + " | pooled | pooled p |"
         )
         print("| --- |" + " --- |" * (len(draws) + 2))
-        for name in SETS:
+        for name in SPLITS:
             per_draw = []
             for draw in draws.values():
                 r = draw[setting][name]
