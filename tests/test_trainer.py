@@ -396,6 +396,15 @@ def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatc
     assert fp32.precision == "fp32"
 
 
+def test_cpu_training_widens_onednn_kernel_cache_unless_the_user_set_it(run_copy, monkeypatch):
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    _tiny_trainer(run_copy)
+    assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) > 1024  # oneDNN's default
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    _tiny_trainer(run_copy)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
 def test_train_step_reads_nothing_back_from_the_device(run_copy):
     from conftest import host_reads
 

@@ -20,7 +20,13 @@ import torch
 from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
 from nmt_cli.engine import checkpoint, distributed, validation
 from nmt_cli.engine.data import Batch, Epochs, Split, on_device
-from nmt_cli.engine.device import cpu_has_bf16, dtype_of, keep_large_blocks_in_heap, resolve_device
+from nmt_cli.engine.device import (
+    cpu_has_bf16,
+    dtype_of,
+    keep_large_blocks_in_heap,
+    resolve_device,
+    widen_onednn_cache,
+)
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, gather_rng, restore_rng
@@ -63,6 +69,7 @@ class Trainer:
         self.dist, self.device = distributed.setup(resolve_device(config.device))
         if self.device.type == "cpu":
             keep_large_blocks_in_heap()
+            widen_onednn_cache()
         if not self.dist.is_main:  # rank 0 alone talks, logs and writes
             self.reporter = reporter = Quiet()
         # bf16 training on a CPU with bf16 arithmetic makes ~1.45x the updates at the same loss
