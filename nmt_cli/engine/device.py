@@ -35,7 +35,7 @@ def widen_onednn_cache(capacity: int = 16384) -> None:
     length-bucketed batches bring hundreds of shapes, each with a dozen products forward and
     backward. With 1,024 kept, kernels were evicted and compiled again, and a bf16 step grew
     slower over the run (on an Intel Xeon with AMX, the Multi30k recipe's 4,500 target tokens/s
-    fell to 3,300 within an hour, below fp32; with 16,384 it kept pace with fp32 there,
+    fell to 3,300-3,600 within an hour, below fp32; with 16,384 it kept pace with fp32 there,
     docs/benchmarks.md). oneDNN reads the variable once, at its first kernel, so this must run
     before any computation; a value the user set stays."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
