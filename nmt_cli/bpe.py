@@ -179,7 +179,8 @@ def dropout_encoding(run: RunDir, lang: str, p: float, seed: int, epoch: int) ->
     on the fly, not from pre-sampled copies: 3.8 s for both sides of Multi30k, 4.3% of an epoch
     (benchmarks/bpe_dropout.py), and no number of epochs is fixed ahead."""
     sp = load(run)
-    dropout = _Dropout(sp, p, random.Random(f"{seed}/{epoch}/{lang}"))
+    tags = {sp.piece_to_id(tag) for tag in corpus_tags(run.load_manifest()["prep"])}
+    dropout = _Dropout(sp, p, random.Random(f"{seed}/{epoch}/{lang}"), tags)
     ids: list[list[int]] = []
     for chunk in chunks(read_lines(run.text("train", lang)), ENCODE_CHUNK):
         ids += [dropout.sentence(sentence) for sentence in sp.encode(chunk, out_type=int)]
@@ -188,29 +189,33 @@ def dropout_encoding(run: RunDir, lang: str, p: float, seed: int, epoch: int) ->
 
 class _Dropout:
     """BPE-dropout over a sentencepiece BPE model: sentencepiece's merge loop (bpe_model.cc,
-    SampleEncode), each merge skipped with probability `p`, drawn from `rng`."""
+    SampleEncode), each merge skipped with probability `p`, drawn from `rng`. The pieces in
+    `atomic` (corpus tags: user-defined symbols, which no merge builds) stand alone."""
 
-    def __init__(self, sp, p: float, rng: random.Random):
+    def __init__(self, sp, p: float, rng: random.Random, atomic: set[int] = frozenset()):
         n = sp.get_piece_size()
         self.piece = [sp.id_to_piece(i) for i in range(n)]
         self.is_byte = [sp.is_byte(i) for i in range(n)]
         normal = (i for i in range(n) if not (sp.is_control(i) or sp.is_unknown(i) or self.is_byte[i]))
         self.table = {self.piece[i]: (i, sp.get_score(i)) for i in normal}
-        self.p, self.draw = p, rng.random
+        self.p, self.draw, self.atomic = p, rng.random, atomic
 
     def sentence(self, ids: list[int]) -> list[int]:
         """A sentence's deterministic encoding re-segmented word by word; a word with byte
-        pieces (characters outside the vocabulary) is kept as it is."""
+        pieces (characters outside the vocabulary) is kept as it is, and so is a tag."""
         out: list[int] = []
         word: list[int] = []
         for i in [*ids, -1]:
-            if word and (i == -1 or self.piece[i].startswith("\u2581")):
+            if word and (i == -1 or i in self.atomic or self.piece[i].startswith("\u2581")):
                 if any(self.is_byte[j] for j in word):
                     out += word
                 else:
                     out += [self.table[s][0] for s in self.merge("".join(self.piece[j] for j in word))]
                 word = []
-            word.append(i)
+            if i in self.atomic:
+                out.append(i)
+            else:
+                word.append(i)
         return out
 
     def merge(self, word: str) -> list[str]:
@@ -270,6 +275,11 @@ def encode_file(sp, text: Path, prefix: Path, threads: int, bar, task) -> dict:
     }
 
 
+def corpus_tags(prep: dict) -> list[str]:
+    """The tags of the training corpora (`nmt prep custom --tag`), from the manifest's prep."""
+    return [c["tag"] for c in prep["splits"]["train"].get("corpora", []) if c["tag"]]
+
+
 def run_bpe(config: BpeConfig, run: RunDir) -> dict:
     """Learn the BPE model and binarize every split; returns per-file token statistics."""
     splits = run.splits()
@@ -278,7 +288,7 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
     for split in splits:
         for lang in (src, tgt):
             run.require(run.text(split, lang), "prep")
-    tags = [c["tag"] for c in manifest["splits"]["train"].get("corpora", []) if c["tag"]]
+    tags = corpus_tags(manifest)
     if config.from_model:
         adopt(Path(config.from_model), run, tags)
         sp = load(run)

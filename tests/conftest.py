@@ -95,6 +95,45 @@ def multi30k_bpe(tmp_path_factory, multi30k_dir) -> Path:
     return prepared_multi30k(tmp_path_factory.mktemp("m30k-bpe"), 1000)
 
 
+@pytest.fixture(scope="session")
+def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
+    """Tagged back-translation's layout on real Multi30k lines: a clean corpus (3,000 pairs) and
+    one tagged '<bt>' of weight 2 (2,000 pairs), validation 300 pairs, binarized (vocabulary
+    1000); copy before use."""
+    import gzip
+
+    root = tmp_path_factory.mktemp("tagged")
+    files = {}
+    for key, (name, start, stop) in {
+        "a": ("train", 0, 3000),
+        "b": ("train", 3000, 5000),
+        "v": ("val", 0, 300),
+    }.items():
+        for lang in ("en", "de"):
+            with gzip.open(multi30k_dir / f"{name}.{lang}.gz", "rt", encoding="utf-8") as f:
+                lines = f.read().splitlines()[start:stop]
+            files[key, lang] = root / f"{key}.{lang}"
+            files[key, lang].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    run_dir = root / "run"
+    corpora = ["--train-src", files["a", "en"], "--train-tgt", files["a", "de"], "--tag", "", "--weight", "1"]
+    corpora += [
+        "--train-src",
+        files["b", "en"],
+        "--train-tgt",
+        files["b", "de"],
+        "--tag",
+        "<bt>",
+        "--weight",
+        "2",
+    ]
+    valid = ["--valid-src", files["v", "en"], "--valid-tgt", files["v", "de"]]
+    run_ok(
+        ["prep", "custom", "--run-dir", run_dir, *corpora, *valid],
+        ["bpe", "--run-dir", run_dir, "--vocab-size", 1000],
+    )
+    return run_dir
+
+
 @pytest.fixture
 def run_copy(multi30k_bpe, tmp_path) -> Path:
     """A fresh copy of the prepared Multi30k run directory."""

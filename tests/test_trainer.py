@@ -165,22 +165,54 @@ def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
     assert meta_a["state"] == {**meta_b["state"], "seconds": meta_a["state"]["seconds"]}
 
 
-def test_sigterm_saves_and_resumes(run_copy):
-    proc = subprocess.Popen(
-        _train_cmd(run_copy, 100000)[:-6] + ["--save-every", "1000"], stderr=subprocess.PIPE, text=True
-    )
-    metrics = run_copy / "metrics.jsonl"
+def test_an_interrupted_fine_tuning_resumes_from_its_own_checkpoint(trained_longer, tmp_path):
+    """SIGTERM to a run started with --init-from, then the same command: it goes on from its own
+    checkpoint (not from the initial model again) and ends bit-identical to a run not stopped."""
+    runs = {}
+    for name in ("uninterrupted", "interrupted"):
+        runs[name] = tmp_path / name
+        shutil.copytree(
+            trained_longer,
+            runs[name],
+            ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt"),
+        )
+
+    def cmd(run_dir):
+        return [
+            *_train_cmd(run_dir, 40)[:6],
+            *LONGER,
+            "--max-steps",
+            "40",
+            "--save-every",
+            "1000",
+            "--eval-every",
+            "1000",
+            "--init-from",
+            str(trained_longer),
+        ]
+
+    subprocess.run(cmd(runs["uninterrupted"]), check=True, capture_output=True)
+    run = runs["interrupted"]
+    proc = subprocess.Popen(cmd(run), stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and '"step": 10' in metrics.read_text()):
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
-    assert "stopped by SIGTERM" in err and "resume" in err
-    saved = checkpoint.listed(run_copy / "checkpoints")
-    assert len(saved) == 1
-    step = json.loads(saved[0].with_suffix(".json").read_text())["step"]
-    assert step >= 10
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "run the same `nmt train` command again to resume" in err
+    saved = checkpoint.listed(run / "checkpoints")
+    step = checkpoint.step_of(saved[-1])
+    assert len(saved) == 1 and 10 <= step < 40  # the SIGTERM's own checkpoint
+    again = subprocess.run(cmd(run), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from step {step}" in again.stderr and "starting from the weights" not in again.stderr
+    a, _ = _final_weights(runs["uninterrupted"])
+    b, _ = _final_weights(run)
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
 
 
 def test_max_time_counts_the_time_trained_before_a_resume(run_copy, nmt):
@@ -739,6 +771,23 @@ def test_bpe_dropout_encodes_each_epoch_anew_and_deterministically(multi30k_bpe)
     sp = spm.SentencePieceProcessor(model_file=str(run.spm_model))
     assert all(sp.decode(e0[i].tolist()) == sp.decode(fixed[i].tolist()) for i in range(0, 28_997, 7))
     assert differ(dropout_encoding(run, "en", 0.0, seed=1, epoch=0), fixed) == 0
+
+
+def test_bpe_dropout_keeps_corpus_tags_whole(tagged_bpe):
+    """A tag is a piece of its own that no merge builds: BPE-dropout leaves it as it is (it
+    raised KeyError: '<' on every tagged corpus), and at rate 0 gives the binarized data."""
+    from nmt_cli.bpe import dropout_encoding
+
+    run = RunDir(tagged_bpe)
+    fixed = Shard(run.tokens("train", "en"))
+    kept = dropout_encoding(run, "en", 0.0, 1, 0)
+    assert all(np.array_equal(kept[i], fixed[i]) for i in range(len(fixed)))
+    clean = run.load_manifest()["prep"]["splits"]["train"]["corpora"][0]["pairs"]  # then the tagged
+    tag = int(fixed[clean][1])  # a tagged line begins with U+2581, then the tag
+    dropped = dropout_encoding(run, "en", 0.3, 1, 0)
+    assert all(int(dropped[i][1]) == tag for i in range(clean, len(fixed)))
+    assert not any(tag in dropped[i].tolist() for i in range(clean))
+    assert sum(not np.array_equal(dropped[i], fixed[i]) for i in range(clean, len(fixed))) > 1000
 
 
 def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_path):
