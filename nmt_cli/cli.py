@@ -287,6 +287,13 @@ def train(
     max_restarts: Annotated[
         int, typer.Option(help="Restart failed workers up to N times; they resume from the last checkpoint.")
     ] = 0,
+    stop_grace: Annotated[
+        int,
+        typer.Option(
+            help="Seconds the workers get to save a checkpoint and exit after the launcher is "
+            "signalled (SIGTERM, Ctrl-C) before they are killed."
+        ),
+    ] = 120,
 ) -> None:
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
@@ -301,9 +308,13 @@ def train(
         raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
     given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TrainConfig) if f.name in ctx.params}
     explicit = {name for name in given if _given(ctx, name)}
-    how = training.Launch(gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts)
+    how = training.Launch(gpus, procs, nnodes, node_rank, rdzv_endpoint, max_restarts, stop_grace)
     if how.needed:  # launch checks `how` before any work
-        training.launch(run, training.settings(run, given, explicit), how)
+        try:
+            training.launch(run, training.settings(run, given, explicit), how)
+        except state.Interrupted as e:
+            ui.say(str(e))
+            raise typer.Exit(128 + e.signum) from None
         return
     # Under torchrun or SLURM, rank 0 takes the lock.
     rank = distributed.from_environment()[0]
@@ -312,7 +323,8 @@ def train(
         try:
             result = training.train_here(run, config, rank)
         except state.Interrupted as e:
-            ui.say(str(e))
+            if rank == 0:
+                ui.say(str(e))
             raise typer.Exit(128 + e.signum) from None
     if rank == 0:
         ui.done(

@@ -43,15 +43,20 @@ class Launch:
     node_rank: int = 0
     rdzv_endpoint: str = ""
     max_restarts: int = 0
+    # Seconds the workers get, after the launcher is signalled, to reach their next update, save
+    # a checkpoint and exit before they are killed: a `big` checkpoint on a network file system,
+    # or a validation in progress, takes a while.
+    stop_grace: int = 120
 
     @property
     def needed(self) -> bool:
         return bool(self.gpus) or self.procs > 1 or self.nnodes > 1
 
     def check(self, device: str) -> None:
-        if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0:
+        if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0 or self.stop_grace < 0:
             raise NmtError(
-                "--gpus, --max-restarts must not be negative; --procs and --nnodes must be at least 1"
+                "--gpus, --max-restarts, --stop-grace must not be negative; --procs and --nnodes "
+                "must be at least 1"
             )
         if self.gpus and self.procs > 1:
             raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
@@ -79,15 +84,21 @@ def launch(run: RunDir, config: TrainConfig, how: Launch) -> None:
     # directory (or it is their own copy, whose checkpoints the ranks then compare on resume).
     with run.lock("train") if how.node_rank == 0 else contextlib.nullcontext():
         run.save_config("train", config)
-        distributed.launch(
-            workers,
-            ["-m", "nmt_cli.training", str(run.root)],
-            how.nnodes,
-            how.node_rank,
-            how.rdzv_endpoint,
-            how.max_restarts,
-            ui.say,
-        )
+        try:
+            distributed.launch(
+                workers,
+                ["-m", "nmt_cli.training", str(run.root)],
+                how.nnodes,
+                how.node_rank,
+                how.rdzv_endpoint,
+                how.max_restarts,
+                ui.say,
+                how.stop_grace,
+            )
+        except distributed.Stopped as e:  # the workers saved what they could
+            saved = checkpoint.listed(run.checkpoints)
+            step = checkpoint.step_of(saved[-1]) if saved else None
+            raise state.Interrupted(e.signum, step) from None
 
 
 def worker(run_dir: str) -> int:
@@ -99,8 +110,7 @@ def worker(run_dir: str) -> int:
         config = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
         _train(run, config)
         return 0
-    except state.Interrupted as e:
-        ui.say(str(e))
+    except state.Interrupted as e:  # the launcher says so, once
         return 128 + e.signum
     except Exception as e:  # noqa: BLE001 - every failure becomes the job's one error line
         message = (

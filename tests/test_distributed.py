@@ -343,6 +343,8 @@ def _two_nodes(node_dirs, extra):
         "1",
         "--nnodes",
         "2",
+        "--threads",  # two 'nodes' on one machine's cores
+        "1",
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
         *extra,
@@ -381,3 +383,110 @@ def test_nodes_that_would_resume_apart_stop_with_one_error(run_copy, tmp_path):
         assert "different checkpoints to resume from (rank 0: step 3, rank 1: none)" in errors[0]
         assert "must be one directory that every node shares" in errors[0]
     assert not (fresh / "checkpoints").exists()
+
+
+def test_a_workers_own_error_is_told_from_losing_the_others():
+    from nmt_cli.engine.distributed import LOST_CONTACT, WORKER_ERROR, root_cause
+
+    # Rank 1 stopped on an error of its own; the launcher then SIGTERMed rank 0.
+    own = WORKER_ERROR + "internal error: KeyError: 'valid_bleu'"
+    failure = root_cause({0: (-15, 100, ""), 1: (1, 100, own)})
+    assert failure.message == "rank 1: internal error: KeyError: 'valid_bleu'" and not failure.restartable
+    lost = WORKER_ERROR + LOST_CONTACT + " at step 8 (Connection reset by peer)"
+    failure = root_cause({0: (1, 100, lost), 1: (-15, 101, "")})
+    assert failure.message == f"rank 0: {LOST_CONTACT} at step 8 (Connection reset by peer)"
+    assert failure.restartable
+
+
+_PEER = """
+import datetime, os, sys, torch, torch.distributed as dist
+rank = int(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK=str(rank), WORLD_SIZE="2")
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(sys.argv[3])))
+t = torch.ones(1)
+dist.all_reduce(t)
+if rank == 1:
+    if sys.argv[4] == "exit":
+        os._exit(0)
+    import time; time.sleep(30); os._exit(0)
+from nmt_cli.engine.distributed import is_lost_contact
+try:
+    dist.all_reduce(t)
+except Exception as e:
+    print(type(e).__name__, is_lost_contact(e), flush=True)
+    os._exit(0)
+print("no error", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("peer", ["exit", "hang"])
+def test_gloos_own_errors_for_a_lost_rank_count_as_lost_contact(peer):
+    """What a real gloo collective raises when the other rank is gone or silent (a plain
+    RuntimeError, not a DistError) is "lost contact"; a worker's own errors are not."""
+    from nmt_cli.engine.distributed import is_lost_contact
+
+    port = str(distributed._free_port())
+    other = subprocess.Popen([sys.executable, "-c", _PEER, "1", port, "3", peer])
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _PEER, "0", port, "3", peer], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        other.kill()
+        other.wait()
+    assert done.stdout.split() == ["RuntimeError", "True"], done.stdout + done.stderr[-2000:]
+    assert is_lost_contact(torch.distributed.DistNetworkError("connection refused"))
+    assert not is_lost_contact(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_lost_contact(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx"))
+    assert not is_lost_contact(KeyError("valid_bleu"))
+
+
+def test_mpirun_and_pmi_ranks_are_read(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", *distributed.LOCAL_RANK_VARIABLES, "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for ranks in distributed.RANK_VARIABLES:
+        for name in ranks:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "5")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "1")
+    assert distributed.from_environment() == (5, 8, 1)
+    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("MPI_LOCALRANKID", "3")
+    assert distributed.from_environment() == (3, 4, 3)
+    monkeypatch.setenv("PMI_SIZE", "1")  # a world of one is no distributed run
+    assert distributed.from_environment() == (0, 1, 0)
+
+
+def test_gloo_binds_the_interface_that_reaches_the_rendezvous_host(monkeypatch):
+    """Where the hostname resolves to 127.0.1.1 (Ubuntu's /etc/hosts), gloo would tell the other
+    nodes to connect to a loopback address: the interface towards MASTER_ADDR is chosen."""
+    import socket
+
+    real = socket.gethostbyname
+    hostname = socket.gethostname()
+
+    def resolve(name, address):
+        return lambda host: address if host == name else real(host)
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", resolve(hostname, "127.0.1.1"))
+    assert distributed.choose_gloo_interface("127.0.0.1") == "lo"
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
+    # The user's choice stays, and a hostname that resolves to a routable address needs none.
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    assert distributed.choose_gloo_interface("127.0.0.1") is None
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(socket, "gethostbyname", resolve(hostname, "192.0.2.10"))
+    assert distributed.choose_gloo_interface("127.0.0.1") is None
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    # Every interface this machine has is found by its own address.
+    for _, name in socket.if_nameindex():
+        address = distributed.interface_address(name)
+        if address is not None:
+            assert distributed.interface_towards(address) in {name, "lo"}

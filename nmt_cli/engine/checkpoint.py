@@ -66,6 +66,11 @@ def path_for(folder: Path, step: int) -> Path:
     return Path(folder) / f"checkpoint_{step:08d}.pt"
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint that `listed` found, from its name."""
+    return int(NAME.match(Path(path).with_suffix(".json").name).group(1))
+
+
 def listed(folder: Path) -> list[Path]:
     """Committed checkpoints (those with a record), oldest first."""
     if not Path(folder).is_dir():

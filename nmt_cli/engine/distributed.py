@@ -1,15 +1,18 @@
 """Everything that touches torch.distributed: process groups, the elastic launcher, DDP.
 
 Rank and world size come from the environment, as torchrun and torch's elastic launcher set it
-(RANK, WORLD_SIZE, LOCAL_RANK) or as SLURM does (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID).
-NCCL on GPUs, gloo on the CPU. With one process nothing here starts a process group.
+(RANK, WORLD_SIZE, LOCAL_RANK), as SLURM does (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) or as
+mpirun does (OMPI_COMM_WORLD_*, PMI_*). NCCL on GPUs, gloo on the CPU. With one process nothing
+here starts a process group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import inspect
+import ipaddress
 import json
 import os
 import signal
@@ -74,6 +77,14 @@ class Group:
         torch.distributed.all_gather(out, tensor, group=self.host)
         return out
 
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's picklable `obj`, on every rank (what the others pass is ignored)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.host)
+        return box[0]
+
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable `obj`, on every rank."""
         if not self.active:
@@ -115,6 +126,13 @@ class Group:
 
 # Where launchers other than torch's put a process's rank on its node.
 LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+# (rank, world size) as each launcher names them, after torch's own RANK/WORLD_SIZE: SLURM's
+# srun, Open MPI's mpirun, and the PMI of MPICH, Intel MPI and srun --mpi=pmi2.
+RANK_VARIABLES = (
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+)
 
 
 def from_environment() -> tuple[int, int, int | None]:
@@ -124,8 +142,9 @@ def from_environment() -> tuple[int, int, int | None]:
     if "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         return int(env.get("RANK", 0)), world, local if local is not None or world > 1 else 0
-    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env and int(env["SLURM_NTASKS"]) > 1:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), local
+    for rank_name, size_name in RANK_VARIABLES:
+        if rank_name in env and size_name in env and int(env[size_name]) > 1:
+            return int(env[rank_name]), int(env[size_name]), local
     return 0, 1, 0
 
 
@@ -175,6 +194,7 @@ def setup(device: torch.device, timeout_s: float = 300.0) -> tuple[Group, torch.
         )
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
+    choose_gloo_interface(os.environ["MASTER_ADDR"])
     backend = BACKENDS[device.type]
     # A rank that dies leaves the others waiting in a collective: the timeout bounds the wait.
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -190,6 +210,67 @@ def setup(device: torch.device, timeout_s: float = 300.0) -> tuple[Group, torch.
             group.close()
             raise NmtError(problem)
     return group, device
+
+
+def choose_gloo_interface(master_addr: str) -> str | None:
+    """Set GLOO_SOCKET_IFNAME to the interface that reaches `master_addr`, unless the user set
+    it or this host's name resolves to a routable address; returns the interface it set.
+
+    Gloo binds the address the hostname resolves to. Where that is a loopback address (Ubuntu's
+    /etc/hosts maps the hostname to 127.0.1.1), the other nodes are told to connect to it and
+    gloo's full mesh fails ("Gloo connectFullMesh failed")."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None  # the user's choice, one interface name or a comma-separated list
+    try:
+        own = ipaddress.ip_address(socket.gethostbyname(socket.gethostname()))
+    except (OSError, ValueError):
+        own = None
+    if own is not None and not own.is_loopback:
+        return None
+    interface = interface_towards(master_addr)
+    if interface is None:
+        return None
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    return interface
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of this machine's network interface whose address routes to `host` (IPv4)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        if interface_address(name) == local:
+            return name
+    return None
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of interface `name` (Linux's SIOCGIFADDR), or None."""
+    SIOCGIFADDR = 0x8915
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            request = name.encode()[:15].ljust(256, b"\0")
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, request)[20:24])
+    except OSError:
+        return None
+
+
+# What gloo's TCP transport says when the other end is gone or silent; it raises these as plain
+# RuntimeErrors (torch 2.13), not as torch.distributed.DistError.
+GLOO_LOST = ("gloo/transport/", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def is_lost_contact(error: BaseException) -> bool:
+    """Whether `error` is a failure to reach the other ranks (their death, a timeout of a
+    collective, a broken rendezvous), which a restart can get past, rather than this rank's
+    own error (a compiler, CUDA or cuBLAS error, a bug), which a restart would meet again."""
+    if isinstance(error, torch.distributed.DistError):  # DistBackendError, DistNetworkError, ...
+        return True
+    return isinstance(error, RuntimeError) and any(mark in str(error) for mark in GLOO_LOST)
 
 
 def check_gpus(gpus: int) -> None:
@@ -226,6 +307,14 @@ class Failure:
     restartable: bool  # a crash or a lost rank, which a resume can get past
 
 
+class Stopped(Exception):
+    """The launcher was sent `signum` (Ctrl-C, a pre-emption): the workers were stopped."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
 def launch(
     nprocs: int,
     command: list[str],
@@ -234,6 +323,7 @@ def launch(
     rdzv_endpoint: str = "",
     max_restarts: int = 0,
     say: Callable[[str], None] = print,
+    grace_s: int = 120,
 ) -> None:
     """Run `python COMMAND` in `nprocs` workers through torch's elastic launcher (what
     torchrun runs); returns when all finished, raises NmtError if one failed.
@@ -244,12 +334,17 @@ def launch(
     ("connectFullMesh failed", cf. pytorch/pytorch#167288). Several nodes must restart
     together, so there the agent's restart is used. A worker's own error (say, out of memory)
     is reported as it is and not restarted: a restart would meet it again.
+
+    SIGTERM, SIGINT, SIGHUP or SIGQUIT to this process is passed on to the workers, which save
+    a checkpoint and exit; those still running after `grace_s` seconds are killed. Raises
+    Stopped then.
     """
     attempts = 1 + (max_restarts if nnodes == 1 else 0)
     for attempt in range(1, attempts + 1):
-        failure = _launch_once(
-            nprocs, command, nnodes, node_rank, rdzv_endpoint, max_restarts if nnodes > 1 else 0
-        )
+        with _worker_threads(nprocs):
+            failure = _launch_once(
+                nprocs, command, nnodes, node_rank, rdzv_endpoint, max_restarts if nnodes > 1 else 0, grace_s
+            )
         if failure is None:
             return
         if not failure.restartable:
@@ -266,10 +361,32 @@ def launch(
         )
 
 
+@contextlib.contextmanager
+def _worker_threads(nprocs: int):
+    """The workers started meanwhile share this machine's cores: OMP_NUM_THREADS is cores //
+    workers unless the user set it. Each would otherwise take every core, and N workers that
+    spin-wait on each other's cores run many times slower (torchrun sets 1 for the same reason)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nprocs))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
 def _launch_once(
-    nprocs: int, command: list[str], nnodes: int, node_rank: int, rdzv_endpoint: str, max_restarts: int
+    nprocs: int,
+    command: list[str],
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str,
+    max_restarts: int,
+    grace_s: int,
 ) -> Failure | None:
     """One launch; what failed, or None if every worker finished."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -285,6 +402,9 @@ def _launch_once(
     else:  # as torchrun --node-rank R --master-addr/--master-port: ranks fixed by the nodes
         backend, endpoint, configs = "static", rdzv_endpoint, {"rank": node_rank}
         run_id = os.environ.get("NMT_RUN_ID", "nmt")
+    # The agent sends the signal it got to the workers, waits this long, then SIGKILLs (a
+    # LaunchConfig field of recent torch releases; its own default is 30 s).
+    grace = {"shutdown_timeout": grace_s} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -296,10 +416,13 @@ def _launch_once(
         max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",
+        **grace,
     )
     try:
         elastic_launch(config, sys.executable)("-u", *command)
         return None
+    except SignalException as e:
+        raise Stopped(int(e.sigval)) from None
     except ChildFailedError as e:
         return root_cause(
             {
@@ -314,17 +437,22 @@ def root_cause(failures: dict[int, tuple[int, int, str]]) -> Failure | None:
     killed by a signal (other than the SIGTERM the launcher sends the survivors), else one that
     stopped on its own error rather than on losing the others, else the earliest."""
 
+    def own_error(message: str) -> bool:
+        return message.startswith(WORKER_ERROR) and LOST_CONTACT not in message
+
     def key(item):
         rank, (code, when, message) = item
-        return code >= 0, code == -signal.SIGTERM, LOST_CONTACT in message, when, rank
+        killed = code < 0 and code != -signal.SIGTERM
+        stopped = code == -signal.SIGTERM
+        return not killed, not own_error(message), stopped, LOST_CONTACT in message, when, rank
 
     if not failures:
         return None
     rank, (code, _, message) = min(failures.items(), key=key)
     if code < 0:
         return Failure(f"rank {rank} was killed by {signal.Signals(-code).name}", True)
-    if message.startswith(WORKER_ERROR) and LOST_CONTACT not in message:
-        return Failure(f"rank {rank}: {message[len(WORKER_ERROR) :]}", False)
+    if message.startswith(WORKER_ERROR):
+        return Failure(f"rank {rank}: {message[len(WORKER_ERROR) :]}", not own_error(message))
     return Failure(f"rank {rank} exited with code {code}", True)
 
 

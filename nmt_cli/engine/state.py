@@ -49,13 +49,18 @@ class Quiet:
 
 
 class Interrupted(Exception):
-    """Training stopped by a signal after saving a checkpoint."""
+    """Training stopped by a signal after saving a checkpoint (`step`: the newest checkpoint's;
+    None when there is none yet)."""
 
-    def __init__(self, signum: int, step: int):
+    def __init__(self, signum: int, step: int | None):
         self.signum, self.step = signum, step
+        name = signal.Signals(signum).name
         super().__init__(
-            f"stopped by {signal.Signals(signum).name} at step {step}; a checkpoint "
-            "was saved: run `nmt train` again to resume"
+            f"stopped by {name} at step {step}; a checkpoint was saved: run the same "
+            "`nmt train` command again to resume"
+            if step is not None
+            else f"stopped by {name} before the first checkpoint: run the same `nmt train` command "
+            "again to start over"
         )
 
 

@@ -173,6 +173,7 @@ class Trainer:
         if found is None:
             if self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
                 self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
+                self.set_optimizer_options()
             return False
         tensors, meta = found
         if meta["model"] != dataclasses.asdict(self.model_config):
@@ -182,6 +183,7 @@ class Trainer:
             )
         self.model.load_state_dict(tensors["model"])
         self.optimizer.load_state_dict(tensors["optimizer"])
+        self.set_optimizer_options()
         if self.scaler.is_enabled() and tensors.get("scaler"):
             self.scaler.load_state_dict(tensors["scaler"])
         if meta.get("world", 1) == self.dist.world:  # each rank continues its own dropout stream
@@ -199,6 +201,14 @@ class Trainer:
             self.run.truncate_metrics(self.state.step)
         self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
         return True
+
+    def set_optimizer_options(self) -> None:
+        """Adam's settings from this run's config: a loaded optimizer state (a resume,
+        --init-optimizer) brings the settings it was saved with, and the moments are what it is
+        kept for."""
+        for group in self.optimizer.param_groups:
+            group["betas"] = (self.config.beta1, self.config.beta2)
+            group["eps"] = self.config.adam_eps
 
     # -- metrics
     def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
@@ -304,8 +314,8 @@ class Trainer:
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
         if self.config.eval_bleu and self.bleu_of is not None:
             ids = validation.greedy_ids(self.model, self.valid_data, self.dist, self.device, self.autocast)
-            if ids is not None:  # rank 0 scores
-                metrics["valid_bleu"] = self.bleu_of(ids)
+            # Rank 0 scores; every rank needs the figure (--best-metric bleu, --patience).
+            metrics["valid_bleu"] = self.dist.from_main(self.bleu_of(ids) if ids is not None else None)
         return metrics
 
     def evaluate(self) -> None:
@@ -318,7 +328,7 @@ class Trainer:
             self.state.best_valid, self.state.bad_evals = score, 0
         else:
             self.state.bad_evals += 1
-        if self.config.keep_best:
+        if self.config.keep_best and self.dist.is_main:
             self.keep_if_best(score, metrics)
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
@@ -435,7 +445,7 @@ class Trainer:
                 f"{c.update_freq})"
             ) from None
         except RuntimeError as e:
-            if self.dist.active and not isinstance(e, NmtError):
+            if self.dist.active and distributed.is_lost_contact(e):
                 raise NmtError(
                     f"{distributed.LOST_CONTACT} at step {self.state.step} ({str(e).splitlines()[0][:200]})"
                 ) from None

@@ -1,0 +1,359 @@
+"""What a paper run combines, under several gloo ranks: each training feature gives on 2 (and 4)
+ranks what one process gives with the same tokens per update, and the faults of a long run (a
+killed worker, a pre-emption, a worker's own error) end as an uninterrupted run would or with
+one line."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY
+
+from nmt_cli.engine import checkpoint
+
+NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
+LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]  # trained_longer's
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(nmt, run_dir: Path, args: list, ranks: int, update_freq: int):
+    """`nmt train` in one process or on `ranks` gloo workers; its result must be a success."""
+    launch = ["--procs", str(ranks), "--device", "cpu"] if ranks > 1 else []
+    result = nmt("train", "--run-dir", run_dir, *args, "--update-freq", str(update_freq), *launch)
+    assert result.code == 0, result.err
+    return result
+
+
+def _outcome(run_dir: Path) -> dict:
+    """What a run leaves that several ranks must not change: validation figures, the kept-best
+    set, how training stopped, and the final weights."""
+    metrics = _metrics(run_dir)
+    best = run_dir / "checkpoints" / "best"
+    tensors, meta = checkpoint.load_tensors(checkpoint.listed(run_dir / "checkpoints")[-1])
+    return {
+        "valid": [(r["step"], r["valid_nll"], r.get("valid_bleu")) for r in metrics if r["kind"] == "valid"],
+        "best": sorted(p.name for p in best.glob("*.pt")) if best.is_dir() else [],
+        "stopped": next(
+            line for line in (run_dir / "log.txt").read_text().splitlines()[::-1] if "stopped" in line
+        ),
+        "step": meta["step"],
+        "model": tensors["model"],
+    }
+
+
+def _assert_same(single: dict, ranks: dict) -> None:
+    assert ranks["step"] == single["step"]
+    assert (
+        ranks["stopped"].split("training stopped: ")[-1] == single["stopped"].split("training stopped: ")[-1]
+    )
+    assert [v[0] for v in ranks["valid"]] == [v[0] for v in single["valid"]]
+    for (_, nll_a, bleu_a), (_, nll_b, bleu_b) in zip(single["valid"], ranks["valid"]):
+        assert nll_b == pytest.approx(nll_a, abs=1e-4)
+        assert (bleu_a is None) == (bleu_b is None)
+        if bleu_a is not None:
+            assert bleu_b == pytest.approx(bleu_a, abs=0.05)
+    assert ranks["best"] == single["best"]
+    for name, x in single["model"].items():
+        y = ranks["model"][name]
+        if name.endswith("attn.kv.bias"):  # as in test_distributed's equivalence test: the key
+            x, y = x[len(x) // 2 :], y[len(y) // 2 :]  # bias's gradient is rounding noise
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.slow
+def test_bleu_keep_best_patience_and_tensorboard_on_two_and_four_ranks(trained_longer, tmp_path, nmt):
+    """The combination that killed multi-rank runs at their first validation: the best models
+    by BLEU, patience on BLEU, TensorBoard; fine-tuned from a trained model so that BLEU moves,
+    keeping its Adam moments under a new --beta2 (a fresh Adam's first steps on a trained model
+    turn rounding noise in near-zero gradients into steps of the learning rate's size)."""
+    args = [
+        *LONGER,
+        *NO_DROPOUT,
+        "--init-from",
+        trained_longer,
+        "--init-optimizer",
+        "--beta2",
+        "0.997",
+        "--eval-bleu",
+        "--keep-best",
+        "1",
+        "--best-metric",
+        "bleu",
+        "--patience",
+        "3",
+        "--tensorboard",
+        "--eval-every",
+        "6",
+        "--save-every",
+        "6",
+        "--max-steps",
+        "12",
+        "--warmup",
+        "100",
+        # bf16 autocast (auto on some CPUs) flips greedy choices on weights that agree to 1e-5
+        "--precision",
+        "fp32",
+    ]
+    outcomes = {}
+    for ranks, update_freq in ((1, 4), (2, 2), (4, 1)):
+        run = tmp_path / f"ranks{ranks}"
+        shutil.copytree(
+            trained_longer, run, ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt")
+        )
+        _train(nmt, run, args, ranks, update_freq)
+        outcomes[ranks] = _outcome(run)
+        assert list((run / "tensorboard").iterdir()), "no TensorBoard events"
+        tensors, _ = checkpoint.load_tensors(checkpoint.listed(run / "checkpoints")[-1])
+        assert tuple(tensors["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.997)
+    assert any(bleu for _, _, bleu in outcomes[1]["valid"]), "BLEU never moved: the test proves little"
+    assert len(outcomes[1]["valid"]) == 2 and len(outcomes[1]["best"]) == 1
+    _assert_same(outcomes[1], outcomes[2])
+    _assert_same(outcomes[1], outcomes[4])
+
+
+@pytest.mark.slow
+def test_nll_keep_best_from_a_checkpoint_with_a_fresh_optimizer_on_two_ranks(trained_longer, tmp_path, nmt):
+    """--init-from a checkpoint file with a fresh optimizer and schedule (the warm-up's small
+    first steps), the best models by NLL, patience on NLL and a time budget not reached."""
+    start = checkpoint.listed(trained_longer / "checkpoints")[-1]
+    args = [
+        *LONGER,
+        *NO_DROPOUT,
+        "--init-from",
+        start,
+        "--keep-best",
+        "2",
+        "--best-metric",
+        "nll",
+        "--patience",
+        "2",
+        "--max-time",
+        "30",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "6",
+        "--max-steps",
+        "12",
+    ]
+    outcomes = {}
+    for ranks, update_freq in ((1, 2), (2, 1)):
+        run = tmp_path / f"ranks{ranks}"
+        shutil.copytree(
+            trained_longer, run, ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt")
+        )
+        _train(nmt, run, args, ranks, update_freq)
+        outcomes[ranks] = _outcome(run)
+    assert len(outcomes[1]["valid"]) >= 2 and len(outcomes[1]["best"]) == 2
+    _assert_same(outcomes[1], outcomes[2])
+
+
+@pytest.mark.slow
+def test_tagged_weighted_corpora_with_bpe_dropout_in_bf16_on_two_ranks(tagged_bpe, tmp_path, nmt):
+    """Tagged back-translation as it is trained: two corpora, one tagged and weighted, with
+    BPE-dropout, in bf16 autocast (emulated where the CPU has no bf16 arithmetic)."""
+    args = [
+        *TINY,
+        *NO_DROPOUT,
+        "--bpe-dropout",
+        "0.1",
+        "--precision",
+        "bf16",
+        "--keep-best",
+        "1",
+        "--eval-every",
+        "10",
+        "--save-every",
+        "10",
+        "--max-steps",
+        "20",
+    ]
+    outcomes = {}
+    for ranks, update_freq in ((1, 2), (2, 1)):
+        run = tmp_path / f"ranks{ranks}"
+        shutil.copytree(tagged_bpe, run)
+        _train(nmt, run, args, ranks, update_freq)
+        outcomes[ranks] = _outcome(run)
+    _assert_same(outcomes[1], outcomes[2])
+
+
+@pytest.mark.slow
+def test_max_time_stops_every_rank_together(run_copy, nmt):
+    result = _train(
+        nmt, run_copy, [*TINY, "--max-time", "0.1", "--max-steps", "0", "--eval-every", "100000"], 2, 1
+    )
+    assert "training stopped: reached --max-time 0.1 minutes" in result.err
+    meta = json.loads(checkpoint.listed(run_copy / "checkpoints")[-1].with_suffix(".json").read_text())
+    assert meta["world"] == 2 and meta["state"]["seconds"] >= 6
+
+
+# -- the faults of a long run, on 2 ranks
+
+STEPS = 40
+
+
+def _cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "nmt_cli",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+        "--max-steps",
+        str(STEPS),
+        "--save-every",
+        "5",
+        "--eval-every",
+        "10",
+        "--procs",
+        "2",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(multi30k_bpe, tmp_path_factory) -> dict:
+    """The final weights of a 2-rank run that nothing interrupted (dropout on)."""
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    shutil.copytree(multi30k_bpe, run)
+    subprocess.run(_cmd(run), check=True, capture_output=True, timeout=300)
+    tensors, meta = checkpoint.load_tensors(checkpoint.listed(run / "checkpoints")[-1])
+    assert meta["step"] == STEPS
+    return tensors["model"]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _env_of(pid: int, name: str) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next(
+        (item.split(b"=", 1)[1].decode() for item in env if item.startswith(name.encode() + b"=")), None
+    )
+
+
+def _rank_of(pid: int) -> int | None:
+    rank = _env_of(pid, "RANK")
+    return None if rank is None else int(rank)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{path} never came"
+        time.sleep(0.02)
+
+
+def _final(run_dir: Path) -> dict:
+    tensors, meta = checkpoint.load_tensors(checkpoint.listed(run_dir / "checkpoints")[-1])
+    assert meta["step"] == STEPS
+    return tensors["model"]
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(run_copy, uninterrupted):
+    launcher = subprocess.Popen(_cmd(run_copy, "--max-restarts", "1"), stderr=subprocess.PIPE, text=True)
+    _wait_for(run_copy / "checkpoints" / "checkpoint_00000005.json", launcher)
+    victim = next(p for p in _children(launcher.pid) if _rank_of(p) == 1)
+    # The workers share the cores instead of each taking all of them (and spin-waiting).
+    assert _env_of(victim, "OMP_NUM_THREADS") == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    os.kill(victim, signal.SIGKILL)
+    _, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err
+    assert "rank 1 was killed by SIGKILL: restarting the workers" in err
+    assert "resuming from step" in err
+    assert _equal(_final(run_copy), uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes_bit_identical(run_copy, uninterrupted):
+    cmd = _cmd(run_copy)
+    launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    _wait_for(run_copy / "checkpoints" / "checkpoint_00000005.json", launcher)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "internal error" not in err, err
+    stopped = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(stopped) == 1 and "run the same `nmt train` command again to resume" in stopped[0], err
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert 5 <= step < STEPS and checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith(
+        f"{step:08d}.pt"
+    )
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from step {step}" in again.stderr
+    assert _equal(_final(run_copy), uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_workers_own_error_is_one_line_and_not_restarted(run_copy, tmp_path):
+    """An error that is the worker's own (here the message CUDA gives an illegal memory access,
+    raised on purpose on rank 1) is the job's one error line, not a restart into the same error."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from nmt_cli.engine import trainer\n"
+        "    real = trainer.Trainer.step\n"
+        "    def step(self, batches):\n"
+        "        if self.state.step == 7:\n"
+        "            raise RuntimeError('CUDA error: an illegal memory access was encountered')\n"
+        "        return real(self, batches)\n"
+        "    trainer.Trainer.step = step\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        _cmd(run_copy, "--max-restarts", "2"), capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("nmt: error:")]
+    assert len(errors) == 1, done.stderr
+    assert "rank 1" in errors[0] and "illegal memory access" in errors[0], errors
+    assert "lost contact" not in errors[0] and "restarting" not in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_only_rank_zero_writes_the_best_models(run_copy, tmp_path):
+    """Two 'nodes' with a run directory each: what rank 1 writes lands in its own directory."""
+    from test_distributed import _two_nodes
+
+    node1 = tmp_path / "node1"
+    shutil.copytree(run_copy, node1)
+    done = _two_nodes([run_copy, node1], ["--max-steps", "6", "--keep-best", "2", "--eval-every", "3"])
+    assert [code for code, _ in done] == [0, 0], done
+    assert len(list((run_copy / "checkpoints" / "best").glob("*.pt"))) == 2
+    assert not (node1 / "checkpoints").exists()
