@@ -94,8 +94,17 @@ def score(
             "(how Multi30k papers report).",
         ),
     ] = False,
+    compound_split: Annotated[
+        bool,
+        typer.Option(
+            "--compound-split",
+            help="Cased Moses tokenisation of both sides, hyphenated compounds split as ##AT##-##AT##, "
+            "BLEU with --tokenize none (how the Transformer paper scored WMT14 en-de).",
+        ),
+    ] = False,
     lang: Annotated[
-        Optional[str], typer.Option(help="Target language for --moses-lc (default: the run's).")
+        Optional[str],
+        typer.Option(help="Target language for --moses-lc or --compound-split (default: the run's)."),
     ] = None,
     compare: Annotated[
         Optional[Path], typer.Option(help="Another system's translations: paired bootstrap test against it.")
@@ -120,6 +129,8 @@ def score(
     from nmt_cli.textio import read_lines
 
     metric_names = scoring.parse_metrics(metrics)
+    if moses_lc and compound_split:
+        raise NmtError("--moses-lc and --compound-split are two ways of scoring: give one")
     run = RunDir(run_dir)
     config = _config_of(TranslateConfig, ctx)
     hyps, refs, names, found = scoring.inputs(
@@ -133,7 +144,7 @@ def score(
         ref=ref,
         stdin=_stdin_lines,
     )
-    if moses_lc and lang is None:
+    if (moses_lc or compound_split) and lang is None:
         lang = scoring.target_language(run, found)
     lowercase = lowercase or scoring.writes_lowercase(found, run if ref is None else None, moses_lc)
     report = scoring.report(
@@ -144,6 +155,7 @@ def score(
         tokenize=tokenize,
         lowercase=lowercase,
         moses_lc_lang=lang if moses_lc else None,
+        compound_split_lang=lang if compound_split else None,
         baseline=(str(compare), list(read_lines(compare))) if compare is not None else None,
     )
     if ref is None and not model:

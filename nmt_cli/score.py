@@ -2,7 +2,8 @@
 
 `moses_lc` is the measure of the small-data literature (e.g. Multi30k papers): text lowercased,
 Moses-normalised and Moses-tokenised (with its escaping), then scored with no further
-tokenisation.
+tokenisation. `compound_split` is the Transformer paper's WMT14 en-de measure (tensor2tensor's
+get_ende_bleu.sh): cased, Moses-tokenised, hyphenated compounds split as `##AT##-##AT##`.
 """
 
 from __future__ import annotations
@@ -36,11 +37,27 @@ def moses_lc(lines: list[str], lang: str) -> list[str]:
     ]
 
 
+def compound_split(lines: list[str], lang: str) -> list[str]:
+    """Moses tokenisation (cased, with its escaping, as tokenizer.perl), then every hyphen between
+    two non-spaces set apart as ` ##AT##-##AT## ` (get_ende_bleu.sh's `s{(\\S)-(\\S)}{...}g`)."""
+    import re
+
+    from sacremoses import MosesTokenizer
+
+    tokenizer = MosesTokenizer(lang=lang)
+    hyphen = re.compile(r"(\S)-(\S)")
+    return [
+        hyphen.sub(r"\1 ##AT##-##AT## \2", tokenizer.tokenize(line, escape=True, return_str=True))
+        for line in lines
+    ]
+
+
 def _metric(name: str, tokenize: str, lowercase: bool):
     from sacrebleu.metrics import BLEU, CHRF, TER
 
     if name == "bleu":
-        # --tokenize none scores tokenized text on purpose (--moses-lc): no warning about it.
+        # --tokenize none scores tokenized text on purpose (--moses-lc, --compound-split): no
+        # warning about it.
         return BLEU(tokenize=tokenize, lowercase=lowercase, force=tokenize == "none")
     if name == "chrf":
         return CHRF(lowercase=lowercase)

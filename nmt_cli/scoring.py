@@ -71,7 +71,8 @@ def target_language(run: RunDir, model: Model | None) -> str:
     prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
     if "tgt" not in prepped:
         ui.warn(
-            "--moses-lc: no run or model here names the target language; tokenizing as English (give --lang)"
+            "--moses-lc, --compound-split: no run or model here names the target language; tokenizing as "
+            "English (give --lang)"
         )
     return prepped.get("tgt", "en")
 
@@ -98,11 +99,13 @@ def report(
     tokenize: str = "13a",
     lowercase: bool = False,
     moses_lc_lang: str | None = None,
+    compound_split_lang: str | None = None,
     baseline: tuple[str, list[str]] | None = None,
 ) -> dict:
     """The scores of `hyps` (and the comparison with a baseline's lines) as `nmt score` reports
     them. `names` are the hypotheses' and references' sources; `moses_lc_lang` lowercases and
-    Moses-tokenizes both sides in that language first (and BLEU then tokenizes nothing)."""
+    Moses-tokenizes both sides in that language first, `compound_split_lang` Moses-tokenizes
+    and splits compounds (and BLEU then tokenizes nothing)."""
     score.check_lengths(hyps, refs, *names)
     other = None
     if baseline is not None:
@@ -112,12 +115,18 @@ def report(
         hyps, refs = score.moses_lc(hyps, moses_lc_lang), score.moses_lc(refs, moses_lc_lang)
         other = score.moses_lc(other, moses_lc_lang) if other is not None else None
         tokenize = "none"
+    if compound_split_lang is not None:
+        split = score.compound_split
+        hyps, refs = split(hyps, compound_split_lang), split(refs, compound_split_lang)
+        other = split(other, compound_split_lang) if other is not None else None
+        tokenize = "none"
     results = score.score(hyps, refs, metrics, tokenize=tokenize, lowercase=lowercase)
     out = {
         "hyp": names[0],
         "ref": names[1],
         "lines": len(hyps),
         "moses_lc": moses_lc_lang is not None,
+        "compound_split": compound_split_lang is not None,
         "scores": [r.as_dict() for r in results],
     }
     if other is not None:

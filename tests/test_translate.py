@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import pytest
 from conftest import one_error_line
 
 from nmt_cli.rundir import RunDir
@@ -116,6 +117,36 @@ def test_score_moses_lc_and_compare(tmp_path, nmt):
     result = nmt("score", "--hyp", hyp, "--ref", ref, "--compare", worse, "--metrics", "chrf", "--json")
     c = json.loads(result.out)["compare"]["chrf"]
     assert c["system"] > c["baseline"] and c["p_value"] < 0.05
+
+
+def test_score_compound_split_as_the_transformer_paper(tmp_path, nmt):
+    """tensor2tensor's get_ende_bleu.sh: cased Moses tokens, hyphens between non-spaces set
+    apart as ##AT##-##AT##, then BLEU on those tokens."""
+    from nmt_cli.score import compound_split
+
+    assert compound_split(['Die EU-Kommission hat 3-4 "neue" Vorschläge.'], "de") == [
+        "Die EU ##AT##-##AT## Kommission hat 3 ##AT##-##AT## 4 &quot; neue &quot; Vorschläge ."
+    ]
+    ref = tmp_path / "ref.de"
+    ref.write_text("Die EU-Kommission tagt heute in Brüssel.\n" * 20)
+    hyp = tmp_path / "hyp.de"
+    hyp.write_text(
+        "Die EU-Kommission tagt heute in Brüssel .\n" * 10 + "Die EU Kommission tagt heute in Brüssel.\n" * 10
+    )
+    args = ["score", "--hyp", hyp, "--ref", ref, "--lang", "de", "--metrics", "bleu", "--json"]
+    report = json.loads(nmt(*args, "--compound-split").out)
+    assert report["compound_split"] and "tok:none" in report["scores"][0]["signature"]
+    # The split compound's two halves match the unsplit one's; the hyphen counts as a token.
+    from sacrebleu.metrics import BLEU
+
+    expected = BLEU(tokenize="none", force=True).corpus_score(
+        compound_split(hyp.read_text().splitlines(), "de"),
+        [compound_split(ref.read_text().splitlines(), "de")],
+    )
+    assert report["scores"][0]["score"] == pytest.approx(expected.score)
+    assert 0 < expected.score < 100
+    both = nmt(*args, "--compound-split", "--moses-lc")
+    assert "give one" in one_error_line(both)
 
 
 def test_score_errors(tmp_path, nmt):
