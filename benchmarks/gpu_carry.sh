@@ -11,6 +11,6 @@ mkdir -p .whl .gpu/data
 # The GPU image (Python 3.12) has torch, typer, rich, sentencepiece and sacrebleu; not sacremoses.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 -d .whl sacremoses
-rm -rf .gpu/data/multi30k
-cp -r "$DATA/multi30k" .gpu/data/
+rm -rf .gpu/data/multi30k .gpu/data/wmt14
+cp -r "$DATA/multi30k" "$DATA/wmt14" .gpu/data/  # wmt14: newstest2014, for rehearsal.py
 du -sh .whl .gpu

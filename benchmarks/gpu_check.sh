@@ -7,7 +7,11 @@
 #                                     # tests/test_gpu.py                     (~6 min)
 #   bash benchmarks/gpu_check.sh 3    # the throughput benchmark: base and big in bf16, eager
 #                                     # and compiled, MFU, the trainer's loop (~5 min)
-#   bash benchmarks/gpu_check.sh      # all three (over 10 minutes: split it where a command
+#   bash benchmarks/gpu_check.sh 4    # the launcher's options on CUDA: --gpus 1 --compile
+#                                     # --update-freq 2, --eval-bleu --keep-best by BLEU, SIGTERM
+#                                     # to the launcher and the resume; the paper's pipeline
+#                                     # rehearsed on --gpus 1 (benchmarks/rehearsal.py) (~8 min)
+#   bash benchmarks/gpu_check.sh      # all four (over 10 minutes: split it where a command
 #                                     # has a time limit)
 #
 # Each part prepares Multi30k itself (prep + BPE 8000, under a minute). It runs from the
@@ -25,8 +29,9 @@ case "${1:-all}" in
     1) CHECKS="prep train resume fp16 fp32 average score precision" ;;
     2) CHECKS="prep compile gpus1 torchrun tests" ;;
     3) CHECKS="prep throughput" ;;
-    all) CHECKS="prep train resume fp16 fp32 average score precision compile gpus1 torchrun tests throughput" ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [1|2|3|all]" >&2; exit 2 ;;
+    4) CHECKS="prep gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
+    all) CHECKS="prep train resume fp16 fp32 average score precision compile gpus1 torchrun tests throughput gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [1|2|3|4|all]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
@@ -116,6 +121,28 @@ if want torchrun; then
 fi
 want tests && check tests env NMT_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py \
     -p no:cacheprovider
+if want gpus1_compile; then  # DDP's no_sync under torch.compile, through the launcher
+    run=$(fresh_run gpus1_compile)
+    check gpus1_compile bash -c "python3 -m nmt_cli train --run-dir '$run' $TRAIN --max-steps 200 \
+        --gpus 1 --compile --update-freq 2 && ls '$run'/checkpoints/checkpoint_00000200.pt"
+fi
+if want gpus1_bleu; then  # rank 0's BLEU shared with every rank; best models by BLEU
+    run=$(fresh_run gpus1_bleu)
+    check gpus1_bleu bash -c "python3 -m nmt_cli train --run-dir '$run' $TRAIN --max-steps 400 \
+        --gpus 1 --eval-bleu --keep-best 2 --best-metric bleu --patience 5 \
+        && ls '$run'/checkpoints/best/best_*.pt && python3 -m nmt_cli average --run-dir '$run' --best 2"
+fi
+if want gpus1_sigterm; then  # the launcher forwards SIGTERM, exits 143, the same command resumes
+    run=$(fresh_run gpus1_sigterm)
+    check gpus1_sigterm bash -c "python3 -m nmt_cli train --run-dir '$run' $TRAIN --max-steps 100000 \
+        --gpus 1 & pid=\$!; until ls '$run'/checkpoints/checkpoint_00000100.json 2>/dev/null; do \
+        sleep 1; kill -0 \$pid || exit 1; done; kill -TERM \$pid; wait \$pid; code=\$?; \
+        [ \$code = 143 ] || { echo exit \$code; exit 1; }; \
+        python3 -m nmt_cli train --run-dir '$run' $TRAIN --max-steps 300 --gpus 1 2>&1 \
+        | tee /dev/stderr | grep 'resuming from step' >/dev/null"
+fi
+want rehearsal && rm -rf "$WORK/rehearsal" && CHECK_TIMEOUT=600 check rehearsal python3 benchmarks/rehearsal.py --gpus 1 \
+    --minutes 4 --out "$WORK/rehearsal"
 want throughput && check throughput python3 benchmarks/train_throughput.py --device cuda \
     --shapes base big --loop "$DATA" --out "$OUT/train_throughput_gpu.json"
 
