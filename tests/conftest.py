@@ -51,6 +51,37 @@ def nmt(capfd, monkeypatch):
     return run
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a launcher's workers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def env_of(pid: int, name: str) -> str | None:
+    """The environment variable `name` of process `pid`, or None."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next(
+        (item.split(b"=", 1)[1].decode() for item in env if item.startswith(name.encode() + b"=")), None
+    )
+
+
+def rank_of(pid: int) -> int | None:
+    """The RANK a launcher gave process `pid`, or None for a process that is no worker."""
+    rank = env_of(pid, "RANK")
+    return None if rank is None else int(rank)
+
+
 def one_error_line(result: Result) -> str:
     """The single line an error must print; fails on tracebacks or multi-line output."""
     lines = [line for line in result.err.splitlines() if line.strip()]

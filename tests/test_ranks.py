@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, children, env_of, rank_of
 
 from nmt_cli.engine import checkpoint
 
@@ -90,14 +90,14 @@ def test_bleu_keep_best_patience_and_tensorboard_on_two_and_four_ranks(trained_l
         "--best-metric",
         "bleu",
         "--patience",
-        "3",
+        "2",
         "--tensorboard",
         "--eval-every",
-        "6",
+        "4",
         "--save-every",
-        "6",
+        "4",
         "--max-steps",
-        "12",
+        "20",
         "--warmup",
         "100",
         # bf16 autocast (auto on some CPUs) flips greedy choices on weights that agree to 1e-5
@@ -116,7 +116,7 @@ def test_bleu_keep_best_patience_and_tensorboard_on_two_and_four_ranks(trained_l
         tensors, _ = checkpoint.load_tensors(checkpoint.listed(run / "checkpoints")[-1])
         assert tuple(tensors["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.997)
     assert any(bleu for _, _, bleu in outcomes[1]["valid"]), "BLEU never moved: the test proves little"
-    assert len(outcomes[1]["valid"]) == 2 and len(outcomes[1]["best"]) == 1
+    assert len(outcomes[1]["valid"]) >= 2 and len(outcomes[1]["best"]) == 1
     _assert_same(outcomes[1], outcomes[2])
     _assert_same(outcomes[1], outcomes[4])
 
@@ -236,34 +236,6 @@ def uninterrupted(multi30k_bpe, tmp_path_factory) -> dict:
     return tensors["model"]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _env_of(pid: int, name: str) -> str | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next(
-        (item.split(b"=", 1)[1].decode() for item in env if item.startswith(name.encode() + b"=")), None
-    )
-
-
-def _rank_of(pid: int) -> int | None:
-    rank = _env_of(pid, "RANK")
-    return None if rank is None else int(rank)
-
-
 def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 180) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists():
@@ -285,9 +257,9 @@ def _equal(a: dict, b: dict) -> bool:
 def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(run_copy, uninterrupted):
     launcher = subprocess.Popen(_cmd(run_copy, "--max-restarts", "1"), stderr=subprocess.PIPE, text=True)
     _wait_for(run_copy / "checkpoints" / "checkpoint_00000005.json", launcher)
-    victim = next(p for p in _children(launcher.pid) if _rank_of(p) == 1)
+    victim = next(p for p in children(launcher.pid) if rank_of(p) == 1)
     # The workers share the cores instead of each taking all of them (and spin-waiting).
-    assert _env_of(victim, "OMP_NUM_THREADS") == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert env_of(victim, "OMP_NUM_THREADS") == str(max(1, len(os.sched_getaffinity(0)) // 2))
     os.kill(victim, signal.SIGKILL)
     _, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, err
