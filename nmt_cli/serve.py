@@ -8,7 +8,9 @@ Requests that arrive within `max_wait_ms` of each other are decoded together (dy
 batching), up to `max_batch` sentences, by one decoding thread; the event loop only parses,
 checks and answers. Past `max_queue` waiting sentences a request gets 503 with Retry-After.
 Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
-SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
+A request whose client goes away leaves the queue; a batch that fails is decoded again request by
+request, so only the request that fails gets the error. /health says whether the decoding loop
+runs. SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ class Batcher:
         self.arrived.set()
         return job.done
 
+    def withdraw(self, done: asyncio.Future) -> None:
+        """The job of `done` leaves the queue undecoded (its client went away); one that is being
+        decoded finishes, unanswered."""
+        done.cancel()
+        for job in self.jobs:
+            if job.done is done:
+                self.jobs.remove(job)
+                self.pending -= len(job.sentences)
+                return
+
     def _take(self) -> list[Job]:
         """The oldest job, and those after it with the same settings that fit beside it."""
         first = self.jobs.popleft()
@@ -94,37 +106,46 @@ class Batcher:
         )
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             while not self.jobs:
                 self.arrived.clear()
                 await self.arrived.wait()
-            while not self._ready():
+            while self.jobs and not self._ready():
                 self.arrived.clear()
                 left = self.config.max_wait_ms / 1000 - (time.monotonic() - self.jobs[0].arrived)
                 try:
                     await asyncio.wait_for(self.arrived.wait(), timeout=max(left, 0.0))
                 except asyncio.TimeoutError:
                     pass
+            if not self.jobs:
+                continue
             jobs = self._take()
-            sentences = [s for j in jobs for s in j.sentences]
             try:
-                texts, hyps = await loop.run_in_executor(
-                    self.decoder, self._decode, sentences, jobs[0].beam, jobs[0].nbest
-                )
-            except Exception as e:  # noqa: BLE001 - every waiting request gets the error
-                for j in jobs:
-                    if not j.done.done():
-                        j.done.set_exception(e)
-            else:
-                start = 0
-                for j in jobs:
-                    end = start + len(j.sentences)
-                    if not j.done.done():  # its client may have gone away
-                        j.done.set_result(_answer(texts[start:end], hyps[start:end], j.nbest))
-                    start = end
+                await self._serve(jobs)
             finally:
-                self.pending -= len(sentences)
+                self.pending -= sum(len(j.sentences) for j in jobs)
+
+    async def _serve(self, jobs: list[Job]) -> None:
+        """Decode `jobs` as one batch and answer each; if the batch fails, each job alone."""
+        loop = asyncio.get_running_loop()
+        sentences = [s for j in jobs for s in j.sentences]
+        try:
+            texts, hyps = await loop.run_in_executor(
+                self.decoder, self._decode, sentences, jobs[0].beam, jobs[0].nbest
+            )
+        except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
+            if len(jobs) > 1:
+                for job in jobs:
+                    await self._serve([job])
+            elif not jobs[0].done.done():
+                jobs[0].done.set_exception(e)
+            return
+        start = 0
+        for j in jobs:
+            end = start + len(j.sentences)
+            if not j.done.done():  # its client may have gone away
+                j.done.set_result(_answer(texts[start:end], hyps[start:end], j.nbest))
+            start = end
 
     def _decode(self, sentences: list[str], beam: int, nbest: int):
         hyps = self.translator.hypotheses(sentences, beam, nbest)
@@ -149,6 +170,8 @@ def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str
         raise ValueError("the body is not UTF-8") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"the body is not JSON ({e})") from None
+    except RecursionError:  # thousands of nested brackets: the parser recurses once per level
+        raise ValueError("the body is JSON nested too deeply") from None
     if not isinstance(data, dict) or "text" not in data:
         raise ValueError('expected a JSON object {"text": ["sentence", ...]}')
     unknown = set(data) - {"text", "beam", "nbest"}
@@ -177,8 +200,12 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
     web = require()
     app = web.Application(client_max_size=config.max_body)
     batcher_key = web.AppKey("batcher", Batcher)
+    loop_key = web.AppKey("decoding_loop", asyncio.Task)
 
     async def translate(request):
+        if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+            # Nothing is decompressed: a small compressed body can expand to gigabytes.
+            return error(web, 415, "compressed request bodies are not accepted: send plain JSON")
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -194,17 +221,22 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
             return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
         try:
             return web.json_response({"translations": await done})
+        except asyncio.CancelledError:  # the client went away: its sentences leave the queue
+            request.app[batcher_key].withdraw(done)
+            raise
         except Exception as e:  # noqa: BLE001 - a decoding failure: the service lives on
             return error(web, 500, f"{type(e).__name__}: {e}")
 
     async def health(request):
+        alive = not request.app[loop_key].done()
         return web.json_response(
             {
-                "status": "ok",
+                "status": "ok" if alive else "the decoding loop has stopped",
                 "model": str(model.where),
                 "engine": translator.engine,
                 "queued": request.app[batcher_key].pending,
-            }
+            },
+            status=200 if alive else 503,
         )
 
     async def not_allowed(request):
@@ -221,7 +253,7 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
 
     async def batching(app):
         batcher = app[batcher_key] = Batcher(translator, config)
-        task = asyncio.get_running_loop().create_task(batcher.run())
+        task = app[loop_key] = asyncio.get_running_loop().create_task(batcher.run())
         yield
         task.cancel()
         batcher.decoder.shutdown(wait=True)
@@ -240,8 +272,14 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
     app = make_app(translator, model, config)
 
     async def main() -> None:
+        # handler_cancellation: a request whose client disconnects is cancelled, so that it
+        # leaves the decoding queue (aiohttp's default since 3.9 lets it run on).
         runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, shutdown_timeout=config.shutdown_timeout
+            app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=config.shutdown_timeout,
+            handler_cancellation=True,
         )
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)

@@ -269,9 +269,9 @@ class Server:
         assert found, line
         self.url = f"http://127.0.0.1:{found.group(1)}"
 
-    def post(self, body: bytes | dict, path: str = "/translate") -> tuple[int, dict, dict]:
+    def post(self, body: bytes | dict, path: str = "/translate", **headers: str) -> tuple[int, dict, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method="POST")
+        request = urllib.request.Request(self.url + path, data=data, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=DEADLINE) as r:
                 return r.status, json.loads(r.read()), dict(r.headers)
@@ -348,10 +348,113 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
             assert (got, set(answer)) == (status, {"error"}), (body[:40], got, answer)
             if status == 503:
                 assert headers.get("Retry-After") == "1"
+        # Thousands of nested brackets (the JSON parser recursed until RecursionError: 500 and
+        # a traceback), and a compressed body, which is never decompressed.
+        nested = b'{"text": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+        assert server.post(nested)[:2] == (400, {"error": "the body is JSON nested too deeply"})
+        import gzip
+
+        bomb = gzip.compress(json.dumps({"text": ["a" * 1000] * 200}).encode())
+        got, answer, _ = server.post(bomb, **{"Content-Encoding": "gzip"})
+        assert got == 415 and "compressed" in answer["error"]
         assert server.get("/nowhere")[0] == 404 and server.get("/translate")[0] == 405
         assert server.post({"text": ["A dog runs."]})[0] == 200  # still serving
     finally:
         assert server.stop() == 0
+    assert b"Traceback" not in server.proc.stderr.read()
+
+
+def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi30k_bpe):
+    """A client that disconnects while its request waits behind another frees its place: its
+    sentences leave the queue at once instead of being decoded for nobody."""
+    import socket
+
+    sources = sources_of(multi30k_bpe)[:500]
+    server = Server(package, "--max-queue", "1000", "--max-sentences", "500")
+    answer: list = []
+    try:
+        first = threading.Thread(target=lambda: answer.append(server.post({"text": sources})))
+        first.start()
+        deadline = time.monotonic() + DEADLINE
+        while server.get("/health")[1]["queued"] < 500:  # the first request is being decoded
+            assert time.monotonic() < deadline and not answer
+            time.sleep(0.005)
+        body = json.dumps({"text": sources[:300]}).encode()
+        port = int(server.url.rsplit(":", 1)[1])
+        leaving = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+        leaving.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        seen = []
+        while not seen or seen[-1] != 800:  # queued behind the first
+            assert time.monotonic() < deadline and not answer, seen
+            seen.append(server.get("/health")[1]["queued"])
+        leaving.close()
+        while seen[-1] == 800:
+            assert time.monotonic() < deadline
+            seen.append(server.get("/health")[1]["queued"])
+        # Its 300 sentences left while the first request was still being decoded.
+        assert seen[-1] == 500 and not answer, seen
+        first.join(DEADLINE)
+        assert answer[0][0] == 200 and len(answer[0][1]["translations"]) == 500
+        assert server.get("/health")[1]["queued"] == 0
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
+    """A batch the decoder fails on is decoded again request by request: only the request that
+    fails gets the error. /health answers 503 once the decoding loop has stopped."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.serve import make_app
+
+    class Decoder:  # stands in for the translator: fails on any batch holding "boom"
+        config, engine = TranslateConfig(), "stub"
+        batches: list = []
+
+        def hypotheses(self, sentences, beam, nbest):
+            self.batches.append(list(sentences))
+            if "boom" in sentences:
+                raise ValueError("the decoder failed")
+            return [[s] for s in sentences]
+
+        def texts(self, hyps):
+            return [[h[0].upper()] for h in hyps]
+
+    decoder = Decoder()
+    app = make_app(decoder, SimpleNamespace(where="stub"), ServeConfig(max_wait_ms=200))
+
+    async def scenario():
+        async with TestServer(app) as server, ClientSession() as session:
+            url = str(server.make_url("/translate"))
+
+            async def post(text):
+                async with session.post(url, json={"text": text}) as r:
+                    return r.status, await r.json()
+
+            good, bad = await asyncio.gather(post(["a", "b"]), post(["boom"]))
+            async with session.get(server.make_url("/health")) as r:
+                alive = r.status, (await r.json())["status"]
+            loop = next(t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Batcher.run")
+            loop.cancel()
+            await asyncio.sleep(0)
+            async with session.get(server.make_url("/health")) as r:
+                dead = r.status, (await r.json())["status"]
+            return good, bad, alive, dead
+
+    good, bad, alive, dead = asyncio.run(scenario())
+    assert decoder.batches[0] == ["a", "b", "boom"]  # one batch, which failed
+    assert good == (200, {"translations": ["A", "B"]})
+    assert bad == (500, {"error": "ValueError: the decoder failed"})
+    assert alive == (200, "ok") and dead == (503, "the decoding loop has stopped")
 
 
 def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):
