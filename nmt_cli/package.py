@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_write_json, new_file_mode, now, sha256_file
+from nmt_cli.rundir import RunDir, atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
     import torch
@@ -197,7 +197,36 @@ def from_dir(path: Path) -> Model:
     for needed in (weights_path, spm):
         if not needed.is_file():
             raise NmtError(f"{path} is incomplete: {needed.name} is missing")
+    check_shapes(config, weights_path, settings_path)
     return Model(Path(path), config, spm, src, tgt, sha, load_weights, provenance=provenance)
+
+
+def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -> None:
+    """Refuse a package whose declared model shape is not the one its weights file holds (the
+    file's header alone is read). A model is built from the declared shape before any weight is
+    loaded: a package that declared more than it holds could make its user allocate at will."""
+    import torch
+    from safetensors import safe_open
+
+    from nmt_cli.engine.model import Transformer
+
+    try:
+        with safe_open(str(weights_path), "pt") as f:
+            held = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad header
+        raise NmtError(f"{weights_path} is not a safetensors file ({type(e).__name__}: {e})") from None
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            declared = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise NmtError(f"{settings_path} declares an impossible model shape ({e})") from None
+    if declared != held:
+        differ = sorted(k for k in declared.keys() | held.keys() if declared.get(k) != held.get(k))
+        raise NmtError(
+            f"{settings_path} declares a model shape that {weights_path.name} does not hold "
+            f"({len(differ)} tensors differ, e.g. {differ[0]}: declared {declared.get(differ[0])}, "
+            f"held {held.get(differ[0])}): the package is damaged or was changed"
+        )
 
 
 def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
@@ -248,9 +277,14 @@ def writing(model: Model, out: Path) -> Iterator[Path]:
     shutil.copyfile(model.spm, staging / SPM)
     atomic_write_json(staging / PROVENANCE, model.provenance)
     yield staging
+    for written in staging.iterdir():  # durable before the rename makes the export visible
+        with open(written, "rb") as f:
+            os.fsync(f.fileno())
+    fsync_dir(staging)
     if out.exists():
         out.rmdir()
     staging.rename(out)
+    fsync_dir(out.parent)
 
 
 def _provenance(run: RunDir, path: Path, meta: dict) -> dict:

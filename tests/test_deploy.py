@@ -101,6 +101,49 @@ def test_package_errors(package, trained_longer, tmp_path, nmt):
     )
 
 
+def test_a_package_that_declares_another_shape_than_it_holds_is_refused_before_any_allocation(
+    package, tmp_path, nmt
+):
+    """nmt.json's shape is checked against the weights file's header before a model is built:
+    a hostile package asking for a million-wide model gets one error line, not a 4 GB allocation."""
+    from nmt_cli.errors import NmtError
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(package, hostile)
+    settings = json.loads((hostile / "nmt.json").read_text())
+    settings["model"].update(d_model=1_000_000, heads=1)
+    (hostile / "nmt.json").write_text(json.dumps(settings))
+    with pytest.raises(NmtError, match="declares a model shape that model.safetensors does not hold"):
+        from_dir(hostile)
+    line = one_error_line(nmt("translate", "--model", hostile, stdin=b"x\n"))
+    assert "declares a model shape" in line
+    settings["model"].update(d_model=-4, heads=2)
+    (hostile / "nmt.json").write_text(json.dumps(settings))
+    assert "declares an impossible model shape" in one_error_line(
+        nmt("translate", "--model", hostile, stdin=b"x\n")
+    )
+
+
+def test_an_export_is_on_disk_before_it_appears(trained, tmp_path, monkeypatch, nmt):
+    """Every file of an export is fsynced before the rename that makes it visible."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    renamed = []
+    real_rename = Path.rename
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", lambda self, to: renamed.append(len(synced)) or real_rename(self, to))
+    out = tmp_path / "pkg"
+    assert nmt("export", out, "--run-dir", trained).code == 0
+    before_rename = synced[: renamed[-1]]
+    for name in os.listdir(out):
+        assert any(path.endswith(f"/.pkg.partial/{name}") for path in before_rename), name
+
+
 def test_model_names_a_run_or_a_checkpoint_too(trained, multi30k_bpe, nmt):
     lines = "\n".join(sources_of(multi30k_bpe)[:30]).encode() + b"\n"
     first = sorted((trained / "checkpoints").glob("checkpoint_*.pt"))[0]
