@@ -227,6 +227,10 @@ def serve(
     ] = True,
     max_queue: Annotated[int, typer.Option(help="Sentences waiting at most; beyond, 503.")] = 1024,
     max_sentences: Annotated[int, typer.Option(help="Sentences per request; beyond, 413.")] = 256,
+    request_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds a request may wait and decode; beyond, 504 and it leaves the queue."),
+    ] = 60.0,
     engine: EngineOption = "auto",
     device: DeviceOption = "auto",
     threads: ThreadsOption = 0,

@@ -8,9 +8,10 @@ Requests that arrive within `max_wait_ms` of each other are decoded together (dy
 batching), up to `max_batch` sentences, by one decoding thread; the event loop only parses,
 checks and answers. Past `max_queue` waiting sentences a request gets 503 with Retry-After.
 Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
-A request whose client goes away leaves the queue; a batch that fails is decoded again request by
-request, so only the request that fails gets the error. /health says whether the decoding loop
-runs. SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
+A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
+the queue (a batch already being decoded finishes); a batch that fails is decoded again request
+by request, so only the request that fails gets the error. /health says whether the decoding
+loop runs. SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
 """
 
 from __future__ import annotations
@@ -220,7 +221,11 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
         if done is None:
             return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
         try:
-            return web.json_response({"translations": await done})
+            translations = await asyncio.wait_for(asyncio.shield(done), config.request_timeout)
+            return web.json_response({"translations": translations})
+        except asyncio.TimeoutError:  # past its deadline: it leaves the queue, the client is told
+            request.app[batcher_key].withdraw(done)
+            return error(web, 504, f"not answered within {config.request_timeout:g} s (--request-timeout)")
         except asyncio.CancelledError:  # the client went away: its sentences leave the queue
             request.app[batcher_key].withdraw(done)
             raise

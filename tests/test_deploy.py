@@ -447,9 +447,30 @@ def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi3
         assert server.stop() == 0
 
 
-def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
-    """A batch the decoder fails on is decoded again request by request: only the request that
-    fails gets the error. /health answers 503 once the decoding loop has stopped."""
+class StandIn:
+    """Stands in for the translator in the server: fails on any batch holding "boom", waits for
+    `release` on any holding "slow", and upper-cases the rest; records each batch."""
+
+    config, engine = TranslateConfig(), "stand-in"
+
+    def __init__(self):
+        self.batches: list = []
+        self.release = threading.Event()
+
+    def hypotheses(self, sentences, beam, nbest):
+        self.batches.append(list(sentences))
+        if "boom" in sentences:
+            raise ValueError("the decoder failed")
+        if "slow" in sentences:
+            self.release.wait(DEADLINE)
+        return [[s] for s in sentences]
+
+    def texts(self, hyps):
+        return [[h[0].upper()] for h in hyps]
+
+
+def _in_process(decoder: StandIn, scenario, **config):
+    """Run `scenario(post, get)` against the app over `decoder` on a local port; its result."""
     import asyncio
     from types import SimpleNamespace
 
@@ -459,45 +480,66 @@ def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
     from nmt_cli.config import ServeConfig
     from nmt_cli.serve import make_app
 
-    class Decoder:  # stands in for the translator: fails on any batch holding "boom"
-        config, engine = TranslateConfig(), "stub"
-        batches: list = []
+    app = make_app(decoder, SimpleNamespace(where="stand-in"), ServeConfig(**config))
 
-        def hypotheses(self, sentences, beam, nbest):
-            self.batches.append(list(sentences))
-            if "boom" in sentences:
-                raise ValueError("the decoder failed")
-            return [[s] for s in sentences]
-
-        def texts(self, hyps):
-            return [[h[0].upper()] for h in hyps]
-
-    decoder = Decoder()
-    app = make_app(decoder, SimpleNamespace(where="stub"), ServeConfig(max_wait_ms=200))
-
-    async def scenario():
+    async def run():
         async with TestServer(app) as server, ClientSession() as session:
-            url = str(server.make_url("/translate"))
 
             async def post(text):
-                async with session.post(url, json={"text": text}) as r:
+                async with session.post(server.make_url("/translate"), json={"text": text}) as r:
                     return r.status, await r.json()
 
-            good, bad = await asyncio.gather(post(["a", "b"]), post(["boom"]))
-            async with session.get(server.make_url("/health")) as r:
-                alive = r.status, (await r.json())["status"]
-            loop = next(t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Batcher.run")
-            loop.cancel()
-            await asyncio.sleep(0)
-            async with session.get(server.make_url("/health")) as r:
-                dead = r.status, (await r.json())["status"]
-            return good, bad, alive, dead
+            async def get(path):
+                async with session.get(server.make_url(path)) as r:
+                    return r.status, await r.json()
 
-    good, bad, alive, dead = asyncio.run(scenario())
+            return await scenario(post, get)
+
+    return asyncio.run(run())
+
+
+def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
+    """A batch the decoder fails on is decoded again request by request: only the request that
+    fails gets the error. /health answers 503 once the decoding loop has stopped."""
+    import asyncio
+
+    async def scenario(post, get):
+        good, bad = await asyncio.gather(post(["a", "b"]), post(["boom"]))
+        alive = await get("/health")
+        next(t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Batcher.run").cancel()
+        await asyncio.sleep(0)
+        return good, bad, alive, await get("/health")
+
+    decoder = StandIn()
+    good, bad, alive, dead = _in_process(decoder, scenario, max_wait_ms=200)
     assert decoder.batches[0] == ["a", "b", "boom"]  # one batch, which failed
     assert good == (200, {"translations": ["A", "B"]})
     assert bad == (500, {"error": "ValueError: the decoder failed"})
-    assert alive == (200, "ok") and dead == (503, "the decoding loop has stopped")
+    assert (alive[0], alive[1]["status"]) == (200, "ok")
+    assert (dead[0], dead[1]["status"]) == (503, "the decoding loop has stopped")
+
+
+def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
+    """--request-timeout: a request not answered in time gets 504; one still queued then is
+    never decoded, and the service goes on."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        slow = asyncio.ensure_future(post(["slow"]))  # holds the decoder until released
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        queued = await post(["queued"])  # waits behind it, past its deadline
+        waiting = await get("/health")
+        decoder.release.set()
+        return await slow, queued, waiting, await post(["after"])
+
+    slow, queued, waiting, after = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=0)
+    assert slow[0] == queued[0] == 504 and "--request-timeout" in queued[1]["error"]
+    assert waiting[1]["queued"] == 1  # the slow one, still being decoded; "queued" has left
+    assert after == (200, {"translations": ["AFTER"]})
+    assert ["queued"] not in decoder.batches
 
 
 def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):
