@@ -127,7 +127,11 @@ class Batcher:
                 self.pending -= sum(len(j.sentences) for j in jobs)
 
     async def _serve(self, jobs: list[Job]) -> None:
-        """Decode `jobs` as one batch and answer each; if the batch fails, each job alone."""
+        """Decode `jobs` as one batch and answer each; if the batch fails, each job alone. Jobs
+        nobody waits for any more (client gone, deadline passed) are not decoded."""
+        jobs = [j for j in jobs if not j.done.done()]
+        if not jobs:
+            return
         loop = asyncio.get_running_loop()
         sentences = [s for j in jobs for s in j.sentences]
         try:

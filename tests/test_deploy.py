@@ -459,10 +459,10 @@ class StandIn:
 
     def hypotheses(self, sentences, beam, nbest):
         self.batches.append(list(sentences))
-        if "boom" in sentences:
-            raise ValueError("the decoder failed")
         if "slow" in sentences:
             self.release.wait(DEADLINE)
+        if "boom" in sentences:
+            raise ValueError("the decoder failed")
         return [[s] for s in sentences]
 
     def texts(self, hyps):
@@ -540,6 +540,27 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
     assert waiting[1]["queued"] == 1  # the slow one, still being decoded; "queued" has left
     assert after == (200, {"translations": ["AFTER"]})
     assert ["queued"] not in decoder.batches
+
+
+def test_requests_nobody_waits_for_are_not_decoded_again():
+    """A batch that fails after its requests passed their deadline is not retried for them."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        answers = asyncio.gather(post(["slow"]), post(["boom"]))  # one batch, held, then failing
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        done = await answers  # both past their deadline while the batch is held
+        decoder.release.set()
+        while (await get("/health"))[1]["queued"]:
+            await asyncio.sleep(0.01)
+        return done
+
+    answers = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=200)
+    assert [status for status, _ in answers] == [504, 504]
+    assert decoder.batches == [["slow", "boom"]]  # not decoded again one by one
 
 
 def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):
