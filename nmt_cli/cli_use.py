@@ -227,6 +227,9 @@ def serve(
     ] = True,
     max_queue: Annotated[int, typer.Option(help="Sentences waiting at most; beyond, 503.")] = 1024,
     max_sentences: Annotated[int, typer.Option(help="Sentences per request; beyond, 413.")] = 256,
+    max_hypotheses: Annotated[
+        int, typer.Option(help="Sentences x beam per request (the work it asks for); beyond, 413.")
+    ] = 2048,
     request_timeout: Annotated[
         float,
         typer.Option(help="Seconds a request may wait and decode; beyond, 504 and it leaves the queue."),

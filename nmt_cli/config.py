@@ -332,13 +332,14 @@ class ServeConfig:
     batching: bool = True  # False: one request per decoding batch
     max_queue: int = 1024  # sentences waiting or in flight; beyond, 503
     max_sentences: int = 256  # per request; beyond, 413
+    max_hypotheses: int = 2048  # sentences x beam per request; beyond, 413
     max_chars: int = 2000  # per sentence; beyond, 400
     max_body: int = 1 << 20  # bytes per request; beyond, 413
     shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
     request_timeout: float = 60.0  # seconds a request may take; then 504 and it leaves the queue
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "max_sentences", "max_chars", "max_body"):
+        for name in ("max_batch", "max_queue", "max_sentences", "max_hypotheses", "max_chars", "max_body"):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_wait_ms < 0 or not 0 <= self.port < 65536:

@@ -5,8 +5,11 @@
     GET /health -> {"status": "ok", ...}
 
 Requests that arrive within `max_wait_ms` of each other are decoded together (dynamic
-batching), up to `max_batch` sentences, by one decoding thread; the event loop only parses,
-checks and answers. Past `max_queue` waiting sentences a request gets 503 with Retry-After.
+batching), up to `max_batch` sentences at the default beam, by one decoding thread; the event
+loop only parses, checks and answers. A large request is decoded in pieces, and each batch
+serves first the requests served least so far, so a short request waits for at most about one
+batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most.
+Past `max_queue` waiting sentences a request gets 503 with Retry-After.
 Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
 A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
 the queue (a batch already being decoded finishes); a batch that fails is decoded again request
@@ -50,6 +53,11 @@ class Job:
     nbest: int
     done: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
+    taken: int = 0  # sentences handed to the decoder so far
+    answers: list = field(default_factory=list)  # the answers of the pieces decoded, in order
+
+
+Piece = tuple[Job, int, int]  # a job's sentences [lo, hi) in one decoding batch
 
 
 class Batcher:
@@ -73,33 +81,42 @@ class Batcher:
         return job.done
 
     def withdraw(self, done: asyncio.Future) -> None:
-        """The job of `done` leaves the queue undecoded (its client went away); one that is being
-        decoded finishes, unanswered."""
+        """The job of `done` leaves the queue undecoded (its client went away); a piece of it that
+        is being decoded finishes, unanswered."""
         done.cancel()
         for job in self.jobs:
             if job.done is done:
                 self.jobs.remove(job)
-                self.pending -= len(job.sentences)
+                self.pending -= len(job.sentences) - job.taken
                 return
 
-    def _take(self) -> list[Job]:
-        """The oldest job, and those after it with the same settings that fit beside it."""
-        first = self.jobs.popleft()
-        taken, size = [first], len(first.sentences)
-        if self.config.batching:
-            for job in list(self.jobs):
-                if (job.beam, job.nbest) == (first.beam, first.nbest) and size + len(
-                    job.sentences
-                ) <= self.config.max_batch:
-                    self.jobs.remove(job)
-                    taken.append(job)
-                    size += len(job.sentences)
-        return taken
+    def _next(self) -> Job:
+        """The job served least so far (then the oldest): a short request waits for at most the
+        batch being decoded, however large the requests queued before it."""
+        return min(self.jobs, key=lambda j: (j.taken, j.arrived))
+
+    def _take(self) -> list[Piece]:
+        """One decoding batch: pieces of the jobs with the next job's settings, least served
+        first, up to `max_batch` sentences at the default beam (fewer at a wider beam, so that
+        every batch is about as much work)."""
+        first = self._next()
+        budget = self.config.max_batch * self.translator.config.beam  # hypotheses
+        pieces: list[Piece] = []
+        same = [j for j in self.jobs if (j.beam, j.nbest) == (first.beam, first.nbest)]
+        for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
+            if pieces and (not self.config.batching or budget < job.beam):
+                break
+            n = min(len(job.sentences) - job.taken, max(1, budget // job.beam))
+            pieces.append((job, job.taken, job.taken + n))
+            job.taken += n
+            budget -= n * job.beam
+            if job.taken == len(job.sentences):
+                self.jobs.remove(job)
+        return pieces
 
     def _ready(self) -> bool:
-        first = self.jobs[0]
-        waited = time.monotonic() - first.arrived
-        queued = sum(len(j.sentences) for j in self.jobs)
+        waited = time.monotonic() - self._next().arrived
+        queued = sum(len(j.sentences) - j.taken for j in self.jobs)
         return (
             not self.config.batching
             or queued >= self.config.max_batch
@@ -113,43 +130,50 @@ class Batcher:
                 await self.arrived.wait()
             while self.jobs and not self._ready():
                 self.arrived.clear()
-                left = self.config.max_wait_ms / 1000 - (time.monotonic() - self.jobs[0].arrived)
+                left = self.config.max_wait_ms / 1000 - (time.monotonic() - self._next().arrived)
                 try:
                     await asyncio.wait_for(self.arrived.wait(), timeout=max(left, 0.0))
                 except asyncio.TimeoutError:
                     pass
             if not self.jobs:
                 continue
-            jobs = self._take()
+            pieces = self._take()
             try:
-                await self._serve(jobs)
+                await self._serve(pieces)
             finally:
-                self.pending -= sum(len(j.sentences) for j in jobs)
+                self.pending -= sum(hi - lo for _, lo, hi in pieces)
 
-    async def _serve(self, jobs: list[Job]) -> None:
-        """Decode `jobs` as one batch and answer each; if the batch fails, each job alone. Jobs
+    async def _serve(self, pieces: list[Piece]) -> None:
+        """Decode `pieces` as one batch and answer each job whose last piece this is; if the
+        batch fails, each piece alone (a job whose piece fails gets the error and leaves). Jobs
         nobody waits for any more (client gone, deadline passed) are not decoded."""
-        jobs = [j for j in jobs if not j.done.done()]
-        if not jobs:
+        pieces = [p for p in pieces if not p[0].done.done()]
+        if not pieces:
             return
         loop = asyncio.get_running_loop()
-        sentences = [s for j in jobs for s in j.sentences]
+        sentences = [s for job, lo, hi in pieces for s in job.sentences[lo:hi]]
+        first = pieces[0][0]
         try:
             texts, hyps = await loop.run_in_executor(
-                self.decoder, self._decode, sentences, jobs[0].beam, jobs[0].nbest
+                self.decoder, self._decode, sentences, first.beam, first.nbest
             )
         except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
-            if len(jobs) > 1:
-                for job in jobs:
-                    await self._serve([job])
-            elif not jobs[0].done.done():
-                jobs[0].done.set_exception(e)
+            if len(pieces) > 1:
+                for piece in pieces:
+                    await self._serve([piece])
+            else:
+                job = pieces[0][0]
+                job.done.set_exception(e)
+                if job in self.jobs:  # its other pieces are not decoded
+                    self.jobs.remove(job)
+                    self.pending -= len(job.sentences) - job.taken
             return
         start = 0
-        for j in jobs:
-            end = start + len(j.sentences)
-            if not j.done.done():  # its client may have gone away
-                j.done.set_result(_answer(texts[start:end], hyps[start:end], j.nbest))
+        for job, lo, hi in pieces:
+            end = start + hi - lo
+            job.answers += _answer(texts[start:end], hyps[start:end], job.nbest)
+            if len(job.answers) == len(job.sentences) and not job.done.done():
+                job.done.set_result(job.answers)
             start = end
 
     def _decode(self, sentences: list[str], beam: int, nbest: int):
@@ -198,6 +222,11 @@ def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str
             raise ValueError(f'"{name}" must be an integer from 1 to {MAX_BEAM}')
     if nbest > beam:
         raise ValueError(f'"nbest" ({nbest}) exceeds "beam" ({beam})')
+    if len(text) * beam > config.max_hypotheses:
+        raise OverflowError(
+            f"{len(text)} sentences at beam {beam} are {len(text) * beam} hypotheses; the limit is "
+            f"{config.max_hypotheses} (--max-hypotheses): send fewer sentences or a narrower beam"
+        )
     return text, beam, nbest
 
 

@@ -384,6 +384,7 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
             (json.dumps({"text": [" ".join(["word"] * 10_000)]}).encode(), 400),
             (json.dumps({"text": ["x" * 100] * 300}).encode(), 413),
             (json.dumps({"text": ["y" * 1000] * 2000}).encode(), 413),  # 2 MB body
+            (json.dumps({"text": ["a"] * 100, "beam": 32}).encode(), 413),  # 3200 hypotheses
             (json.dumps({"text": ["a"] * 5}).encode(), 503),  # past --max-queue 4
         ]
         for body, status in refused:
@@ -485,8 +486,9 @@ def _in_process(decoder: StandIn, scenario, **config):
     async def run():
         async with TestServer(app) as server, ClientSession() as session:
 
-            async def post(text):
-                async with session.post(server.make_url("/translate"), json={"text": text}) as r:
+            async def post(text):  # the sentences, or the whole request
+                body = text if isinstance(text, dict) else {"text": text}
+                async with session.post(server.make_url("/translate"), json=body) as r:
                     return r.status, await r.json()
 
             async def get(path):
@@ -540,6 +542,39 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
     assert waiting[1]["queued"] == 1  # the slow one, still being decoded; "queued" has left
     assert after == (200, {"translations": ["AFTER"]})
     assert ["queued"] not in decoder.batches
+
+
+def test_a_short_request_waits_for_one_batch_behind_a_large_one():
+    """A large request is decoded in pieces, and the request served least goes first: short
+    requests that arrive while a 12-sentence one is being decoded are in the very next batches
+    (one at another beam, which cannot share a batch, in a batch of its own), and every request
+    gets its answers whole and in order."""
+    import asyncio
+
+    decoder = StandIn()
+    large = ["slow"] + [f"s{i}" for i in range(11)]
+
+    async def scenario(post, get):
+        first = asyncio.ensure_future(post(large))
+        while not decoder.batches:  # its first piece holds the decoder
+            await asyncio.sleep(0.01)
+        short = asyncio.ensure_future(post(["short"]))
+        while (await get("/health"))[1]["queued"] < 13:
+            await asyncio.sleep(0.01)
+        other = asyncio.ensure_future(post({"text": ["other"], "beam": 8}))
+        while (await get("/health"))[1]["queued"] < 14:
+            await asyncio.sleep(0.01)
+        decoder.release.set()
+        answered = await first, await short, await other
+        return (*answered, await post({"text": ["w1", "w2", "w3"], "beam": 16}))
+
+    first, short, other, wide = _in_process(decoder, scenario, max_batch=4, max_wait_ms=0)
+    # 4 sentences at the default beam 4 per batch; at beam 16, one.
+    assert decoder.batches[:5] == [large[:4], ["short", *large[4:7]], ["other"], large[7:11], large[11:]]
+    assert decoder.batches[5:] == [["w1"], ["w2"], ["w3"]]
+    assert first == (200, {"translations": [s.upper() for s in large]})
+    assert short == (200, {"translations": ["SHORT"]}) and other == (200, {"translations": ["OTHER"]})
+    assert wide == (200, {"translations": ["W1", "W2", "W3"]})
 
 
 def test_requests_nobody_waits_for_are_not_decoded_again():
