@@ -234,6 +234,9 @@ def serve(
         float,
         typer.Option(help="Seconds a request may wait and decode; beyond, 504 and it leaves the queue."),
     ] = 60.0,
+    read_timeout: Annotated[
+        float, typer.Option(help="Seconds to receive a request's body; beyond, 408 (a client that stalls).")
+    ] = 30.0,
     engine: EngineOption = "auto",
     device: DeviceOption = "auto",
     threads: ThreadsOption = 0,

@@ -337,6 +337,7 @@ class ServeConfig:
     max_body: int = 1 << 20  # bytes per request; beyond, 413
     shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
     request_timeout: float = 60.0  # seconds a request may take; then 504 and it leaves the queue
+    read_timeout: float = 30.0  # seconds to receive a request's body; then 408
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_sentences", "max_hypotheses", "max_chars", "max_body"):
@@ -344,8 +345,8 @@ class ServeConfig:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_wait_ms < 0 or not 0 <= self.port < 65536:
             raise NmtError("--max-wait-ms must not be negative, and --port within 0-65535")
-        if self.request_timeout <= 0:
-            raise NmtError("--request-timeout must be positive")
+        if self.request_timeout <= 0 or self.read_timeout <= 0:
+            raise NmtError("--request-timeout and --read-timeout must be positive")
 
 
 C = TypeVar("C")

@@ -241,9 +241,13 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
             # Nothing is decompressed: a small compressed body can expand to gigabytes.
             return error(web, 415, "compressed request bodies are not accepted: send plain JSON")
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), config.read_timeout)
         except web.HTTPRequestEntityTooLarge:
             return error(web, 413, f"the body exceeds {config.max_body} bytes")
+        except asyncio.TimeoutError:  # it promised more than it sends: the connection is not kept
+            response = error(web, 408, f"the body did not arrive within {config.read_timeout:g} s")
+            response.force_close()
+            return response
         try:
             text, beam, nbest = parse(body, config, translator.config.beam)
         except OverflowError as e:
@@ -311,13 +315,17 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
 
     async def main() -> None:
         # handler_cancellation: a request whose client disconnects is cancelled, so that it
-        # leaves the decoding queue (aiohttp's default since 3.9 lets it run on).
+        # leaves the decoding queue (aiohttp's default since 3.9 lets it run on). lingering_time:
+        # after answering a request whose body was not read whole, aiohttp reads on for this long
+        # before closing (10 s by default), so a client still sending sees the answer, not a
+        # reset; a client that stalls would keep its connection that long.
         runner = web.AppRunner(
             app,
             handle_signals=False,
             access_log=None,
             shutdown_timeout=config.shutdown_timeout,
             handler_cancellation=True,
+            lingering_time=1.0,
         )
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)

@@ -448,6 +448,30 @@ def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi3
         assert server.stop() == 0
 
 
+def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(package):
+    """--read-timeout: a client whose Content-Length promises more than it sends does not hold
+    its connection for ever."""
+    import socket
+
+    server = Server(package, "--read-timeout", "1")
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as stalling:
+            stalling.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"text": ["'
+            )
+            answer = b""
+            while chunk := stalling.recv(4096):  # until the server closes the connection
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        assert "did not arrive within 1 s" in json.loads(body)["error"]
+        assert server.post({"text": ["A dog runs."]})[0] == 200  # still serving
+    finally:
+        assert server.stop() == 0
+
+
 class StandIn:
     """Stands in for the translator in the server: fails on any batch holding "boom", waits for
     `release` on any holding "slow", and upper-cases the rest; records each batch."""
