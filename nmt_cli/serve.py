@@ -46,7 +46,7 @@ def require():
     return web
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity
 class Job:
     sentences: list[str]
     beam: int
@@ -61,7 +61,8 @@ Piece = tuple[Job, int, int]  # a job's sentences [lo, hi) in one decoding batch
 
 
 class Batcher:
-    """Gathers the sentences of concurrent requests into decoding batches, in arrival order."""
+    """Gathers the sentences of concurrent requests into decoding batches, the requests served
+    least first, large ones in pieces."""
 
     def __init__(self, translator: Translator, config: ServeConfig):
         self.translator, self.config = translator, config
