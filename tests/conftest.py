@@ -126,14 +126,12 @@ def multi30k_bpe(tmp_path_factory, multi30k_dir) -> Path:
     return prepared_multi30k(tmp_path_factory.mktemp("m30k-bpe"), 1000)
 
 
-@pytest.fixture(scope="session")
-def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
-    """Tagged back-translation's layout on real Multi30k lines: a clean corpus (3,000 pairs) and
-    one tagged '<bt>' of weight 2 (2,000 pairs), validation 300 pairs, binarized (vocabulary
-    1000); copy before use."""
+def multi30k_slices(multi30k_dir: Path, folder: Path) -> dict[tuple[str, str], Path]:
+    """Two training corpora and a validation set cut from Multi30k, as plain files in `folder`:
+    (key, lang) -> path, key "a" (training pairs 0-2,999), "b" (3,000-4,999), "v" (validation
+    0-299)."""
     import gzip
 
-    root = tmp_path_factory.mktemp("tagged")
     files = {}
     for key, (name, start, stop) in {
         "a": ("train", 0, 3000),
@@ -143,8 +141,18 @@ def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
         for lang in ("en", "de"):
             with gzip.open(multi30k_dir / f"{name}.{lang}.gz", "rt", encoding="utf-8") as f:
                 lines = f.read().splitlines()[start:stop]
-            files[key, lang] = root / f"{key}.{lang}"
+            files[key, lang] = folder / f"{key}.{lang}"
             files[key, lang].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return files
+
+
+@pytest.fixture(scope="session")
+def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
+    """Tagged back-translation's layout on real Multi30k lines: a clean corpus (3,000 pairs) and
+    one tagged '<bt>' of weight 2 (2,000 pairs), validation 300 pairs, binarized (vocabulary
+    1000); copy before use."""
+    root = tmp_path_factory.mktemp("tagged")
+    files = multi30k_slices(multi30k_dir, root)
     run_dir = root / "run"
     corpora = ["--train-src", files["a", "en"], "--train-tgt", files["a", "de"], "--tag", "", "--weight", "1"]
     corpora += [

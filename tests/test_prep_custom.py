@@ -3,7 +3,7 @@
 import gzip
 
 import pytest
-from conftest import one_error_line
+from conftest import multi30k_slices, one_error_line
 
 from nmt_cli.normalize import normalize
 from nmt_cli.prep import SeenPairs
@@ -223,18 +223,7 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
 
     from nmt_cli.engine.data import Split
 
-    def lines(name, lang, start, stop):
-        with gzip.open(multi30k_dir / f"{name}.{lang}.gz", "rt", encoding="utf-8") as f:
-            return f.read().splitlines()[start:stop]
-
-    files = {}
-    for key, (name, start, stop) in {
-        "a": ("train", 0, 3000),
-        "b": ("train", 3000, 5000),
-        "v": ("val", 0, 300),
-    }.items():
-        for lang in ("en", "de"):
-            files[key, lang] = write(tmp_path / f"{key}.{lang}", lines(name, lang, start, stop))
+    files = multi30k_slices(multi30k_dir, tmp_path)
     run = RunDir(tmp_path / "run")
     args = [
         "prep",
@@ -270,7 +259,7 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
     assert len(train) == na + nb
     assert not any(x.startswith("<bt>") for x in train[:na])
     assert all(x.startswith("<bt> ") and not x.startswith("<bt> <bt>") for x in train[na:])
-    assert train[na][len("<bt> ") :] == normalize(lines("train", "en", 3000, 3001)[0], "en")
+    assert train[na][len("<bt> ") :] == normalize(files["b", "en"].read_text().splitlines()[0], "en")
     assert not any(x.startswith("<bt>") for x in run.text("valid", "en").read_text().splitlines())
 
     assert nmt("bpe", "--run-dir", run.root, "--vocab-size", "1000").code == 0
