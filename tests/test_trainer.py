@@ -179,7 +179,12 @@ def test_an_interrupted_fine_tuning_resumes_from_its_own_checkpoint(trained_long
 
     def cmd(run_dir):
         return [
-            *_train_cmd(run_dir, 40)[:6],
+            sys.executable,
+            "-m",
+            "nmt_cli",
+            "train",
+            "--run-dir",
+            str(run_dir),
             *LONGER,
             "--max-steps",
             "40",
