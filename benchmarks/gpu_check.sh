@@ -30,8 +30,9 @@ case "${1:-all}" in
     2) CHECKS="prep compile gpus1 torchrun tests" ;;
     3) CHECKS="prep throughput" ;;
     4) CHECKS="prep gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
+    only) CHECKS="prep ${*:2}" ;;  # only prep and the checks named after it
     all) CHECKS="prep train resume fp16 fp32 average score precision compile gpus1 torchrun tests throughput gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [1|2|3|4|all]" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [1|2|3|4|all|only CHECK...]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1

@@ -413,6 +413,20 @@ def _tiny_trainer(run_dir, **options):
     return trainer.Trainer(config, RunDir(run_dir), state.Quiet())
 
 
+def test_compile_traces_the_model_once_for_every_batch_shape(run_copy, nmt):
+    """`--compile` on batches of changing shapes: one graph, traced once and never again (sizes
+    dynamic from the start), with no break in it (the CPU's own dropout is left to the compiler)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    result = nmt("train", "--run-dir", run_copy, *TINY, "--compile", "--max-steps", "8", "--eval-every", "4")
+    assert result.code == 0, result.err
+    assert counters["frames"]["ok"] == 1, dict(counters["frames"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("cpu_bf16", [True, False])
 def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatch, cpu_bf16):
     class Said(state.Quiet):

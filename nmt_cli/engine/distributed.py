@@ -96,7 +96,9 @@ class Group:
     def wrap(self, model: torch.nn.Module, device: torch.device, compile: bool = False) -> torch.nn.Module:
         """The model as training calls it: DDP across ranks, then torch.compile. That order is
         torch's own advice: compiling the DDP module lets it split the graph at gradient
-        buckets, so their all-reduce still overlaps the backward pass."""
+        buckets, so their all-reduce still overlaps the backward pass. Sizes are dynamic from the
+        start: batches change shape at every step, and compiling for the first batch's shape
+        only to compile again once sizes vary costs a second compile of the whole model."""
         if self.active:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -107,7 +109,7 @@ class Group:
             options = inspect.signature(DistributedDataParallel).parameters
             no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers"
             model = DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
-        return torch.compile(model) if compile else model
+        return torch.compile(model, dynamic=True) if compile else model
 
     def no_sync(self, model: torch.nn.Module):
         """Skip the gradient all-reduce (micro-batches before the last of an update)."""

@@ -41,10 +41,11 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     For F.dropout torch's CPU generator makes one draw per element, and the `small` preset spent
     a fifth of its training time there. Each 64-bit draw here gives four 16-bit lanes, an element
     is kept when its lane is at or above a threshold, and the scale is that of the probability
-    the threshold gives. GPUs keep F.dropout (Philox, fast)."""
+    the threshold gives. GPUs keep F.dropout (Philox, fast), and so does a compiled model, which
+    cannot trace `random_` and would break its graph at every dropout."""
     if not training or p == 0.0:
         return x
-    if p >= 1.0 or x.device.type != "cpu":
+    if p >= 1.0 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.dropout(x, p, training)
     threshold = round(p * 65536)
     n = x.numel()
