@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="*", default=["fp32", "bf16", "fp16"])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="then profile N sentences per precision"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,8 +79,26 @@ def main() -> None:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+        if args.profile:
+            _profile(translator, sources[: args.profile], precision)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
+
+
+def _profile(translator: Translator, sources: list[str], precision: str) -> None:
+    """The operators that take the time of decoding `sources`, on the host and on the device:
+    where a precision loses its speed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        translator.translate(sources)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    order = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"== {precision}: {len(sources)} sentences, by {order}", flush=True)
+    print(prof.key_averages().table(sort_by=order, row_limit=12), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
 
 
 if __name__ == "__main__":

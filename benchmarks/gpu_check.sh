@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: everything a GPU machine must prove, one PASS/FAIL line per check, then figures.
 #
-#   bash benchmarks/gpu_check.sh 1    # train base in bf16/fp16/fp32, resume, average, score
-#                                     # in each precision and on the CPU      (~6 min on an H100)
+#   bash benchmarks/gpu_check.sh 1    # train base in bf16/fp16/fp32, resume, average; decode
+#                                     # validation in each precision (with a profile), test2016
+#                                     # in fp32 on the GPU and on the CPU     (~8 min on an H100)
 #   bash benchmarks/gpu_check.sh 2    # --compile, --gpus 1 (launcher + NCCL), torchrun, and
 #                                     # tests/test_gpu.py                     (~6 min)
 #   bash benchmarks/gpu_check.sh 3    # the throughput benchmark: base and big in bf16, eager
@@ -26,12 +27,12 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/benchmarks/out/gpu_check}
 WORK=${NMT_GPU_WORK:-/tmp/nmt_gpu_check}
 case "${1:-all}" in
-    1) CHECKS="prep train resume fp16 fp32 average score precision" ;;
+    1) CHECKS="prep train resume fp16 fp32 average precision score" ;;
     2) CHECKS="prep compile gpus1 torchrun tests" ;;
     3) CHECKS="prep throughput" ;;
     4) CHECKS="prep gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
     only) CHECKS="prep ${*:2}" ;;  # only prep and the checks named after it
-    all) CHECKS="prep train resume fp16 fp32 average score precision compile gpus1 torchrun tests throughput gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
+    all) CHECKS="prep train resume fp16 fp32 average precision score compile gpus1 torchrun tests throughput gpus1_compile gpus1_bleu gpus1_sigterm rehearsal" ;;
     *) echo "usage: bash benchmarks/gpu_check.sh [1|2|3|4|all|only CHECK...]" >&2; exit 2 ;;
 esac
 mkdir -p "$OUT" "$WORK"
@@ -94,19 +95,18 @@ want resume && check resume bash -c "python3 -m nmt_cli train --run-dir '$WORK/t
 want fp16 && train_check fp16 300 --device cuda --precision fp16
 want fp32 && train_check fp32 300 --device cuda --precision fp32
 want average && check average python3 -m nmt_cli average --run-dir "$WORK/train" --last 5
-if want score; then  # the averaged bf16-trained model, decoded in each precision and on the CPU
-    for p in fp32 bf16 fp16; do
-        check "score_$p" python3 -m nmt_cli score --run-dir "$WORK/train" --device cuda \
-            --precision "$p" --json --metrics bleu,chrf
+# The choice of the default decoding precision is made on the validation set; the profile shows
+# where a slow precision loses its time.
+want precision && check precision python3 benchmarks/decode_precision.py "$WORK/train" \
+    --split valid --device cuda --profile 64 --out "$OUT/decode_precision.json"
+if want score; then  # the averaged bf16-trained model on test2016: GPU fp32 and the CPU, line by line
+    for p in fp32 cpu; do
+        device=cuda; [ $p = cpu ] && device=cpu
+        check "score_$p" python3 -m nmt_cli score --run-dir "$WORK/train" --device $device \
+            --precision fp32 --json --metrics bleu,chrf
         cp "$WORK/train/translations/test.de" "$OUT/test_$p.de" 2>/dev/null
     done
-    check score_cpu python3 -m nmt_cli score --run-dir "$WORK/train" --device cpu --json \
-        --metrics bleu,chrf
-    cp "$WORK/train/translations/test.de" "$OUT/test_cpu.de" 2>/dev/null
 fi
-# The choice of the default decoding precision is made on the validation set.
-want precision && check precision python3 benchmarks/decode_precision.py "$WORK/train" \
-    --split valid --device cuda --out "$OUT/decode_precision.json"
 
 want compile && train_check compile 300 --device cuda --precision bf16 --compile
 if want gpus1; then  # the launcher, a real NCCL group, checkpoints (RNG states gathered)

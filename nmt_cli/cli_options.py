@@ -33,9 +33,7 @@ CheckpointOption = Annotated[
     Optional[Path], typer.Option(help="Model file (default: the averaged model, else the latest checkpoint).")
 ]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-PrecisionOption = Annotated[
-    str, typer.Option(help="auto (fp32 on CPU, bf16 on GPU), fp32, bf16, fp16 (GPU).")
-]
+PrecisionOption = Annotated[str, typer.Option(help="auto (fp32), fp32, bf16, fp16 (GPU).")]
 Int8Option = Annotated[
     bool, typer.Option("--int8", help="int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
 ]

@@ -174,11 +174,17 @@ def resolve_device_name(name: str, gpu: bool) -> str:
     return name
 
 
-def resolve_precision(precision: str, device_type: str, cpu_bf16: bool = False) -> str:
-    """--precision on a device of `device_type` ("cpu", "cuda"): auto is bf16 on a GPU, and on a
-    CPU when `cpu_bf16` (the CPU has bf16 arithmetic and the caller gains from it), else fp32."""
+def resolve_precision(
+    precision: str, device_type: str, cpu_bf16: bool = False, decoding: bool = False
+) -> str:
+    """--precision on a device of `device_type` ("cpu", "cuda"). auto: on a GPU bf16 for training
+    and fp32 for decoding, where bf16 scored level with fp32 on the validation set but decoded
+    several times slower (benchmarks/decode_precision.py); on a CPU bf16 when `cpu_bf16` (it
+    has bf16 arithmetic and the caller gains from it), else fp32."""
     if precision == "auto":
-        return "bf16" if device_type == "cuda" or cpu_bf16 else "fp32"
+        if device_type == "cuda":
+            return "fp32" if decoding else "bf16"
+        return "bf16" if cpu_bf16 else "fp32"
     if precision == "fp16" and device_type != "cuda":
         raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
     return precision
@@ -300,7 +306,7 @@ class TranslateConfig:
     batch_size: int = 32  # sentences per batch
     chunk: int = 10_000  # lines read (and held) at a time
     device: str = "auto"
-    precision: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    precision: str = "auto"  # auto: fp32 (resolve_precision)
     int8: bool = False  # int8 weights, through CTranslate2
     engine: str = "auto"  # nmt or ctranslate2; auto: nmt, but ctranslate2 for an export or --int8
     threads: int = 0

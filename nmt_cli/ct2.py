@@ -131,7 +131,7 @@ class Engine:
         elif config.precision == "auto" and model.ct2_dir is not None:
             compute_type = "default"  # the export's own type
         else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
-            compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind)]
+            compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind, decoding=True)]
         threads = config.threads or cpus()
         self._tmp = None
         where = model.ct2_dir

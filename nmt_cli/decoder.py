@@ -43,7 +43,7 @@ class Engine:
             torch.set_num_threads(config.threads)
         self.threads = torch.get_num_threads()
         self.device = resolve_device(config.device)
-        precision = resolve_precision(config.precision, self.device.type)
+        precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
     def search(
