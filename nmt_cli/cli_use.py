@@ -237,6 +237,16 @@ def serve(
     read_timeout: Annotated[
         float, typer.Option(help="Seconds to receive a request's body; beyond, 408 (a client that stalls).")
     ] = 30.0,
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a connection may stay without a request (its head must arrive whole "
+            "within them); beyond, it is closed."
+        ),
+    ] = 10.0,
+    max_connections: Annotated[
+        int, typer.Option(help="Connections open at once; beyond, a new one gets 503 and is closed.")
+    ] = 1000,
     engine: EngineOption = "auto",
     device: DeviceOption = "auto",
     threads: ThreadsOption = 0,

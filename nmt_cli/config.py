@@ -344,15 +344,25 @@ class ServeConfig:
     shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
     request_timeout: float = 60.0  # seconds a request may take; then 504 and it leaves the queue
     read_timeout: float = 30.0  # seconds to receive a request's body; then 408
+    header_timeout: float = 10.0  # seconds a connection may be without a request; then closed
+    max_connections: int = 1000  # open at once; beyond, a new one gets 503
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "max_sentences", "max_hypotheses", "max_chars", "max_body"):
+        for name in (
+            "max_batch",
+            "max_queue",
+            "max_sentences",
+            "max_hypotheses",
+            "max_chars",
+            "max_body",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_wait_ms < 0 or not 0 <= self.port < 65536:
             raise NmtError("--max-wait-ms must not be negative, and --port within 0-65535")
-        if self.request_timeout <= 0 or self.read_timeout <= 0:
-            raise NmtError("--request-timeout and --read-timeout must be positive")
+        if min(self.request_timeout, self.read_timeout, self.header_timeout) <= 0:
+            raise NmtError("--request-timeout, --read-timeout and --header-timeout must be positive")
 
 
 C = TypeVar("C")

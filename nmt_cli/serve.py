@@ -14,7 +14,10 @@ Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches
 A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
 the queue (a batch already being decoded finishes); a batch that fails is decoded again request
 by request, so only the request that fails gets the error. /health says whether the decoding
-loop runs. SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
+loop runs. A connection with no request in progress is closed after `header_timeout`, so a
+request's head must arrive whole within it (a client sending half a head and waiting, slowloris,
+holds nothing); past `max_connections` open, a new one gets 503 and is closed.
+SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
 """
 
 from __future__ import annotations
@@ -182,6 +185,86 @@ class Batcher:
         return self.translator.texts(hyps), hyps
 
 
+class Connections:
+    """The service's protocol factory: every open connection, at most `limit` of them, each
+    closed once it has had no request in progress for `idle` seconds.
+
+    aiohttp bounds a body's read (we do, with read_timeout) and an idle keep-alive, but not a
+    request head that never ends: its handler starts only once the head is whole. So idleness is
+    counted from the connection's start or its last answer, and data arriving does not reset
+    it. Each connection is aiohttp's own protocol behind a thin proxy that sees it open and close."""
+
+    _BODY = b'{"error": "too many connections: retry shortly"}'
+    REFUSAL = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
+    )
+
+    def __init__(self, limit: int, idle: float):
+        self.limit, self.idle = limit, idle
+        self.factory = None  # aiohttp's protocol factory (AppRunner.server), once set up
+        self.open: dict = {}  # transport -> its _Connection
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Connection(self)
+
+    def started(self, transport) -> None:
+        """A request's head has arrived (its handler runs)."""
+        if transport in self.open:
+            self.open[transport].busy += 1
+
+    def finished(self, transport) -> None:
+        if transport in self.open:
+            connection = self.open[transport]
+            connection.busy -= 1
+            connection.since = time.monotonic()
+
+    async def watch(self) -> None:
+        """Close the connections idle too long, checking a few times per `idle`."""
+        while True:
+            await asyncio.sleep(min(1.0, self.idle / 4))
+            late = time.monotonic() - self.idle
+            for transport, connection in list(self.open.items()):
+                if not connection.busy and connection.since < late:
+                    transport.close()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, connections: Connections):
+        self.connections, self.inner, self.transport = connections, None, None
+        self.busy, self.since = 0, time.monotonic()
+
+    def connection_made(self, transport) -> None:
+        if len(self.connections.open) >= self.connections.limit:
+            transport.write(Connections.REFUSAL)
+            transport.close()
+            return
+        self.transport = transport
+        self.connections.open[transport] = self
+        self.inner = self.connections.factory()
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc) -> None:
+        self.connections.open.pop(self.transport, None)
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+
 def _answer(texts: list[list[str]], hyps, nbest: int) -> list:
     if nbest == 1:
         return [t[0] for t in texts]
@@ -231,7 +314,9 @@ def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str
     return text, beam, nbest
 
 
-def make_app(translator: Translator, model: Model, config: ServeConfig):
+def make_app(
+    translator: Translator, model: Model, config: ServeConfig, connections: Connections | None = None
+):
     web = require()
     app = web.Application(client_max_size=config.max_body)
     batcher_key = web.AppKey("batcher", Batcher)
@@ -301,7 +386,17 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
         task.cancel()
         batcher.decoder.shutdown(wait=True)
 
+    @web.middleware
+    async def in_progress(request, handler):  # a connection with a request running is not idle
+        connections.started(request.transport)
+        try:
+            return await handler(request)
+        finally:
+            connections.finished(request.transport)
+
     app.middlewares.append(json_errors)
+    if connections is not None:
+        app.middlewares.append(in_progress)
     app.cleanup_ctx.append(batching)
     app.router.add_post("/translate", translate)
     app.router.add_get("/health", health)
@@ -312,7 +407,8 @@ def make_app(translator: Translator, model: Model, config: ServeConfig):
 def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) -> None:
     web = require()
     translator = Translator(model, translate_config)
-    app = make_app(translator, model, config)
+    connections = Connections(_connection_limit(config.max_connections), config.header_timeout)
+    app = make_app(translator, model, config, connections)
 
     async def main() -> None:
         # handler_cancellation: a request whose client disconnects is cancelled, so that it
@@ -329,21 +425,40 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
             lingering_time=1.0,
         )
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port)
-        try:
-            await site.start()
+        connections.factory = runner.server
+        loop = asyncio.get_running_loop()
+        try:  # not web.TCPSite: it would hand connections to aiohttp's protocol unwatched
+            server = await loop.create_server(connections, config.host, config.port, reuse_address=True)
         except OSError as e:
             await runner.cleanup()
             raise NmtError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
-        host, port = runner.addresses[0][:2]
+        watch = loop.create_task(connections.watch())
+        host, port = server.sockets[0].getsockname()[:2]
         ui.say(f"serving {model.where} ({translator.engine}) on http://{host}:{port}")
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         ui.say("stopping: no new connections; answering the requests in flight")
-        await runner.cleanup()
+        server.close()
+        await runner.cleanup()  # answers the requests in flight, then closes their connections
+        watch.cancel()
         ui.say("stopped")
 
     asyncio.run(main())
+
+
+def _connection_limit(wanted: int) -> int:
+    """`wanted`, or fewer where the process may not open that many files (each connection is
+    one; a margin is kept for the model's files and the listening socket)."""
+    import resource
+
+    margin = 64
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted + margin:
+        soft = wanted + margin if hard == resource.RLIM_INFINITY else min(hard, wanted + margin)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < wanted + margin:
+        ui.say(f"--max-connections {wanted} lowered to {soft - margin}: the open-file limit is {soft}")
+        return max(1, soft - margin)
+    return wanted

@@ -472,6 +472,44 @@ def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(package)
         assert server.stop() == 0
 
 
+def test_connections_without_a_whole_request_are_closed_and_their_number_capped(package):
+    """--header-timeout and --max-connections (slowloris): connections that send half a request
+    head, and go on sending bits of it, are closed once the timeout passes; past the cap a new
+    connection gets a JSON 503 and is closed; then the service answers as before."""
+    import socket
+
+    server = Server(package, "--header-timeout", "1", "--max-connections", "6")
+    port = int(server.url.rsplit(":", 1)[1])
+    stalled = []
+    try:
+        for _ in range(6):
+            stalled.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            stalled[-1].sendall(b"POST /translate HTTP/1.1\r\nHost: localhost\r\n")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+            answer = b""
+            while chunk := extra.recv(4096):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer
+        assert json.loads(body) == {"error": "too many connections: retry shortly"}
+        start = time.monotonic()
+        time.sleep(0.5)
+        for s in stalled:  # data arriving does not count as a request
+            s.sendall(b"X-Slow: 1\r\n")
+        for s in stalled:
+            try:
+                assert s.recv(4096) == b""  # closed by the server
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - start < 4
+        assert server.get("/health")[0] == 200
+        assert server.post({"text": ["A dog runs."]})[0] == 200
+    finally:
+        for s in stalled:
+            s.close()
+        assert server.stop() == 0
+
+
 class StandIn:
     """Stands in for the translator in the server: fails on any batch holding "boom", waits for
     `release` on any holding "slow", and upper-cases the rest; records each batch."""
