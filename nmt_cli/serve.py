@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 from collections import deque
@@ -220,9 +221,9 @@ class Connections:
             connection.since = time.monotonic()
 
     async def watch(self) -> None:
-        """Close the connections idle too long, checking a few times per `idle`."""
+        """Close the connections idle too long, checking four times a second (or per `idle`)."""
         while True:
-            await asyncio.sleep(min(1.0, self.idle / 4))
+            await asyncio.sleep(min(0.25, self.idle / 4))
             late = time.monotonic() - self.idle
             for transport, connection in list(self.open.items()):
                 if not connection.busy and connection.since < late:
@@ -425,7 +426,7 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
             lingering_time=1.0,
         )
         await runner.setup()
-        connections.factory = runner.server
+        connections.factory = _json_errors(runner.server)
         loop = asyncio.get_running_loop()
         try:  # not web.TCPSite: it would hand connections to aiohttp's protocol unwatched
             server = await loop.create_server(connections, config.host, config.port, reuse_address=True)
@@ -446,6 +447,46 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
         ui.say("stopped")
 
     asyncio.run(main())
+
+
+def _json_errors(server):
+    """aiohttp's protocol factory `server`, its protocols answering the requests its HTTP parser
+    refuses (malformed request lines and headers, before any handler or middleware) with a JSON
+    error too, and logging each in one line instead of a traceback."""
+    from http import HTTPStatus
+
+    from aiohttp import web, web_protocol
+
+    class JsonErrors(web_protocol.RequestHandler):
+        __slots__ = ()  # the same layout: an instance of aiohttp's class can become one
+
+        def handle_error(self, request, status=500, exc=None, message=None):
+            super().handle_error(request, status, exc, message)  # its checks and its log line
+            what = getattr(exc, "message", None) or exc or HTTPStatus(status).phrase
+            text = " ".join(str(what).split())
+            response = web.json_response({"error": text[:300]}, status=status)
+            response.force_close()
+            return response
+
+    log = logging.getLogger("aiohttp.server")
+    log.handlers[:] = [_OneLine()]
+    log.propagate = False
+
+    def factory():
+        protocol = server()
+        protocol.__class__ = JsonErrors
+        return protocol
+
+    return factory
+
+
+class _OneLine(logging.Handler):
+    """A log record as one line on stderr: its message and its exception's, no traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        detail = f": {type(exc).__name__}: {' '.join(str(exc).split())[:300]}" if exc else ""
+        ui.say(f"{record.getMessage()}{detail}")
 
 
 def _connection_limit(wanted: int) -> int:

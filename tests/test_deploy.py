@@ -402,6 +402,19 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
         got, answer, _ = server.post(bomb, **{"Content-Encoding": "gzip"})
         assert got == 415 and "compressed" in answer["error"]
         assert server.get("/nowhere")[0] == 404 and server.get("/translate")[0] == 405
+        # What aiohttp's HTTP parser refuses before any handler: JSON too, one line on stderr.
+        import socket
+
+        port = int(server.url.rsplit(":", 1)[1])
+        for raw in (b"GARBAGE\r\n\r\n", b"POST /translate HTTP/1.1\r\nno colon\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
+                s.sendall(raw)
+                answer = b""
+                while chunk := s.recv(4096):
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.0 400") and b"application/json" in head, answer
+            assert set(json.loads(body)) == {"error"}
         assert server.post({"text": ["A dog runs."]})[0] == 200  # still serving
     finally:
         assert server.stop() == 0
