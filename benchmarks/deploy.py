@@ -1,5 +1,5 @@
 """Benchmarks of a deployed model: fidelity and speed of the CTranslate2 engine, the latency of
-streaming translate, and `nmt serve` under load. Each part prints JSON lines and a markdown row.
+streaming translate. Each part prints JSON lines and a markdown row.
 
     python benchmarks/deploy.py fidelity RUN [--split test]
         RUN's model through nmt (fp32) and CTranslate2 exports (float32, int8): lines equal to
@@ -13,11 +13,8 @@ streaming translate, and `nmt serve` under load. Each part prints JSON lines and
         One line written into an open `nmt translate` pipe: seconds until its answer (median
         of 20). Then a file of the first --lines training sentences, this code against revision REV's
         (alternating), seconds each.
-    python benchmarks/deploy.py serve RUN [--clients 16] [--requests 2000] [--ct2 int8]
-        `nmt serve` on RUN's model exported (--ct2: as a CTranslate2 export of that
-        quantization), with and without dynamic batching: a bounded load
-        generator (each client one request at a time, 1-8 sentences each) reports requests/s,
-        sentences/s, p50/p99 latency, and checks every answer against `nmt translate`'s.
+
+`nmt serve` under load: benchmarks/serve_load.py.
 """
 
 from __future__ import annotations
@@ -25,17 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import select
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,125 +244,20 @@ def latency(args, work: Path) -> None:
         subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
 
 
-def load(
-    url: str, requests: list[list[str]], expected: dict[str, str], clients: int
-) -> tuple[float, list[float], list[str], list[int]]:
-    """`clients` threads send `requests`, each one at a time; the seconds it took, each
-    answered request's latency, the failures, and the requests answered wrongly."""
-    todo, lock = list(enumerate(requests)), threading.Lock()
-    latencies: list[float] = []
-    failed: list[str] = []
-    wrong: list[int] = []
-
-    def client() -> None:
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i, sentences = todo.pop()
-            body = json.dumps({"text": sentences}).encode()
-            start = time.perf_counter()
-            try:
-                with urllib.request.urlopen(
-                    urllib.request.Request(url + "/translate", data=body, method="POST"), timeout=300
-                ) as r:
-                    answer = json.loads(r.read())["translations"]
-            except Exception as e:  # noqa: BLE001 - counted and reported
-                failed.append(f"{i}: {e}")
-                continue
-            latencies.append(time.perf_counter() - start)
-            if answer != [expected[s] for s in sentences]:
-                wrong.append(i)
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - start, latencies, failed, wrong
-
-
-def serve(args, work: Path) -> None:
-    models = exports(args.run, work, ct2=bool(args.ct2))
-    served = models[args.ct2] if args.ct2 else models["package"]
-    src, _ = split_files(args.run, "valid")
-    pool = src.read_text(encoding="utf-8").splitlines()[:500]
-    (work / "pool.txt").write_text("\n".join(pool) + "\n", encoding="utf-8")
-    nmt(
-        "translate",
-        "--model",
-        str(served),
-        "--threads",
-        str(args.threads),
-        stdin=work / "pool.txt",
-        stdout=work / "pool.out",
-    )
-    expected = dict(zip(pool, (work / "pool.out").read_text(encoding="utf-8").split("\n")))
-    rng = random.Random(0)
-    requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.requests)]
-    print(
-        f"cpu: {cpu_name()}; {args.clients} clients, {len(requests)} requests, "
-        f"{sum(map(len, requests))} sentences"
-    )
-    for batching in (["--max-wait-ms", "5"], ["--no-batching"]):
-        proc = subprocess.Popen(
-            [
-                *NMT,
-                "serve",
-                "--model",
-                str(served),
-                "--port",
-                "0",
-                "--threads",
-                str(args.threads),
-                *batching,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            cwd=ROOT,
-        )
-        url = "http://127.0.0.1:" + re.search(rb":(\d+)", proc.stderr.readline()).group(1).decode()
-        seconds, latencies, failed, wrong = load(url, requests, expected, args.clients)
-        proc.terminate()
-        proc.wait(60)
-        q = statistics.quantiles(latencies, n=100)
-        row = {
-            "batching": batching[0] != "--no-batching",
-            "requests": len(latencies),
-            "failed": len(failed),
-            "wrong": len(wrong),
-            "seconds": round(seconds, 1),
-            "requests_per_s": round(len(latencies) / seconds, 1),
-            "sentences_per_s": round(sum(map(len, requests)) / seconds, 1),
-            "p50_ms": round(q[49] * 1000),
-            "p99_ms": round(q[98] * 1000),
-        }
-        print(json.dumps(row), flush=True)
-        print(
-            f"| {' '.join(batching)} | {row['requests_per_s']} | {row['sentences_per_s']} | "
-            f"{row['p50_ms']} | {row['p99_ms']} | {row['failed']} | {row['wrong']} |",
-            flush=True,
-        )
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["fidelity", "speed", "latency", "serve"])
+    ap.add_argument("part", choices=["fidelity", "speed", "latency"])
     ap.add_argument("run", type=Path, help="a run directory with a trained, averaged model")
     ap.add_argument("--split", default="test")
     ap.add_argument("--shape", default=None, help="speed: a preset shape, random weights")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--old", default="8390ef8", help="latency: the revision to compare with")
     ap.add_argument("--lines", type=int, default=10_000)
-    ap.add_argument("--clients", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--ct2", choices=["float32", "int8"], help="serve: a CTranslate2 export instead")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-deploy-"))
     try:
-        {"fidelity": fidelity, "speed": speed, "latency": latency, "serve": serve}[args.part](args, work)
+        {"fidelity": fidelity, "speed": speed, "latency": latency}[args.part](args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

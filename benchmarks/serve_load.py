@@ -1,0 +1,363 @@
+"""`nmt serve` under honest, greedy, stalling and hostile clients, and a SIGTERM under load
+(localhost only; every loop is bounded). Prints JSON lines and markdown rows.
+
+    python benchmarks/serve_load.py RUN [--clients 16] [--requests 1500] [--ct2 int8] [--stalled 500]
+
+RUN's model is exported (--ct2: then as a CTranslate2 export of that quantization) and served
+with the default settings, a fresh server for each part:
+
+- honest: `--clients` threads, each one request at a time of 1-8 validation sentences, with
+  dynamic batching and without: requests/s, sentences/s, p50/p99 latency; every answer is
+  checked against `nmt translate`'s.
+- greedy: the same honest load beside one client that sends the largest request allowed (256
+  of the longest sentences at beam 8: --max-hypotheses) again and again: the honest p99
+  against the honest part's (target: within 2x), none lost, none wrong.
+- stalled: `--stalled` connections that send half a request head and wait; /health and one
+  honest request must answer within 1 s, and the server closes the stalled ones within
+  --header-timeout.
+- hostile: a list of bad requests (malformed HTTP, nested JSON, wrong types, huge and
+  compressed bodies, invalid UTF-8, control characters, options out of range), each with the
+  status it must get; then /health and an honest request.
+- sigterm: SIGTERM while the honest clients send: every request sent is answered (200) or
+  refused (503), and the process is gone within the drain deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import cpu_name  # noqa: E402
+from benchmarks.deploy import NMT, exports, nmt, split_files  # noqa: E402
+
+GREEDY_BEAM = 8
+
+
+class Server:
+    """`nmt serve` on `model` in a process of its own."""
+
+    def __init__(self, model: Path, *options: str):
+        self.proc = subprocess.Popen(
+            [*NMT, "serve", "--model", str(model), "--port", "0", *options],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        self.port = int(re.search(rb":(\d+)", self.proc.stderr.readline()).group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> float:
+        """SIGTERM; the seconds until the process is gone."""
+        start = time.perf_counter()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(120)
+        finally:
+            self.proc.kill()
+        return time.perf_counter() - start
+
+
+def post(url: str, body: bytes, timeout: float = 300, **headers: str) -> tuple[int, dict]:
+    request = urllib.request.Request(url + "/translate", data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def load(url: str, requests: list[list[str]], expected: dict[str, str], clients: int, stop=None) -> dict:
+    """`clients` threads send `requests`, each one at a time. Returns the seconds it took, each
+    answered request's latency, the statuses of those not answered, and the wrong answers."""
+    todo, lock = list(enumerate(requests)), threading.Lock()
+    out: dict = {"latencies": [], "refused": [], "lost": [], "wrong": 0}
+
+    def client() -> None:
+        while not (stop and stop.is_set()):
+            with lock:
+                if not todo:
+                    return
+                i, sentences = todo.pop()
+            start = time.perf_counter()
+            try:
+                status, answer = post(url, json.dumps({"text": sentences}).encode())
+            except urllib.error.URLError as e:
+                # Refused at connect: the server no longer listens; the request was never in flight.
+                key = "refused" if isinstance(e.reason, ConnectionRefusedError) else "lost"
+                out[key].append(str(e.reason))
+                continue
+            except Exception as e:  # noqa: BLE001 - a request sent and never answered
+                out["lost"].append(repr(e))
+                continue
+            if status != 200:
+                out["refused" if status == 503 else "lost"].append(status)
+                continue
+            out["latencies"].append(time.perf_counter() - start)
+            if answer["translations"] != [expected[s] for s in sentences]:
+                out["wrong"] += 1
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def summary(part: str, result: dict, sentences: int) -> dict:
+    q = statistics.quantiles(result["latencies"], n=100)
+    return {
+        "part": part,
+        "answered": len(result["latencies"]),
+        "refused_503": len(result["refused"]),
+        "lost": len(result["lost"]),
+        "unlike_nmt_translate": result["wrong"],
+        "requests_per_s": round(len(result["latencies"]) / result["seconds"], 1),
+        "sentences_per_s": round(sentences / result["seconds"], 1),
+        "p50_ms": round(q[49] * 1000),
+        "p99_ms": round(q[98] * 1000),
+    }
+
+
+def honest(served: Path, requests, expected, clients: int) -> dict:
+    rows = {}
+    for name, options in (("honest", ["--max-wait-ms", "5"]), ("honest, --no-batching", ["--no-batching"])):
+        server = Server(served, *options)
+        try:
+            rows[name] = summary(name, load(server.url, requests, expected, clients), sum(map(len, requests)))
+        finally:
+            server.stop()
+        print(json.dumps(rows[name]), flush=True)
+    return rows["honest"]
+
+
+def greedy(served: Path, requests, expected, clients: int, pool: list[str], baseline: dict) -> None:
+    largest = sorted(pool, key=len, reverse=True)[:256]
+    body = json.dumps({"text": largest, "beam": GREEDY_BEAM}).encode()
+    server = Server(served)
+    stop, greedy_answers = threading.Event(), []
+
+    def hog() -> None:
+        while not stop.is_set():
+            status, _ = post(server.url, body)
+            greedy_answers.append(status)
+
+    try:
+        hogging = threading.Thread(target=hog)
+        hogging.start()
+        time.sleep(1.0)  # its first request is queued before the honest ones
+        result = load(server.url, requests, expected, clients)
+        stop.set()
+        hogging.join()
+    finally:
+        server.stop()
+    row = summary("honest beside one greedy client", result, sum(map(len, requests)))
+    row["greedy_requests_answered"] = greedy_answers.count(200)
+    row["p99_vs_honest_alone"] = round(row["p99_ms"] / baseline["p99_ms"], 2)
+    print(json.dumps(row), flush=True)
+
+
+def stalled(served: Path, count: int, probe: list[str], expected: dict[str, str]) -> None:
+    server = Server(served)
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            s.sendall(b"POST /translate HTTP/1.1\r\nHost: localhost\r\n")
+            sockets.append(s)
+        opened = time.perf_counter()
+        start = time.perf_counter()
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            health = (r.status, time.perf_counter() - start)
+        start = time.perf_counter()
+        status, answer = post(server.url, json.dumps({"text": probe}).encode(), timeout=30)
+        translate = (
+            status,
+            time.perf_counter() - start,
+            answer.get("translations") == [expected[s] for s in probe],
+        )
+        closed = 0
+        for s in sockets:
+            try:
+                closed += s.recv(1) == b""
+            except (ConnectionResetError, TimeoutError):
+                pass
+        all_closed_s = time.perf_counter() - opened
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+    row = {
+        "part": f"{count} stalled connections",
+        "health_status": health[0],
+        "health_ms": round(health[1] * 1000),
+        "translate_status": translate[0],
+        "translate_ms": round(translate[1] * 1000),
+        "translate_right": translate[2],
+        "stalled_closed_by_server": closed,
+        "all_closed_after_s": round(all_closed_s, 1),
+    }
+    print(json.dumps(row), flush=True)
+
+
+def raw(port: int, data: bytes) -> int:
+    """The status of the answer to `data` sent as is."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer:
+                break
+    return int(answer.split(b" ", 2)[1])
+
+
+def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
+    ok = json.dumps({"text": probe}).encode()
+    many = json.dumps({"text": ["a"] * 300}).encode()
+    wide = json.dumps({"text": ["a"] * 256, "beam": 32}).encode()
+    cases = [  # (what, the status it must get, how it is sent, what is sent)
+        ("malformed request line", 400, "raw", b"GARBAGE\r\n\r\n"),
+        ("header line without a colon", 400, "raw", b"POST /translate HTTP/1.1\r\nnocolon\r\n\r\n"),
+        ("nested JSON, 5,000 deep", 400, "post", b'{"text": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+        ("not JSON", 400, "post", b"{text"),
+        ("text not a list", 400, "post", b'{"text": "a"}'),
+        ("text of numbers", 400, "post", b'{"text": [1, 2]}'),
+        ("empty text", 400, "post", b'{"text": []}'),
+        ("unknown field", 400, "post", b'{"text": ["a"], "beem": 4}'),
+        ("invalid UTF-8", 400, "post", b'{"text": ["\xff\xfe"]}'),
+        ("raw control character in a string", 400, "post", b'{"text": ["a\x01b"]}'),
+        ("beam 0", 400, "post", b'{"text": ["a"], "beam": 0}'),
+        ("beam 1000", 400, "post", b'{"text": ["a"], "beam": 1000}'),
+        ("beam 4.5", 400, "post", b'{"text": ["a"], "beam": 4.5}'),
+        ("nbest above beam", 400, "post", b'{"text": ["a"], "beam": 2, "nbest": 3}'),
+        ("a sentence of 100,000 characters", 400, "post", json.dumps({"text": ["a" * 100_000]}).encode()),
+        ("300 sentences", 413, "post", many),
+        ("256 sentences at beam 32", 413, "post", wide),
+        ("a body of 2 MB", 413, "post", b'{"text": ["' + b"a" * (2 << 20) + b'"]}'),
+        ("a gzip body", 415, "gzip", ok),
+        ("GET /translate", 405, "get", "/translate"),
+        ("unknown path", 404, "get", "/nothing"),
+    ]
+    server = Server(served)
+    wrong = []
+    try:
+        for name, want, how, what in cases:
+            try:
+                if how == "raw":
+                    got = raw(server.port, what)
+                elif how == "get":
+                    got = urlopen_status(server.url + what)
+                else:
+                    headers = {"Content-Encoding": "gzip"} if how == "gzip" else {}
+                    got = post(server.url, what, **headers)[0]
+            except Exception as e:  # noqa: BLE001 - reported as a failure of the case
+                got = repr(e)
+            if got != want:
+                wrong.append(f"{name}: {got}, not {want}")
+        health = urlopen_status(server.url + "/health")
+        status, answer = post(server.url, ok)
+        right = status == 200 and answer["translations"] == [expected[s] for s in probe]
+        alive = server.proc.poll() is None
+    finally:
+        server.stop()
+    row = {
+        "part": "hostile requests",
+        "cases": len(cases),
+        "right_status": len(cases) - len(wrong),
+        "wrong": wrong,
+        "health_after": health,
+        "honest_after_right": right,
+        "alive": alive,
+    }
+    print(json.dumps(row), flush=True)
+
+
+def urlopen_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def sigterm(served: Path, requests, expected, clients: int) -> None:
+    server = Server(served)
+    result: dict = {}
+    sender = threading.Thread(target=lambda: result.update(load(server.url, requests, expected, clients)))
+    sender.start()
+    time.sleep(3.0)
+    gone_s = server.stop()
+    sender.join()
+    row = {
+        "part": "SIGTERM under load",
+        "answered": len(result["latencies"]),
+        "refused": len(result["refused"]),
+        "lost": len(result["lost"]),
+        "lost_examples": result["lost"][:3],
+        "unlike_nmt_translate": result["wrong"],
+        "process_gone_after_s": round(gone_s, 1),
+        "exit_code": server.proc.returncode,
+    }
+    print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run", type=Path, help="a run directory with a trained, averaged model")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--stalled", type=int, default=500)
+    ap.add_argument("--ct2", choices=["float32", "int8"], help="a CTranslate2 export instead")
+    ap.add_argument("--parts", nargs="*", default=["honest", "greedy", "stalled", "hostile", "sigterm"])
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="nmt-serve-load-"))
+    try:
+        models = exports(args.run, work, ct2=bool(args.ct2))
+        served = models[args.ct2] if args.ct2 else models["package"]
+        pool = split_files(args.run, "valid")[0].read_text(encoding="utf-8").splitlines()[:500]
+        (work / "pool.txt").write_text("\n".join(pool) + "\n", encoding="utf-8")
+        nmt("translate", "--model", str(served), stdin=work / "pool.txt", stdout=work / "pool.out")
+        expected = dict(zip(pool, (work / "pool.out").read_text(encoding="utf-8").split("\n")))
+        rng = random.Random(0)
+        requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.requests)]
+        print(
+            f"cpu: {cpu_name()}; model {served.name}; {args.clients} clients, {len(requests)} "
+            f"requests, {sum(map(len, requests))} sentences",
+            flush=True,
+        )
+        baseline = None
+        if "honest" in args.parts or "greedy" in args.parts:
+            baseline = honest(served, requests, expected, args.clients)
+        if "greedy" in args.parts:
+            greedy(served, requests, expected, args.clients, pool, baseline)
+        if "stalled" in args.parts:
+            stalled(served, args.stalled, pool[:3], expected)
+        if "hostile" in args.parts:
+            hostile(served, pool[:3], expected)
+        if "sigterm" in args.parts:
+            sigterm(served, requests, expected, args.clients)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
