@@ -14,9 +14,9 @@ Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches
 A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
 the queue (a batch already being decoded finishes); a batch that fails is decoded again request
 by request, so only the request that fails gets the error. /health says whether the decoding
-loop runs. A connection with no request in progress is closed after `header_timeout`, so a
-request's head must arrive whole within it (a client sending half a head and waiting, slowloris,
-holds nothing); past `max_connections` open, a new one gets 503 and is closed.
+loop runs. A connection with no request in progress is closed after `header_timeout` (408 if it
+sent part of one), so a request's head must arrive whole within it (a client sending half a head
+and waiting, slowloris, holds nothing); past `max_connections` open, a new one gets 503.
 SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
 """
 
@@ -188,21 +188,18 @@ class Batcher:
 
 class Connections:
     """The service's protocol factory: every open connection, at most `limit` of them, each
-    closed once it has had no request in progress for `idle` seconds.
+    closed once it has had no request in progress for `idle` seconds (with a 408 if it had sent
+    part of one).
 
     aiohttp bounds a body's read (we do, with read_timeout) and an idle keep-alive, but not a
     request head that never ends: its handler starts only once the head is whole. So idleness is
     counted from the connection's start or its last answer, and data arriving does not reset
     it. Each connection is aiohttp's own protocol behind a thin proxy that sees it open and close."""
 
-    _BODY = b'{"error": "too many connections: retry shortly"}'
-    REFUSAL = (
-        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
-    )
-
     def __init__(self, limit: int, idle: float):
         self.limit, self.idle = limit, idle
+        self.refusal = _raw_json(503, "Service Unavailable", "too many connections: retry shortly")
+        self.late = _raw_json(408, "Request Timeout", f"the request's head did not arrive within {idle:g} s")
         self.factory = None  # aiohttp's protocol factory (AppRunner.server), once set up
         self.open: dict = {}  # transport -> its _Connection
 
@@ -218,7 +215,7 @@ class Connections:
         if transport in self.open:
             connection = self.open[transport]
             connection.busy -= 1
-            connection.since = time.monotonic()
+            connection.since, connection.partial = time.monotonic(), False
 
     async def watch(self) -> None:
         """Close the connections idle too long, checking four times a second (or per `idle`)."""
@@ -227,6 +224,8 @@ class Connections:
             late = time.monotonic() - self.idle
             for transport, connection in list(self.open.items()):
                 if not connection.busy and connection.since < late:
+                    if connection.partial:
+                        transport.write(self.late)
                     transport.close()
 
 
@@ -234,10 +233,11 @@ class _Connection(asyncio.Protocol):
     def __init__(self, connections: Connections):
         self.connections, self.inner, self.transport = connections, None, None
         self.busy, self.since = 0, time.monotonic()
+        self.partial = False  # bytes arrived since the last answer
 
     def connection_made(self, transport) -> None:
         if len(self.connections.open) >= self.connections.limit:
-            transport.write(Connections.REFUSAL)
+            transport.write(self.connections.refusal)
             transport.close()
             return
         self.transport = transport
@@ -246,6 +246,7 @@ class _Connection(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        self.partial = True
         if self.inner is not None:
             self.inner.data_received(data)
 
@@ -264,6 +265,16 @@ class _Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.inner is not None:
             self.inner.resume_writing()
+
+
+def _raw_json(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP response with a JSON error, for a connection no handler serves."""
+    body = json.dumps({"error": message}).encode()
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n%s\r\n%s"
+        % (status, reason.encode(), len(body), b"Retry-After: 1\r\n" if status == 503 else b"", body)
+    )
 
 
 def _answer(texts: list[list[str]], hyps, nbest: int) -> list:
