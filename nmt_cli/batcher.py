@@ -1,0 +1,155 @@
+"""The decoding queue of `nmt serve`: requests gathered into batches by one decoding thread,
+the requests served least first, large ones in pieces; each request's answers in order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from nmt_cli.config import ServeConfig
+from nmt_cli.translate import Translator
+
+
+@dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity
+class Job:
+    sentences: list[str]
+    beam: int
+    nbest: int
+    done: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+    taken: int = 0  # sentences handed to the decoder so far
+    answers: list = field(default_factory=list)  # the answers of the pieces decoded, in order
+
+
+Piece = tuple[Job, int, int]  # a job's sentences [lo, hi) in one decoding batch
+
+
+class Batcher:
+    """Gathers the sentences of concurrent requests into decoding batches, the requests served
+    least first, large ones in pieces."""
+
+    def __init__(self, translator: Translator, config: ServeConfig):
+        self.translator, self.config = translator, config
+        self.jobs: deque[Job] = deque()
+        self.pending = 0  # sentences queued or being decoded
+        self.arrived = asyncio.Event()
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
+
+    def submit(self, sentences: list[str], beam: int, nbest: int) -> asyncio.Future | None:
+        """The future of the job's answer, or None when the queue is full."""
+        if self.pending + len(sentences) > self.config.max_queue:
+            return None
+        job = Job(sentences, beam, nbest, asyncio.get_running_loop().create_future())
+        self.jobs.append(job)
+        self.pending += len(sentences)
+        self.arrived.set()
+        return job.done
+
+    def withdraw(self, done: asyncio.Future) -> None:
+        """The job of `done` leaves the queue undecoded (its client went away); a piece of it that
+        is being decoded finishes, unanswered."""
+        done.cancel()
+        for job in self.jobs:
+            if job.done is done:
+                self.jobs.remove(job)
+                self.pending -= len(job.sentences) - job.taken
+                return
+
+    def _next(self) -> Job:
+        """The job served least so far (then the oldest): a short request waits for at most the
+        batch being decoded, however large the requests queued before it."""
+        return min(self.jobs, key=lambda j: (j.taken, j.arrived))
+
+    def _take(self) -> list[Piece]:
+        """One decoding batch: pieces of the jobs with the next job's settings, least served
+        first, up to `max_batch` sentences at the default beam (fewer at a wider beam, so that
+        every batch is about as much work)."""
+        first = self._next()
+        budget = self.config.max_batch * self.translator.config.beam  # hypotheses
+        pieces: list[Piece] = []
+        same = [j for j in self.jobs if (j.beam, j.nbest) == (first.beam, first.nbest)]
+        for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
+            if pieces and (not self.config.batching or budget < job.beam):
+                break
+            n = min(len(job.sentences) - job.taken, max(1, budget // job.beam))
+            pieces.append((job, job.taken, job.taken + n))
+            job.taken += n
+            budget -= n * job.beam
+            if job.taken == len(job.sentences):
+                self.jobs.remove(job)
+        return pieces
+
+    def _ready(self) -> bool:
+        waited = time.monotonic() - self._next().arrived
+        queued = sum(len(j.sentences) - j.taken for j in self.jobs)
+        return (
+            not self.config.batching
+            or queued >= self.config.max_batch
+            or waited * 1000 >= self.config.max_wait_ms
+        )
+
+    async def run(self) -> None:
+        while True:
+            while not self.jobs:
+                self.arrived.clear()
+                await self.arrived.wait()
+            while self.jobs and not self._ready():
+                self.arrived.clear()
+                left = self.config.max_wait_ms / 1000 - (time.monotonic() - self._next().arrived)
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), timeout=max(left, 0.0))
+                except asyncio.TimeoutError:
+                    pass
+            if not self.jobs:
+                continue
+            pieces = self._take()
+            try:
+                await self._serve(pieces)
+            finally:
+                self.pending -= sum(hi - lo for _, lo, hi in pieces)
+
+    async def _serve(self, pieces: list[Piece]) -> None:
+        """Decode `pieces` as one batch and answer each job whose last piece this is; if the
+        batch fails, each piece alone (a job whose piece fails gets the error and leaves). Jobs
+        nobody waits for any more (client gone, deadline passed) are not decoded."""
+        pieces = [p for p in pieces if not p[0].done.done()]
+        if not pieces:
+            return
+        loop = asyncio.get_running_loop()
+        sentences = [s for job, lo, hi in pieces for s in job.sentences[lo:hi]]
+        first = pieces[0][0]
+        try:
+            texts, hyps = await loop.run_in_executor(
+                self.decoder, self._decode, sentences, first.beam, first.nbest
+            )
+        except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
+            if len(pieces) > 1:
+                for piece in pieces:
+                    await self._serve([piece])
+            else:
+                job = pieces[0][0]
+                job.done.set_exception(e)
+                if job in self.jobs:  # its other pieces are not decoded
+                    self.jobs.remove(job)
+                    self.pending -= len(job.sentences) - job.taken
+            return
+        start = 0
+        for job, lo, hi in pieces:
+            end = start + hi - lo
+            job.answers += _answer(texts[start:end], hyps[start:end], job.nbest)
+            if len(job.answers) == len(job.sentences) and not job.done.done():
+                job.done.set_result(job.answers)
+            start = end
+
+    def _decode(self, sentences: list[str], beam: int, nbest: int):
+        hyps = self.translator.hypotheses(sentences, beam, nbest)
+        return self.translator.texts(hyps), hyps
+
+
+def _answer(texts: list[list[str]], hyps, nbest: int) -> list:
+    if nbest == 1:
+        return [t[0] for t in texts]
+    return [[{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
