@@ -2,7 +2,7 @@
 with different --seed values (one training of each toolkit per seed, the same hour).
 
 One draw compares one training of each toolkit, and its paired bootstrap resamples sentences,
-not trainings: a seed alone moves nmt's validation BLEU by 0.7-1.4 (seed_noise.py). With two or
+not trainings: a seed alone moves nmt's validation BLEU by 0.7-1.4 (docs/benchmarks.md). With two or
 more draws this prints, from the translations each draw kept (OUT/hyps) and nothing else:
 
 1. each draw's gap (nmt - fairseq) and its p, as vs_fairseq_quality.py recorded them;

@@ -176,8 +176,8 @@ def dropout_encoding(run: RunDir, lang: str, p: float, seed: int, epoch: int) ->
     seeded alike, two processes get different encodings (sentencepiece 0.2.x), so the merge
     loop is done here, on sentencepiece's pieces and scores, word by word (its BPE never merges
     across a word's leading U+2581); at p = 0 it gives sentencepiece's encoding exactly. Encoded
-    on the fly, not from pre-sampled copies: 3.8 s for both sides of Multi30k, 4.3% of an epoch
-    (benchmarks/bpe_dropout.py), and no number of epochs is fixed ahead."""
+    on the fly, not from pre-sampled copies: a small share of an epoch's time, and no number of
+    epochs is fixed ahead."""
     sp = load(run)
     tags = {sp.piece_to_id(tag) for tag in corpus_tags(run.load_manifest()["prep"])}
     dropout = _Dropout(sp, p, random.Random(f"{seed}/{epoch}/{lang}"), tags)

@@ -45,8 +45,7 @@ PRESETS: dict[str, dict] = {
     # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
     # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
     # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to
-    # convergence, while in a 2-core CPU hour (~36 epochs at 1024-token batches) 0.2 led 0.3 by
-    # 1.7 validation BLEU at equal time (docs/benchmarks.md).
+    # convergence, while in a 2-core CPU hour 0.2 led 0.3 on validation at equal time.
     "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
                  dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
     "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,
@@ -217,7 +216,7 @@ class TrainConfig:
     max_steps: int = 100_000  # 0: no limit
     max_epochs: int = 0  # 0: no limit
     max_time: float = 0.0  # minutes; 0: no limit
-    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    precision: str = "auto"  # auto: resolve_precision
     eval_every: int = 1000
     eval_bleu: bool = False  # also log greedy BLEU of the validation set
     patience: int = 0  # evaluations without improvement; 0: off

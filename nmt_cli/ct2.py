@@ -141,9 +141,8 @@ class Engine:
             save(model, where)
         try:
             # On a CPU, `threads` workers of one thread each decode `threads` batches at once:
-            # CTranslate2's threads within one batch scale poorly on small matrices (2 cores,
-            # int8: the quality model's 1000 test sentences in 0.9 s this way, 5.1 s with two
-            # threads on each batch). The workers share the weights.
+            # CTranslate2's threads within one batch scale poorly on small matrices
+            # (docs/benchmarks.md). The workers share the weights.
             cpu = kind == "cpu"
             self.translator = ct2.Translator(
                 str(where),

@@ -53,9 +53,8 @@ class Engine:
         batch; outputs at most a * |X| + b tokens.
 
         On a CPU, up to `threads` batches are decoded at once, one thread each: a decoding
-        step's matrices are too small for threads to share one well (2 cores, end to end:
-        the quality model's 1000 test sentences 1.12x as fast, base shape 1.18x, a 10,000-line
-        file 1.20x; benchmarks/deploy.py). The models are only read; each search has its own cache."""
+        step's matrices are too small for threads to share one well (benchmarks/deploy.py). The
+        models are only read; each search has its own cache."""
 
         def one(batch: list[list[int]]) -> list[list[Hypothesis]]:
             src = torch.from_numpy(pad_sources(batch)).to(self.device)

@@ -34,9 +34,8 @@ def widen_onednn_cache(capacity: int = 16384) -> None:
     bf16 matrix products on a CPU go through oneDNN, which compiles a kernel for every shape, and
     length-bucketed batches bring hundreds of shapes, each with a dozen products forward and
     backward. With 1,024 kept, kernels were evicted and compiled again, and a bf16 step grew
-    slower over the run (on an Intel Xeon with AMX, the Multi30k recipe's 4,500 target tokens/s
-    fell to 3,300-3,600 within an hour, below fp32; with 16,384 it kept pace with fp32 there,
-    docs/benchmarks.md). oneDNN reads the variable once, at its first kernel, so this must run
+    slower over the run, below fp32 on an Intel Xeon with AMX; with 16,384 it kept pace
+    (docs/benchmarks.md). oneDNN reads the variable once, at its first kernel, so this must run
     before any computation; a value the user set stays."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
@@ -47,10 +46,9 @@ def keep_large_blocks_in_heap() -> bool:
     glibc maps every block over its mmap threshold (32 MiB at most) afresh and unmaps it when
     freed, so each step's (tokens x vocabulary) logits, their gradient and other large tensors
     are page-faulted in anew every step on a CPU. With the threshold at 1 GiB (and freed memory
-    kept rather than trimmed) they reuse the heap: 1.14-1.25x the tokens per second of a
-    4096-token training step, 1.04x at 1024 tokens, at the same peak memory
-    (benchmarks/malloc_ab.py). Process-wide; False where the C library is not glibc (macOS,
-    musl), which is then left as it is."""
+    kept rather than trimmed) they reuse the heap: faster steps at the same peak memory
+    (docs/benchmarks.md). Process-wide; False where the C library is not glibc (macOS, musl),
+    which is then left as it is."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt

@@ -8,10 +8,9 @@ from torch import Tensor, nn
 from nmt_cli.engine.model import Transformer
 
 # Decoding on the CPU. A step multiplies a few hundred rows at most by each weight, and there
-# torch's F.linear (MKL) ran at 60-110 GFLOP/s, while oneDNN's GEMM on a weight reordered once
-# into its own blocked layout ran at 120-135 (2 threads; base's 512 x 32000 output projection:
-# 71 -> 36 ms at 128 rows, 22 -> 8.5 ms at 12; docs/benchmarks.md). On small weights the call
-# costs more than it saves (d 128's 256 x 128 FFN: 0.12 -> 0.15 ms), hence PACK_MIN.
+# oneDNN's GEMM on a weight reordered once into its own blocked layout is faster than torch's
+# F.linear (MKL) (docs/benchmarks.md). On small weights the call costs more than it saves,
+# hence PACK_MIN.
 PACK_MIN = 2**17  # weight elements
 
 

@@ -72,9 +72,8 @@ class Trainer:
             widen_onednn_cache()
         if not self.dist.is_main:  # rank 0 alone talks, logs and writes
             self.reporter = reporter = Quiet()
-        # bf16 training on a CPU with bf16 arithmetic makes ~1.45x the updates at the same loss
-        # per update with AVX512_BF16 (AMD), as many as fp32 with AMX (Intel) on the Multi30k
-        # recipe and more on larger shapes (docs/benchmarks.md); decoding stays fp32, faster there.
+        # bf16 training on a CPU with bf16 arithmetic makes more updates at the same loss per
+        # update (docs/benchmarks.md); decoding stays fp32, faster there.
         self.precision = resolve_precision(config.precision, self.device.type, cpu_has_bf16())
         if config.precision == "auto" and self.device.type == "cpu" and self.precision == "bf16":
             reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
