@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, cpu_name  # noqa: E402
 
-from nmt_cli.config import ModelConfig  # noqa: E402
+from nmt_cli.config import DecodeOptions, ModelConfig  # noqa: E402
 from nmt_cli.engine import beam  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.packing import pack_for_cpu  # noqa: E402
@@ -91,7 +91,9 @@ def nmt_decode(
         for r, s in enumerate(chunk):
             src[r, : len(s)] = torch.tensor(s)
             src[r, len(s)] = EOS
-        hyps = beam.translate(model, src, beam=4, max_len_a=0.0, max_len_b=length + 1, use_cache=cache)
+        hyps = beam.translate(
+            model, src, DecodeOptions(beam=4, max_len_a=0.0, max_len_b=length + 1), use_cache=cache
+        )
         tokens += sum(len(h[0].tokens) for h in hyps)
     seconds = time.perf_counter() - start
     name = f"nmt {'cached' if cache else 'uncached'} {str(dtype).replace('torch.', '')}{label}"

@@ -4,6 +4,7 @@ the requests served least first, large ones in pieces; each request's answers in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +69,7 @@ class Batcher:
         first, up to `max_batch` sentences at the default beam (fewer at a wider beam, so that
         every batch is about as much work)."""
         first = self._next()
-        budget = self.config.max_batch * self.translator.config.beam  # hypotheses
+        budget = self.config.max_batch * self.translator.config.decode.beam  # hypotheses
         pieces: list[Piece] = []
         same = [j for j in self.jobs if (j.beam, j.nbest) == (first.beam, first.nbest)]
         for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
@@ -145,7 +146,8 @@ class Batcher:
             start = end
 
     def _decode(self, sentences: list[str], beam: int, nbest: int):
-        hyps = self.translator.hypotheses(sentences, beam, nbest)
+        options = dataclasses.replace(self.translator.config.decode, beam=beam, nbest=nbest)
+        hyps = self.translator.hypotheses(sentences, options)
         return self.translator.texts(hyps), hyps
 
 

@@ -265,6 +265,9 @@ def _config_of(cls, ctx: typer.Context):
     import dataclasses
 
     given = {f.name: ctx.params[f.name] for f in dataclasses.fields(cls) if f.name in ctx.params}
+    for f in dataclasses.fields(cls):  # a config within the config (TranslateConfig.decode)
+        if dataclasses.is_dataclass(f.default):
+            given[f.name] = _config_of(type(f.default), ctx)
     return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
 
 

@@ -294,13 +294,31 @@ ENGINES = ("auto", "nmt", "ctranslate2")
 
 
 @dataclass(frozen=True)
-class TranslateConfig:
-    checkpoint: str | None = None  # default: the averaged model, else the latest checkpoint
+class DecodeOptions:
+    """How a search decodes: one object carried from the CLI, the server and the Python entry
+    points through either backend to the search. A new decoding option is a field here, its use
+    in engine/beam.py and its mapping (or refusal) in ct2.py."""
+
     beam: int = 4
-    alpha: float = 0.6
+    alpha: float = 0.6  # length penalty ((5 + |Y|) / 6) ** alpha (GNMT)
     max_len_a: float = 1.0  # output length <= a * source length + b
     max_len_b: int = 50
     nbest: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("beam", "nbest"):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name} must be at least 1")
+        if self.nbest > self.beam:
+            raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
+        if self.alpha < 0 or self.max_len_a < 0 or self.max_len_b < 0:
+            raise NmtError("--alpha, --max-len-a and --max-len-b must not be negative")
+
+
+@dataclass(frozen=True)
+class TranslateConfig:
+    checkpoint: str | None = None  # default: the averaged model, else the latest checkpoint
+    decode: DecodeOptions = DecodeOptions()
     max_tokens: int = 4096  # padded source tokens per batch
     batch_size: int = 32  # sentences per batch
     chunk: int = 10_000  # lines read (and held) at a time
@@ -311,13 +329,9 @@ class TranslateConfig:
     threads: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("beam", "nbest", "max_tokens", "batch_size", "chunk"):
+        for name in ("max_tokens", "batch_size", "chunk"):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.nbest > self.beam:
-            raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
-        if self.alpha < 0 or self.max_len_a < 0 or self.max_len_b < 0:
-            raise NmtError("--alpha, --max-len-a and --max-len-b must not be negative")
         if self.precision not in PRECISIONS:
             raise NmtError(f"unknown --precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.int8 and self.precision not in ("auto", "fp32"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmt_cli.config import TranslateConfig, resolve_device_name, resolve_precision
+from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.errors import NmtError
 from nmt_cli.package import CT2, SETTINGS, Model, settings, writing
@@ -161,11 +161,10 @@ class Engine:
         self.ceiling = model.config.max_positions - 1
 
     def search(
-        self, batches: list[list[list[int]]], beam: int, alpha: float, a: float, b: int, nbest: int
+        self, batches: list[list[list[int]]], options: DecodeOptions
     ) -> Iterator[list[list[Hypothesis]]]:
-        """nmt's beam search on each of `batches` (source ids without EOS), outputs of at most
-        a * |X| + b tokens; the batches are all handed over at once, so that every worker has
-        one, and their answers come back in order.
+        """nmt's beam search on each of `batches` (source ids without EOS); the batches are all
+        handed over at once, so that every worker has one, and their answers come back in order.
 
         CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
         Its search ranks by the raw log-probability and applies the penalty only to finished
@@ -173,6 +172,7 @@ class Engine:
         One call has one length limit, the batch's largest (nmt's is each sentence's own; the
         batches hold sentences of close lengths, and a trained model rarely meets its limit).
         """
+        beam, a, b = options.beam, options.max_len_a, options.max_len_b
         pending = [
             self.translator.translate_batch(
                 [[self.pieces[i] for i in x] for x in batch],
@@ -188,7 +188,7 @@ class Engine:
             for batch in batches
         ]
         for results in pending:
-            yield [self.ranked(r.result(), alpha, nbest) for r in results]
+            yield [self.ranked(r.result(), options.alpha, options.nbest) for r in results]
 
     def ranked(self, result, alpha: float, nbest: int) -> list[Hypothesis]:
         hyps = []

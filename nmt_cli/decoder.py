@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from nmt_cli.config import TranslateConfig, resolve_precision
+from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
 from nmt_cli.engine import beam
 from nmt_cli.engine.device import resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis
@@ -47,10 +47,10 @@ class Engine:
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
     def search(
-        self, batches: list[list[list[int]]], beam_size: int, alpha: float, a: float, b: int, nbest: int
+        self, batches: list[list[list[int]]], options: DecodeOptions
     ) -> Iterator[list[list[Hypothesis]]]:
-        """The `nbest` best of each sentence of each batch (source ids without EOS), batch by
-        batch; outputs at most a * |X| + b tokens.
+        """The `options.nbest` best of each sentence of each batch (source ids without EOS),
+        batch by batch.
 
         On a CPU, up to `threads` batches are decoded at once, one thread each: a decoding
         step's matrices are too small for threads to share one well (benchmarks/deploy.py). The
@@ -58,9 +58,7 @@ class Engine:
 
         def one(batch: list[list[int]]) -> list[list[Hypothesis]]:
             src = torch.from_numpy(pad_sources(batch)).to(self.device)
-            return beam.translate(
-                self.models, src, beam=beam_size, alpha=alpha, max_len_a=a, max_len_b=b, nbest=nbest
-            )
+            return beam.translate(self.models, src, options)
 
         workers = min(self.threads, len(batches)) if self.device.type == "cpu" else 1
         if workers < 2:

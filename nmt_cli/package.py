@@ -231,9 +231,9 @@ def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -
 
 def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
     from nmt_cli import __version__
-    from nmt_cli.config import TranslateConfig
+    from nmt_cli.config import DecodeOptions
 
-    d = TranslateConfig()
+    d = DecodeOptions()
     return {
         "format": fmt,
         "version": VERSION,

@@ -111,7 +111,7 @@ def make_app(
             response.force_close()
             return response
         try:
-            text, beam, nbest = parse(body, config, translator.config.beam)
+            text, beam, nbest = parse(body, config, translator.config.decode.beam)
         except OverflowError as e:
             return error(web, 413, str(e))
         except ValueError as e:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, TextIO
 
-from nmt_cli.config import TranslateConfig
+from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis
 from nmt_cli.errors import NmtError
 from nmt_cli.normalize import normalize
@@ -109,20 +109,14 @@ class Translator:
         if batch:
             yield batch
 
-    def hypotheses(
-        self, lines: list[str], beam_size: int | None = None, nbest: int | None = None
-    ) -> list[list[Hypothesis]]:
-        """The nbest hypotheses of each line; an empty line gets empty ones. `beam_size` and
-        `nbest` override the config's for this call."""
-        c = dataclasses.replace(
-            self.config, beam=beam_size or self.config.beam, nbest=nbest or self.config.nbest
-        )
+    def hypotheses(self, lines: list[str], options: DecodeOptions | None = None) -> list[list[Hypothesis]]:
+        """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
+        the config's for this call."""
+        options = options or self.config.decode
         ids = self.encode(lines)
-        out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * c.nbest for _ in lines]
+        out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         batches = list(self.batches(ids))
-        found = self.decoder.search(
-            [[ids[i] for i in b] for b in batches], c.beam, c.alpha, c.max_len_a, c.max_len_b, c.nbest
-        )
+        found = self.decoder.search([[ids[i] for i in b] for b in batches], options)
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h
@@ -137,7 +131,7 @@ class Translator:
         """One output line per input line (nbest > 1: nbest lines each)."""
         hyps = self.hypotheses(lines)
         texts = self.texts(hyps)
-        if self.config.nbest == 1:
+        if self.config.decode.nbest == 1:
             return [t[0] for t in texts]
         first = self.counts.lines
         return [

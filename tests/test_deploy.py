@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import one_error_line
 
-from nmt_cli.config import TranslateConfig
+from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.package import from_dir
 from nmt_cli.translate import Translator
@@ -191,8 +191,10 @@ def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi3
     every hypothesis there with an EOS, CTranslate2 cuts it (docs/guide.md)."""
     lines = sources_of(multi30k_bpe)[:300]
     for beam, nbest in ((4, 4), (1, 1)):
-        ours = Translator(from_dir(package), TranslateConfig(beam=beam, nbest=nbest))
-        theirs = Translator(from_dir(exported["float32"]), TranslateConfig(beam=beam, nbest=nbest))
+        ours = Translator(from_dir(package), TranslateConfig(decode=DecodeOptions(beam=beam, nbest=nbest)))
+        theirs = Translator(
+            from_dir(exported["float32"]), TranslateConfig(decode=DecodeOptions(beam=beam, nbest=nbest))
+        )
         assert theirs.engine == "ctranslate2"
         a, b = ours.hypotheses(lines), theirs.hypotheses(lines)
         limits = max_lengths([len(x) for x in ours.encode(lines)], 1.0, 50, 1023)
@@ -535,7 +537,7 @@ class StandIn:
         self.batches: list = []
         self.release = threading.Event()
 
-    def hypotheses(self, sentences, beam, nbest):
+    def hypotheses(self, sentences, options):
         self.batches.append(list(sentences))
         if "slow" in sentences:
             self.release.wait(DEADLINE)

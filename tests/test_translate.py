@@ -200,7 +200,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     import sentencepiece as spm
     import torch
 
-    from nmt_cli.config import TranslateConfig
+    from nmt_cli.config import DecodeOptions, TranslateConfig
     from nmt_cli.engine import beam
     from nmt_cli.package import locate
     from nmt_cli.translate import Translator
@@ -219,7 +219,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
             expected.append("")
             continue
         src = torch.tensor([sp.encode(line) + [beam.EOS]])
-        expected.append(sp.decode(beam.translate(models, src, max_len_b=6)[0][0].tokens))
+        expected.append(sp.decode(beam.translate(models, src, DecodeOptions(max_len_b=6))[0][0].tokens))
     assert both.out.split("\n")[:-1] == expected
     alone = nmt("translate", "--model", last, *FAST, stdin=stdin)
     twice = nmt("translate", "--model", last, "--model", last, *FAST, stdin=stdin)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nmt_cli.config import DecodeOptions
 from nmt_cli.engine.cache import DecoderCache
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.engine.model import Transformer
@@ -206,22 +207,19 @@ def greedy(
 def translate(
     model: Transformer | Sequence[Transformer],
     src: Tensor,
-    beam: int = 4,
-    alpha: float = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
-    nbest: int = 1,
+    options: DecodeOptions = DecodeOptions(),
     use_cache: bool = True,
 ) -> list[list[Hypothesis]]:
-    """Translate a padded (B, S) batch of source ids (with EOS); `nbest` hypotheses each.
+    """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
     encoder output and cache, and a step's log-probs are the mean of theirs."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     src_lengths = (src != PAD).sum(1).tolist()
     ceiling = min(m.config.max_positions for m in models) - 1
-    max_lens = max_lengths([n - 1 for n in src_lengths], max_len_a, max_len_b, ceiling)
-    k = 1 if beam == 1 else beam
+    o = options
+    max_lens = max_lengths([n - 1 for n in src_lengths], o.max_len_a, o.max_len_b, ceiling)
+    k = o.beam
     parts = [_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models]
     if len(parts) == 1:
         step, reorder = parts[0]
@@ -234,9 +232,9 @@ def translate(
             for _, own in parts:
                 own(indices)
 
-    if beam == 1 and nbest == 1:
-        return greedy(step, reorder, max_lens, alpha, src.device)
-    return search(step, reorder, max_lens, k, alpha, nbest, src.device)
+    if o.beam == 1 and o.nbest == 1:
+        return greedy(step, reorder, max_lens, o.alpha, src.device)
+    return search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device)
 
 
 def _decoder(

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from nmt_cli.config import ModelConfig
-from nmt_cli.engine.beam import beam_step, choose, greedy, length_penalty, search, translate
+from nmt_cli.config import DecodeOptions, ModelConfig
+from nmt_cli.engine.beam import _decoder, beam_step, choose, greedy, length_penalty, search, translate
+from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.engine.model import Transformer
 from nmt_cli.shards import BOS, EOS, PAD
 
@@ -148,8 +149,8 @@ SRC = torch.tensor(
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cached_equals_uncached(beam):
     m = model()
-    a = translate(m, SRC, beam=beam, max_len_b=12, nbest=1)
-    b = translate(m, SRC, beam=beam, max_len_b=12, nbest=1, use_cache=False)
+    a = translate(m, SRC, DecodeOptions(beam=beam, max_len_b=12, nbest=1))
+    b = translate(m, SRC, DecodeOptions(beam=beam, max_len_b=12, nbest=1), use_cache=False)
     for x, y in zip(a, b):
         assert x[0].tokens == y[0].tokens
         assert x[0].score == pytest.approx(y[0].score, abs=1e-5)
@@ -157,9 +158,15 @@ def test_cached_equals_uncached(beam):
 
 def test_beam_one_equals_greedy():
     m = model()
-    fast = translate(m, SRC, beam=1, max_len_b=12)
-    slow = translate(m, SRC, beam=1, max_len_b=12, use_cache=False)  # the prefix rerun each step
-    beam1 = translate(m, SRC, beam=1, max_len_b=12, nbest=2)  # nbest > 1 takes the beam path
+    fast = translate(m, SRC, DecodeOptions(beam=1, max_len_b=12))
+    slow = translate(
+        m, SRC, DecodeOptions(beam=1, max_len_b=12), use_cache=False
+    )  # the prefix rerun each step
+    # The beam search itself with one beam (translate takes the greedy path at beam 1).
+    lens = max_lengths([int((r != PAD).sum()) - 1 for r in SRC], 1.0, 12, m.config.max_positions - 1)
+    with torch.no_grad():
+        step, reorder = _decoder(m, SRC, 1, max(lens) + 1, True)
+        beam1 = search(step, reorder, lens, 1, DecodeOptions().alpha)
     for f, s, b in zip(fast, slow, beam1):
         assert f[0].tokens == s[0].tokens == b[0].tokens
         assert f[0].score == pytest.approx(s[0].score, abs=1e-5)
@@ -168,10 +175,10 @@ def test_beam_one_equals_greedy():
 
 def test_batched_equals_alone():
     m = model()
-    batched = translate(m, SRC, beam=4, max_len_b=12)
+    batched = translate(m, SRC, DecodeOptions(beam=4, max_len_b=12))
     for i in range(len(SRC)):
         row = SRC[i : i + 1, : int((SRC[i] != PAD).sum())]
-        alone = translate(m, row, beam=4, max_len_b=12)
+        alone = translate(m, row, DecodeOptions(beam=4, max_len_b=12))
         assert alone[0][0].tokens == batched[i][0].tokens
         assert alone[0][0].score == pytest.approx(batched[i][0].score, abs=1e-5)
 
@@ -199,7 +206,7 @@ def test_search_reads_the_device_once_per_step(beam):
     m = model()
     steps = count_decoding_steps(m)
     with host_reads() as reads:
-        translate(m, SRC, beam=beam, max_len_b=12)
+        translate(m, SRC, DecodeOptions(beam=beam, max_len_b=12))
     assert steps["n"] >= 5
     assert reads["n"] <= steps["n"] + 1, (reads, steps)  # + the source lengths
 
@@ -224,7 +231,7 @@ def test_an_ensemble_averages_the_log_probabilities_of_its_models():
     models = [_random_model(1, 16), _random_model(2, 24)]
     src = torch.tensor([[5, 6, 7, 8, EOS], [9, 10, EOS, PAD, PAD]])
     # Greedy, against a reference that reruns both models on the whole prefix at every step.
-    got = translate(models, src, beam=1, max_len_a=0.0, max_len_b=6)
+    got = translate(models, src, DecodeOptions(beam=1, max_len_a=0.0, max_len_b=6))
     for i, hyps in enumerate(got):
         prefix = torch.tensor([[BOS]])
         total = 0.0
@@ -239,7 +246,9 @@ def test_an_ensemble_averages_the_log_probabilities_of_its_models():
         assert hyps[0].tokens == prefix[0, 1:].tolist()
         assert hyps[0].score == pytest.approx(total / length_penalty(len(prefix[0]), 0.6), abs=1e-4)
     # Beam 4: each hypothesis's score is the sum of its tokens' mean log-probs, penalised.
-    for i, hyps in enumerate(translate(models, src, beam=4, alpha=0.6, max_len_a=0.0, max_len_b=6, nbest=4)):
+    for i, hyps in enumerate(
+        translate(models, src, DecodeOptions(beam=4, alpha=0.6, max_len_a=0.0, max_len_b=6, nbest=4))
+    ):
         one = src[i : i + 1, : int((src[i] != PAD).sum())]
         for h in hyps:
             tokens = torch.tensor([[BOS, *h.tokens]])
@@ -249,6 +258,6 @@ def test_an_ensemble_averages_the_log_probabilities_of_its_models():
             ]
             assert h.score == pytest.approx(sum(steps) / length_penalty(len(h.tokens) + 1, 0.6), abs=1e-4)
     # One model twice is that model.
-    alone = translate(models[0], src, beam=4, max_len_b=6, nbest=2)
-    twice = translate([models[0], models[0]], src, beam=4, max_len_b=6, nbest=2)
+    alone = translate(models[0], src, DecodeOptions(beam=4, max_len_b=6, nbest=2))
+    twice = translate([models[0], models[0]], src, DecodeOptions(beam=4, max_len_b=6, nbest=2))
     assert [[h.tokens for h in hs] for hs in twice] == [[h.tokens for h in hs] for hs in alone]
