@@ -40,7 +40,7 @@ from nmt_cli.config import DecodeOptions, ModelConfig  # noqa: E402
 from nmt_cli.engine import beam  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.packing import pack_for_cpu  # noqa: E402
-from nmt_cli.shards import EOS, PAD  # noqa: E402
+from nmt_cli.vocab import EOS, PAD  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data"))

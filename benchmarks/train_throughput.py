@@ -239,8 +239,9 @@ def padding_share() -> float | None:
     run = ROOT / "benchmarks" / "out" / "multi30k"
     if not (run / "data" / "train.en.idx").exists():
         return None
-    from nmt_cli.shards import Shard, make_batches
-    from nmt_cli.shards import padding_share as share
+    from nmt_cli.engine.data import make_batches
+    from nmt_cli.engine.data import padding_share as share
+    from nmt_cli.shards import Shard
 
     s = Shard(run / "data" / "train.en").lengths + 1
     t = Shard(run / "data" / "train.de").lengths + 1

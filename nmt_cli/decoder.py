@@ -10,13 +10,13 @@ import torch
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
 from nmt_cli.engine import beam
+from nmt_cli.engine.data import pad_sources
 from nmt_cli.engine.device import resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
 from nmt_cli.package import Model
-from nmt_cli.shards import pad_sources
 
 
 def load_model(model: Model, device: torch.device, precision: str) -> Transformer:

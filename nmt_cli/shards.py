@@ -19,9 +19,6 @@ from nmt_cli.rundir import atomic_open
 MAGIC = b"NMTIDX01"
 HEADER = 16
 
-# The special pieces, with the same ids in the sentencepiece model (bpe.py) and the model.
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
-
 
 def dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
@@ -106,67 +103,3 @@ class Shard:
 
     def __iter__(self) -> Iterable[np.ndarray]:
         return (self[i] for i in range(len(self)))
-
-
-# -- token batching ------------------------------------------------------------------------------
-
-
-def make_batches(
-    src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int, seed: int, epoch: int
-) -> list[np.ndarray]:
-    """Sentence indices grouped into batches of similar lengths, at most `max_tokens` padded
-    tokens on either side, in an order shuffled from (seed, epoch).
-
-    Lengths include the EOS (or BOS) each side gets. Sorting by the longer side, then source,
-    then target length (ties broken at random) keeps padding small on both sides, smaller than
-    sorting by source then target.
-    """
-    rng = np.random.default_rng([seed, epoch])
-    n = len(src_lengths)
-    order = np.lexsort((rng.random(n), tgt_lengths, src_lengths, np.maximum(src_lengths, tgt_lengths)))
-    batches: list[np.ndarray] = []
-    start, longest = 0, 0
-    src_l, tgt_l = src_lengths[order], tgt_lengths[order]
-    for i in range(n):
-        longest_i = max(longest, int(src_l[i]), int(tgt_l[i]))
-        if i > start and longest_i * (i - start + 1) > max_tokens:
-            batches.append(order[start:i])
-            start, longest_i = i, max(int(src_l[i]), int(tgt_l[i]))
-        longest = longest_i
-    if start < n:
-        batches.append(order[start:n])
-    rng.shuffle(batches)  # type: ignore[arg-type]
-    return batches
-
-
-def padding_share(batches: list[np.ndarray], src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> float:
-    """The share of batch positions (both sides) that are padding."""
-    real = padded = 0
-    for b in batches:
-        s, t = src_lengths[b], tgt_lengths[b]
-        real += int(s.sum() + t.sum())
-        padded += len(b) * int(s.max() + t.max())
-    return 1 - real / padded if padded else 0.0
-
-
-def pad_sources(sentences: Sequence[Sequence[int]]) -> np.ndarray:
-    """(B, S): each sentence's ids and its EOS, then PAD."""
-    source = np.full((len(sentences), max(len(x) for x in sentences) + 1), PAD, dtype=np.int64)
-    for row, x in enumerate(sentences):
-        source[row, : len(x)] = x
-        source[row, len(x)] = EOS
-    return source
-
-
-def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
-    ys = [tgt[int(i)] for i in indices]
-    t_len = max(len(y) for y in ys) + 1
-    tgt_in = np.full((len(ys), t_len), PAD, dtype=np.int64)
-    tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
-    for row, y in enumerate(ys):
-        tgt_in[row, 0] = BOS
-        tgt_in[row, 1 : len(y) + 1] = y
-        tgt_out[row, : len(y)] = y
-        tgt_out[row, len(y)] = EOS
-    return pad_sources([src[int(i)] for i in indices]), tgt_in, tgt_out

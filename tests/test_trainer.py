@@ -16,10 +16,11 @@ from conftest import TINY, one_error_line
 from nmt_cli import training
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state, step, trainer
+from nmt_cli.engine.data import make_batches, padding_share
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.rundir import RunDir, sha256_file
-from nmt_cli.shards import Shard, make_batches, padding_share
+from nmt_cli.shards import Shard
 
 
 def test_learning_rate_schedule():

@@ -22,7 +22,7 @@ from nmt_cli.config import DecodeOptions
 from nmt_cli.engine.cache import DecoderCache
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.engine.model import Transformer
-from nmt_cli.shards import BOS, EOS, PAD
+from nmt_cli.vocab import BOS, EOS, PAD
 
 
 def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor]:

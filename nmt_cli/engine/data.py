@@ -1,5 +1,5 @@
-"""Training data on its way to the model: a split's sentences, their batches, and each batch as
-tensors on the device.
+"""Data on its way to the model: a split's sentences, their batches (training batches of similar
+lengths; padded source arrays for decoding too), and each batch as tensors on the device.
 
 Everything the loss needs to know about a batch's shape (which target positions are real, how
 many) is worked out here on the host, so that training never asks the GPU for it.
@@ -7,7 +7,7 @@ many) is worked out here on the host, so that training never asks the GPU for it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +16,8 @@ import torch
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine.distributed import Group
 from nmt_cli.rundir import RunDir
-from nmt_cli.shards import PAD, Shard, collate, make_batches
+from nmt_cli.shards import Shard
+from nmt_cli.vocab import BOS, EOS, PAD
 
 
 @dataclass
@@ -140,3 +141,67 @@ def on_device(
     it, which is all the prefetching a training loop without host syncs needs."""
     for group in groups:
         yield [to_device(collate(split.src, split.tgt, indices), device) for indices in group]
+
+
+# -- batching: training batches of similar lengths, and padded arrays ---------------------------
+
+
+def make_batches(
+    src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int, seed: int, epoch: int
+) -> list[np.ndarray]:
+    """Sentence indices grouped into batches of similar lengths, at most `max_tokens` padded
+    tokens on either side, in an order shuffled from (seed, epoch).
+
+    Lengths include the EOS (or BOS) each side gets. Sorting by the longer side, then source,
+    then target length (ties broken at random) keeps padding small on both sides, smaller than
+    sorting by source then target.
+    """
+    rng = np.random.default_rng([seed, epoch])
+    n = len(src_lengths)
+    order = np.lexsort((rng.random(n), tgt_lengths, src_lengths, np.maximum(src_lengths, tgt_lengths)))
+    batches: list[np.ndarray] = []
+    start, longest = 0, 0
+    src_l, tgt_l = src_lengths[order], tgt_lengths[order]
+    for i in range(n):
+        longest_i = max(longest, int(src_l[i]), int(tgt_l[i]))
+        if i > start and longest_i * (i - start + 1) > max_tokens:
+            batches.append(order[start:i])
+            start, longest_i = i, max(int(src_l[i]), int(tgt_l[i]))
+        longest = longest_i
+    if start < n:
+        batches.append(order[start:n])
+    rng.shuffle(batches)  # type: ignore[arg-type]
+    return batches
+
+
+def padding_share(batches: list[np.ndarray], src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> float:
+    """The share of batch positions (both sides) that are padding."""
+    real = padded = 0
+    for b in batches:
+        s, t = src_lengths[b], tgt_lengths[b]
+        real += int(s.sum() + t.sum())
+        padded += len(b) * int(s.max() + t.max())
+    return 1 - real / padded if padded else 0.0
+
+
+def pad_sources(sentences: Sequence[Sequence[int]]) -> np.ndarray:
+    """(B, S): each sentence's ids and its EOS, then PAD."""
+    source = np.full((len(sentences), max(len(x) for x in sentences) + 1), PAD, dtype=np.int64)
+    for row, x in enumerate(sentences):
+        source[row, : len(x)] = x
+        source[row, len(x)] = EOS
+    return source
+
+
+def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
+    ys = [tgt[int(i)] for i in indices]
+    t_len = max(len(y) for y in ys) + 1
+    tgt_in = np.full((len(ys), t_len), PAD, dtype=np.int64)
+    tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
+    for row, y in enumerate(ys):
+        tgt_in[row, 0] = BOS
+        tgt_in[row, 1 : len(y) + 1] = y
+        tgt_out[row, : len(y)] = y
+        tgt_out[row, len(y)] = EOS
+    return pad_sources([src[int(i)] for i in indices]), tgt_in, tgt_out

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmt_cli.config import ModelConfig
-from nmt_cli.shards import PAD
+from nmt_cli.vocab import PAD
 
 if TYPE_CHECKING:
     from nmt_cli.engine.cache import DecoderCache

@@ -19,7 +19,7 @@ import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
 from nmt_cli.engine import checkpoint, distributed, validation
-from nmt_cli.engine.data import Batch, Epochs, Split, on_device
+from nmt_cli.engine.data import Batch, Epochs, Split, on_device, padding_share
 from nmt_cli.engine.device import (
     cpu_has_bf16,
     dtype_of,
@@ -33,7 +33,7 @@ from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, g
 from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir, now
-from nmt_cli.shards import Shard, padding_share
+from nmt_cli.shards import Shard
 
 # Updates between two reads of the training figures. A read waits for the device to finish
 # what was queued, so the host reads only this often (and at validations and checkpoints);

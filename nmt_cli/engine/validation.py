@@ -8,10 +8,9 @@ import torch
 
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import beam
-from nmt_cli.engine.data import Split, on_device
+from nmt_cli.engine.data import Split, on_device, pad_sources
 from nmt_cli.engine.distributed import Group
 from nmt_cli.engine.step import batch_loss
-from nmt_cli.shards import pad_sources
 
 GREEDY = DecodeOptions(beam=1)  # validation BLEU: greedy, the default length limits
 

@@ -10,7 +10,7 @@ from nmt_cli.config import DecodeOptions, ModelConfig
 from nmt_cli.engine.beam import _decoder, beam_step, choose, greedy, length_penalty, search, translate
 from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.engine.model import Transformer
-from nmt_cli.shards import BOS, EOS, PAD
+from nmt_cli.vocab import BOS, EOS, PAD
 
 A, B = 4, 5
 V = 6

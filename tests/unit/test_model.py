@@ -6,7 +6,7 @@ import torch
 from nmt_cli.config import PRESETS, DecodeOptions, ModelConfig
 from nmt_cli.engine.cache import DecoderCache
 from nmt_cli.engine.model import Transformer, dropout, sinusoids
-from nmt_cli.shards import BOS, PAD
+from nmt_cli.vocab import BOS, PAD
 
 
 def tiny(**kw) -> Transformer:
