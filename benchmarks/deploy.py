@@ -82,7 +82,7 @@ def exports(run: Path, work: Path, ct2: bool = True, shape: str | None = None) -
 
 
 def fidelity(args, work: Path) -> None:
-    from nmt_cli.score import score
+    from nmt_cli.metrics import score
 
     src, ref = split_files(args.run, args.split)
     models = exports(args.run, work)

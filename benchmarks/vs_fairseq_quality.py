@@ -200,9 +200,9 @@ def fairseq_hyps(out: Path, run_dir: Path, split: str, lenpen: float, log: Path)
 
 
 def bleu(hyps: list[str], refs: list[str]) -> float:
-    from nmt_cli import score
+    from nmt_cli import metrics
 
-    return score.score(hyps, refs, ["bleu"])[0].score
+    return metrics.score(hyps, refs, ["bleu"])[0].score
 
 
 def train_records(run_dir: Path) -> list[dict]:
@@ -211,12 +211,12 @@ def train_records(run_dir: Path) -> list[dict]:
 
 
 def compare(ours: list[str], theirs: list[str], refs: list[str]) -> dict:
-    from nmt_cli import scoring
+    from nmt_cli import score
 
     names = ("nmt", "ref")
-    cased = scoring.report(ours, refs, names, ["bleu", "chrf"], baseline=("fairseq", theirs))
-    lc = scoring.report(ours, refs, names, ["bleu"], moses_lc_lang="de", baseline=("fairseq", theirs))
-    own = scoring.report(theirs, refs, ("fairseq", "ref"), ["bleu"])
+    cased = score.report(ours, refs, names, ["bleu", "chrf"], baseline=("fairseq", theirs))
+    lc = score.report(ours, refs, names, ["bleu"], moses_lc_lang="de", baseline=("fairseq", theirs))
+    own = score.report(theirs, refs, ("fairseq", "ref"), ["bleu"])
     c, m = cased["compare"], lc["compare"]
     return {
         "nmt": {"moses_lc": m["bleu"]["system"], "bleu": c["bleu"]["system"], "chrf": c["chrf"]["system"]},

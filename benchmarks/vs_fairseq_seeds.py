@@ -50,12 +50,10 @@ def refs(out: Path, name: str) -> list[str]:
 
 def compare(ours: list[str], theirs: list[str], ref: list[str], names: tuple[str, str]) -> dict:
     """Scores of both and p of `ours` against `theirs` in the three measures."""
-    from nmt_cli import scoring
+    from nmt_cli import score
 
-    cased = scoring.report(ours, ref, (names[0], "ref"), ["bleu", "chrf"], baseline=(names[1], theirs))
-    lc = scoring.report(
-        ours, ref, (names[0], "ref"), ["bleu"], moses_lc_lang="de", baseline=(names[1], theirs)
-    )
+    cased = score.report(ours, ref, (names[0], "ref"), ["bleu", "chrf"], baseline=(names[1], theirs))
+    lc = score.report(ours, ref, (names[0], "ref"), ["bleu"], moses_lc_lang="de", baseline=(names[1], theirs))
     rows = {
         "moses_lc": lc["compare"]["bleu"],
         "bleu": cased["compare"]["bleu"],

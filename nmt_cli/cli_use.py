@@ -52,12 +52,12 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli import scoring
+    from nmt_cli import score
     from nmt_cli.translate import Translator
 
     config = _config_of(TranslateConfig, ctx)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
-    scoring.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
+    score.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
 
 
 @app.command()
@@ -124,16 +124,16 @@ def score(
     """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
     import json
 
-    from nmt_cli import scoring
+    from nmt_cli import score
     from nmt_cli.rundir import RunDir, atomic_write_json
     from nmt_cli.textio import read_lines
 
-    metric_names = scoring.parse_metrics(metrics)
+    metric_names = score.parse_metrics(metrics)
     if moses_lc and compound_split:
         raise NmtError("--moses-lc and --compound-split are two ways of scoring: give one")
     run = RunDir(run_dir)
     config = _config_of(TranslateConfig, ctx)
-    hyps, refs, names, found = scoring.inputs(
+    hyps, refs, names, found = score.inputs(
         run,
         split,
         config,
@@ -145,9 +145,9 @@ def score(
         stdin=_stdin_lines,
     )
     if (moses_lc or compound_split) and lang is None:
-        lang = scoring.target_language(run, found)
-    lowercase = lowercase or scoring.writes_lowercase(found, run if ref is None else None, moses_lc)
-    report = scoring.report(
+        lang = score.target_language(run, found)
+    lowercase = lowercase or score.writes_lowercase(found, run if ref is None else None, moses_lc)
+    report = score.report(
         hyps,
         refs,
         names,

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 
-from nmt_cli import bpe, plot, prep, scoring, training, ui
+from nmt_cli import bpe, plot, prep, score, training, ui
 from nmt_cli.config import BpeConfig, PrepConfig, TrainConfig, TranslateConfig
 from nmt_cli.engine import checkpoint
 from nmt_cli.errors import NmtError
@@ -81,17 +81,17 @@ def run(
     with run_dir.lock("average"):
         checkpoint.average_run(run_dir, AVERAGE, ui.say)
     _step(5, "translate and score test2016")
-    hyp, ref = scoring.translate_split(run_dir, "test", TranslateConfig(threads=threads))
+    hyp, ref = score.translate_split(run_dir, "test", TranslateConfig(threads=threads))
     hyps, refs = list(read_lines(hyp)), list(read_lines(ref))
-    lowercase = scoring.writes_lowercase(None, run_dir, moses_lc=False)
-    report = scoring.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"], lowercase=lowercase)
+    lowercase = score.writes_lowercase(None, run_dir, moses_lc=False)
+    report = score.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"], lowercase=lowercase)
     atomic_write_json(run_dir.scores("test"), report)
     _step(6, "plot")
     try:
         picture = str(plot.plot(run_dir))
     except NmtError as e:
         picture = f"not drawn: {e}"
-    lc = scoring.report(hyps, refs, (str(hyp), str(ref)), ["bleu"], moses_lc_lang="de")
+    lc = score.report(hyps, refs, (str(hyp), str(ref)), ["bleu"], moses_lc_lang="de")
     _summary(run_dir, report, lc["scores"][0], picture, time.monotonic() - started)
 
 

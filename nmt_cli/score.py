@@ -1,139 +1,202 @@
-"""`nmt score`: sacreBLEU's BLEU, chrF and TER with their signatures, and paired significance.
-
-`moses_lc` is the measure of the small-data literature (e.g. Multi30k papers): text lowercased,
-Moses-normalised and Moses-tokenised (with its escaping), then scored with no further
-tokenisation. `compound_split` is the Transformer paper's WMT14 en-de measure (tensor2tensor's
-get_ende_bleu.sh): cased, Moses-tokenised, hyphenated compounds split as `##AT##-##AT##`.
-"""
+"""`nmt score` below the CLI: translating a run's split once per model and settings, and the
+report of scores (sacreBLEU, optionally as the Multi30k literature computes them, with a paired
+bootstrap against another system)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, TextIO
 
+from nmt_cli import metrics as measure
+from nmt_cli import ui
+from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
-
-METRICS = ("bleu", "chrf", "ter")
-
-
-@dataclass
-class Score:
-    metric: str
-    score: float
-    signature: str
-    text: str  # sacrebleu's own formatting, e.g. "BLEU = 34.2 65.1/40.0/... (BP = ...)"
-
-    def as_dict(self) -> dict:
-        return {"metric": self.metric, "score": self.score, "signature": self.signature, "text": self.text}
+from nmt_cli.package import Model, from_run
+from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json
+from nmt_cli.textio import read_lines
+from nmt_cli.translate import Counts, Translator
 
 
-def moses_lc(lines: list[str], lang: str) -> list[str]:
-    """Lowercase, Moses punctuation normalisation, Moses tokenisation with escaping."""
-    from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
-    normalizer, tokenizer = MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
-    return [
-        tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True) for line in lines
-    ]
-
-
-def compound_split(lines: list[str], lang: str) -> list[str]:
-    """Moses tokenisation (cased, with its escaping, as tokenizer.perl), then every hyphen between
-    two non-spaces set apart as ` ##AT##-##AT## ` (get_ende_bleu.sh's `s{(\\S)-(\\S)}{...}g`)."""
-    import re
-
-    from sacremoses import MosesTokenizer
-
-    tokenizer = MosesTokenizer(lang=lang)
-    hyphen = re.compile(r"(\S)-(\S)")
-    return [
-        hyphen.sub(r"\1 ##AT##-##AT## \2", tokenizer.tokenize(line, escape=True, return_str=True))
-        for line in lines
-    ]
+def parse_metrics(values: list[str] | None) -> list[str]:
+    """--metrics, given any number of times, each comma-separated; not given: every metric."""
+    text = ",".join(values) if values else ",".join(measure.METRICS)
+    names = list(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
+    for m in names:
+        if m not in measure.METRICS:
+            raise NmtError(f"unknown metric {m!r} in --metrics: choose from {', '.join(measure.METRICS)}")
+    return names
 
 
-def _metric(name: str, tokenize: str, lowercase: bool):
-    from sacrebleu.metrics import BLEU, CHRF, TER
-
-    if name == "bleu":
-        # --tokenize none scores tokenized text on purpose (--moses-lc, --compound-split): no
-        # warning about it.
-        return BLEU(tokenize=tokenize, lowercase=lowercase, force=tokenize == "none")
-    if name == "chrf":
-        return CHRF(lowercase=lowercase)
-    if name == "ter":
-        return TER(case_sensitive=not lowercase)
-    raise NmtError(f"unknown metric {name!r}: choose from {', '.join(METRICS)}")
-
-
-def check_lengths(hyps: list[str], refs: list[str], hyp_name: str, ref_name: str) -> None:
-    if len(hyps) != len(refs):
-        raise NmtError(
-            f"{hyp_name} has {len(hyps)} lines but {ref_name} has {len(refs)}: "
-            "hypotheses and references must be line-aligned"
+def inputs(
+    run: RunDir,
+    split: str,
+    config: TranslateConfig,
+    load: Callable[[], Model],
+    model_given: bool,
+    *,
+    src: Path | None,
+    hyp: Path | None,
+    ref: Path | None,
+    stdin: Callable[[], list[str]],
+) -> tuple[list[str], list[str], tuple[str, str], Model | None]:
+    """What `nmt score` scores, with the names of where it came from: `src` translated by the
+    model (`load`), the run's `split` translated, or `hyp` (else stdin) as given; each against its
+    references. Also the model, where one was loaded."""
+    if src is not None:
+        if ref is None or hyp is not None:
+            raise NmtError("--src needs --ref, and not --hyp")
+        model = load()
+        return (
+            translate_lines(model, config, src),
+            list(read_lines(ref)),
+            (f"{src} translated", str(ref)),
+            model,
         )
+    if ref is None:
+        if hyp is not None:
+            raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
+        model = load() if model_given else None
+        hyp_path, ref_path = translate_split(run, split, config, model)
+        return list(read_lines(hyp_path)), list(read_lines(ref_path)), (str(hyp_path), str(ref_path)), model
+    hyps = list(read_lines(hyp)) if hyp is not None else stdin()
+    return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None
 
 
-def score(
-    hyps: list[str], refs: list[str], metrics: list[str], tokenize: str = "13a", lowercase: bool = False
-) -> list[Score]:
-    out = []
-    for name in metrics:
-        metric = _metric(name, tokenize, lowercase)
-        result = metric.corpus_score(hyps, [refs])
-        signature = str(metric.get_signature())
-        out.append(Score(name, float(result.score), signature, str(result)))
-    return out
+def target_language(run: RunDir, model: Model | None) -> str:
+    """The model's target language, else the run's, else English."""
+    if model is not None:
+        return model.tgt
+    prepped = run.load_manifest().get("prep", {}) if run.manifest_path.exists() else {}
+    if "tgt" not in prepped:
+        ui.warn(
+            "--moses-lc, --compound-split: no run or model here names the target language; tokenizing as "
+            "English (give --lang)"
+        )
+    return prepped.get("tgt", "en")
 
 
-def compare(
+def writes_lowercase(model: Model | None, run: RunDir | None, moses_lc: bool) -> bool:
+    """Whether the translations scored come from a model that writes lowercase (`nmt bpe
+    --lowercase`): then case-insensitive scores, said so, rather than cased ones no casing of
+    the model could reach. `run`: the run whose model translated, where no other did."""
+    from nmt_cli.bpe import folds_case
+
+    spm = model.spm if model is not None else run.spm_model if run is not None else None
+    if moses_lc or spm is None or not spm.exists() or not folds_case(spm):
+        return False
+    ui.say("the model writes lowercase (`nmt bpe --lowercase`): the scores are case-insensitive")
+    return True
+
+
+def report(
     hyps: list[str],
-    other: list[str],
     refs: list[str],
+    names: tuple[str, str],
     metrics: list[str],
+    *,
     tokenize: str = "13a",
     lowercase: bool = False,
-    samples: int = 1000,
+    moses_lc_lang: str | None = None,
+    compound_split_lang: str | None = None,
+    baseline: tuple[str, list[str]] | None = None,
 ) -> dict:
-    """sacrebleu's paired bootstrap test of `hyps` against the baseline `other`."""
-    from sacrebleu.significance import PairedTest
-
-    test = PairedTest(
-        [("baseline", other), ("system", hyps)],
-        {m: _metric(m, tokenize, lowercase) for m in metrics},
-        references=[refs],
-        test_type="bs",
-        n_samples=samples,
-    )
-    _, results = test()
-    out = {}
-    # Results are keyed by sacrebleu's display names (BLEU, chrF2, TER), in our order.
-    for m, key in zip(metrics, [k for k in results if k != "System"]):
-        base, system = results[key]
-        out[m] = {
-            "baseline": float(base.score),
-            "system": float(system.score),
-            "p_value": float(system.p_value),
-            "system_mean": float(system.mean),
-            "system_ci": float(system.ci),
+    """The scores of `hyps` (and the comparison with a baseline's lines) as `nmt score` reports
+    them. `names` are the hypotheses' and references' sources; `moses_lc_lang` lowercases and
+    Moses-tokenizes both sides in that language first, `compound_split_lang` Moses-tokenizes
+    and splits compounds (and BLEU then tokenizes nothing)."""
+    measure.check_lengths(hyps, refs, *names)
+    other = None
+    if baseline is not None:
+        other = baseline[1]
+        measure.check_lengths(other, refs, baseline[0], names[1])
+    if moses_lc_lang is not None:
+        hyps, refs = measure.moses_lc(hyps, moses_lc_lang), measure.moses_lc(refs, moses_lc_lang)
+        other = measure.moses_lc(other, moses_lc_lang) if other is not None else None
+        tokenize = "none"
+    if compound_split_lang is not None:
+        split = measure.compound_split
+        hyps, refs = split(hyps, compound_split_lang), split(refs, compound_split_lang)
+        other = split(other, compound_split_lang) if other is not None else None
+        tokenize = "none"
+    results = measure.score(hyps, refs, metrics, tokenize=tokenize, lowercase=lowercase)
+    out = {
+        "hyp": names[0],
+        "ref": names[1],
+        "lines": len(hyps),
+        "moses_lc": moses_lc_lang is not None,
+        "compound_split": compound_split_lang is not None,
+        "scores": [r.as_dict() for r in results],
+    }
+    if other is not None:
+        out["compare"] = {
+            "baseline": baseline[0],
+            **measure.compare(hyps, other, refs, metrics, tokenize, lowercase),
         }
     return out
 
 
-def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
-    """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
-    token ids of the validation set, against its references as released (case-insensitive
-    where the BPE model lowercases)."""
-    from nmt_cli import bpe
+def translate_split(
+    run: RunDir, split: str, config: TranslateConfig, model: Model | None = None
+) -> tuple[Path, Path]:
+    """Translate the run's split with `model` (default: the run's) unless a translation by the
+    same model and settings exists."""
+    manifest = run.load_manifest().get("prep")
+    if not manifest:
+        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
+    if split not in manifest["splits"]:
+        raise NmtError(f"split {split!r} is not in {run.root} (it has {', '.join(manifest['splits'])})")
+    src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
+    ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
+    out = run.translation(split, manifest["tgt"])
+    model = model or from_run(run, config.checkpoint)
+    key = {"model": str(model.where), "model_sha256": model.sha256, "settings": dataclasses.asdict(config)}
+    key_path = out.with_suffix(out.suffix + ".json")
+    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+        ui.say(f"reusing {out} (same model and settings)")
+        return out, ref_path
+    with open(src_path, "rb") as source, atomic_open(out) as sink:
+        stream(
+            Translator(model, config), source, sink, f"translate {split}", manifest["splits"][split]["kept"]
+        )
+    atomic_write_json(key_path, key)
+    return out, ref_path
 
-    path = run.text("valid", tgt_lang, raw=True)
-    if not path.exists():
-        path = run.text("valid", tgt_lang)
-    refs = path.read_text(encoding="utf-8").splitlines()
-    sp = bpe.load(run)
-    lowercase = bpe.folds_case(run.spm_model)
 
-    def bleu(ids: list[list[int]]) -> float:
-        return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
+def stream(
+    translator: Translator, source: BinaryIO, sink: TextIO, what: str, lines: int | None = None
+) -> None:
+    """`translator.stream` with a progress bar, then a warning for each kind of line it had
+    to change."""
+    with ui.progress() as bar:
+        task = bar.add_task(what, total=lines)
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+    report_counts(counts, translator.max_src)
 
-    return bleu
+
+def report_counts(counts: Counts, max_src: int) -> None:
+    """Warn about the lines a translation had to change."""
+    if counts.truncated:
+        ui.warn(
+            f"{counts.truncated} lines were longer than {max_src} tokens and were "
+            "truncated before translating"
+        )
+    if counts.damage.not_utf8:
+        ui.warn(
+            f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
+            f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD"
+        )
+
+
+def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[str]:
+    """The translations of the file `src`, one per line."""
+    import io
+
+    if not Path(src).is_file():
+        raise NmtError(f"{src} not found")
+    sink = io.StringIO()
+    with open(src, "rb") as source:
+        stream(Translator(model, config), source, sink, f"translate {Path(src).name}")
+    return sink.getvalue().splitlines()

@@ -126,7 +126,7 @@ def worker(run_dir: str) -> int:
 def _train(run: RunDir, config: TrainConfig) -> dict:
     bleu_of = None
     if config.eval_bleu:
-        from nmt_cli.score import bleu_of_ids
+        from nmt_cli.metrics import bleu_of_ids
 
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     init = initial_model(run, config) if config.init_from else None

@@ -79,7 +79,7 @@ def test_lowercase_bpe_folds_case_in_training_translation_and_scoring(run_copy, 
     folding would make it ss, unlike the references)."""
     from conftest import TINY, run_ok
 
-    from nmt_cli.score import bleu_of_ids
+    from nmt_cli.metrics import bleu_of_ids
 
     run = RunDir(run_copy)
     run_ok(["bpe", "--run-dir", run_copy, "--vocab-size", 1000, "--lowercase"])

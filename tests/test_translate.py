@@ -122,7 +122,7 @@ def test_score_moses_lc_and_compare(tmp_path, nmt):
 def test_score_compound_split_as_the_transformer_paper(tmp_path, nmt):
     """tensor2tensor's get_ende_bleu.sh: cased Moses tokens, hyphens between non-spaces set
     apart as ##AT##-##AT##, then BLEU on those tokens."""
-    from nmt_cli.score import compound_split
+    from nmt_cli.metrics import compound_split
 
     assert compound_split(['Die EU-Kommission hat 3-4 "neue" Vorschläge.'], "de") == [
         "Die EU ##AT##-##AT## Kommission hat 3 ##AT##-##AT## 4 &quot; neue &quot; Vorschläge ."

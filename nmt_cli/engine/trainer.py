@@ -52,7 +52,7 @@ class Trainer:
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
     ):
         """`bleu_of` scores greedy translations of the validation set, given as token ids
-        (for --eval-bleu; score.bleu_of_ids makes one). `resample(epoch)` gives the training
+        (for --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training
         pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them)."""
         self.config, self.run, self.reporter = config, run, reporter
         self.bleu_of, self.init = bleu_of, init

@@ -79,7 +79,7 @@ def test_the_engine_and_translate_load_only_what_they_need():
         "sentencepiece",
         "sacremoses",
         "nmt_cli.bpe",
-        "nmt_cli.score",
+        "nmt_cli.metrics",
         "nmt_cli.prep",
         "nmt_cli.ui",
     }

@@ -1,0 +1,139 @@
+"""The measures of `nmt score`: sacreBLEU's BLEU, chrF and TER with their signatures, and paired significance.
+
+`moses_lc` is the measure of the small-data literature (e.g. Multi30k papers): text lowercased,
+Moses-normalised and Moses-tokenised (with its escaping), then scored with no further
+tokenisation. `compound_split` is the Transformer paper's WMT14 en-de measure (tensor2tensor's
+get_ende_bleu.sh): cased, Moses-tokenised, hyphenated compounds split as `##AT##-##AT##`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nmt_cli.errors import NmtError
+
+METRICS = ("bleu", "chrf", "ter")
+
+
+@dataclass
+class Score:
+    metric: str
+    score: float
+    signature: str
+    text: str  # sacrebleu's own formatting, e.g. "BLEU = 34.2 65.1/40.0/... (BP = ...)"
+
+    def as_dict(self) -> dict:
+        return {"metric": self.metric, "score": self.score, "signature": self.signature, "text": self.text}
+
+
+def moses_lc(lines: list[str], lang: str) -> list[str]:
+    """Lowercase, Moses punctuation normalisation, Moses tokenisation with escaping."""
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    normalizer, tokenizer = MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
+    return [
+        tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True, return_str=True) for line in lines
+    ]
+
+
+def compound_split(lines: list[str], lang: str) -> list[str]:
+    """Moses tokenisation (cased, with its escaping, as tokenizer.perl), then every hyphen between
+    two non-spaces set apart as ` ##AT##-##AT## ` (get_ende_bleu.sh's `s{(\\S)-(\\S)}{...}g`)."""
+    import re
+
+    from sacremoses import MosesTokenizer
+
+    tokenizer = MosesTokenizer(lang=lang)
+    hyphen = re.compile(r"(\S)-(\S)")
+    return [
+        hyphen.sub(r"\1 ##AT##-##AT## \2", tokenizer.tokenize(line, escape=True, return_str=True))
+        for line in lines
+    ]
+
+
+def _metric(name: str, tokenize: str, lowercase: bool):
+    from sacrebleu.metrics import BLEU, CHRF, TER
+
+    if name == "bleu":
+        # --tokenize none scores tokenized text on purpose (--moses-lc, --compound-split): no
+        # warning about it.
+        return BLEU(tokenize=tokenize, lowercase=lowercase, force=tokenize == "none")
+    if name == "chrf":
+        return CHRF(lowercase=lowercase)
+    if name == "ter":
+        return TER(case_sensitive=not lowercase)
+    raise NmtError(f"unknown metric {name!r}: choose from {', '.join(METRICS)}")
+
+
+def check_lengths(hyps: list[str], refs: list[str], hyp_name: str, ref_name: str) -> None:
+    if len(hyps) != len(refs):
+        raise NmtError(
+            f"{hyp_name} has {len(hyps)} lines but {ref_name} has {len(refs)}: "
+            "hypotheses and references must be line-aligned"
+        )
+
+
+def score(
+    hyps: list[str], refs: list[str], metrics: list[str], tokenize: str = "13a", lowercase: bool = False
+) -> list[Score]:
+    out = []
+    for name in metrics:
+        metric = _metric(name, tokenize, lowercase)
+        result = metric.corpus_score(hyps, [refs])
+        signature = str(metric.get_signature())
+        out.append(Score(name, float(result.score), signature, str(result)))
+    return out
+
+
+def compare(
+    hyps: list[str],
+    other: list[str],
+    refs: list[str],
+    metrics: list[str],
+    tokenize: str = "13a",
+    lowercase: bool = False,
+    samples: int = 1000,
+) -> dict:
+    """sacrebleu's paired bootstrap test of `hyps` against the baseline `other`."""
+    from sacrebleu.significance import PairedTest
+
+    test = PairedTest(
+        [("baseline", other), ("system", hyps)],
+        {m: _metric(m, tokenize, lowercase) for m in metrics},
+        references=[refs],
+        test_type="bs",
+        n_samples=samples,
+    )
+    _, results = test()
+    out = {}
+    # Results are keyed by sacrebleu's display names (BLEU, chrF2, TER), in our order.
+    for m, key in zip(metrics, [k for k in results if k != "System"]):
+        base, system = results[key]
+        out[m] = {
+            "baseline": float(base.score),
+            "system": float(system.score),
+            "p_value": float(system.p_value),
+            "system_mean": float(system.mean),
+            "system_ci": float(system.ci),
+        }
+    return out
+
+
+def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
+    """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
+    token ids of the validation set, against its references as released (case-insensitive
+    where the BPE model lowercases)."""
+    from nmt_cli import bpe
+
+    path = run.text("valid", tgt_lang, raw=True)
+    if not path.exists():
+        path = run.text("valid", tgt_lang)
+    refs = path.read_text(encoding="utf-8").splitlines()
+    sp = bpe.load(run)
+    lowercase = bpe.folds_case(run.spm_model)
+
+    def bleu(ids: list[list[int]]) -> float:
+        return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
+
+    return bleu
