@@ -127,10 +127,12 @@ sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterd
 def pin(part):
     source = dataclasses.replace(part.source, sha256=sums[part.source.name], size=None)
     return dataclasses.replace(part, source=source)
-recipes.WMT14_EN_DE = {
+pinned = {
     split: [{lang: pin(p) for lang, p in corpus.items()} for corpus in corpora]
     for split, corpora in recipes.WMT14_EN_DE.items()
 }
+known = recipes.RECIPES["wmt14-en-de"]
+recipes.RECIPES["wmt14-en-de"] = dataclasses.replace(known, corpora=pinned)
 main(sys.argv[2:])
 """
 

@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from nmt_cli import __version__
 from nmt_cli.cli_options import RunDirOption, app, done
 from nmt_cli.errors import NmtError
+from nmt_cli.recipes import RECIPES, resolved
 
 _debug = bool(os.environ.get("NMT_DEBUG"))
 
@@ -44,16 +45,13 @@ def root(
     _debug = _debug or debug
 
 
-class RecipeName(str, Enum):
-    wmt14_en_de = "wmt14-en-de"
-    multi30k_en_de = "multi30k-en-de"
-    custom = "custom"
+RecipeName = Enum("RecipeName", {name: name for name in RECIPES}, type=str)
 
 
 @app.command()
 def prep(
     recipe: Annotated[
-        RecipeName, typer.Argument(help="The corpus: wmt14-en-de, multi30k-en-de or custom (your own files).")
+        RecipeName, typer.Argument(help=f"The corpus: {', '.join(RECIPES)} (custom: your own files).")
     ],
     run_dir: RunDirOption = Path("run"),
     src: Annotated[str, typer.Option(help="Source language.")] = "en",
@@ -72,8 +70,9 @@ def prep(
     max_ratio: Annotated[
         Optional[float],
         typer.Option(
-            help="Drop training pairs whose word-count ratio exceeds this (default: 9 for "
-            "multi30k-en-de, else 1.5).",
+            help="Drop training pairs whose word-count ratio exceeds this (default: the recipe's: "
+            + ", ".join(f"{k.max_ratio:g} for {name}" for name, k in RECIPES.items())
+            + ").",
             show_default=False,
         ),
     ] = None,
@@ -115,21 +114,23 @@ def prep(
     def opt(p: Optional[Path]) -> Optional[str]:
         return str(p) if p is not None else None
 
-    config = PrepConfig(
-        recipe=recipe.value,
-        src=src,
-        tgt=tgt,
-        mirror=opt(mirror),
-        max_words=max_words,
-        max_ratio=max_ratio,
-        train_src=tuple(str(p) for p in train_src or ()),
-        train_tgt=tuple(str(p) for p in train_tgt or ()),
-        tags=tuple(tag or ()),
-        weights=tuple(weight or ()),
-        valid_src=opt(valid_src),
-        valid_tgt=opt(valid_tgt),
-        test_src=opt(test_src),
-        test_tgt=opt(test_tgt),
+    config = resolved(
+        PrepConfig(
+            recipe=recipe.value,
+            src=src,
+            tgt=tgt,
+            mirror=opt(mirror),
+            max_words=max_words,
+            max_ratio=max_ratio,
+            train_src=tuple(str(p) for p in train_src or ()),
+            train_tgt=tuple(str(p) for p in train_tgt or ()),
+            tags=tuple(tag or ()),
+            weights=tuple(weight or ()),
+            valid_src=opt(valid_src),
+            valid_tgt=opt(valid_tgt),
+            test_src=opt(test_src),
+            test_tgt=opt(test_tgt),
+        )
     )
     if workers is not None and workers < 1:
         raise NmtError("--workers must be at least 1")

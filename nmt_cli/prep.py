@@ -28,7 +28,7 @@ from nmt_cli import fetch, ui
 from nmt_cli.config import PrepConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.normalize import normalize
-from nmt_cli.recipes import TRAIN, Corpus, Part, Recipe, recipe_for
+from nmt_cli.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
 from nmt_cli.rundir import RunDir, atomic_open
 from nmt_cli.textio import Damage, chunks, read_lines
 
@@ -321,6 +321,7 @@ def local_paths(recipe: Recipe, config: PrepConfig, run: RunDir) -> dict[str, li
 
 def check_inputs(config: PrepConfig) -> None:
     """The cheap checks, made before anything in the run directory changes."""
+    config = resolved(config)
     if config.mirror and not Path(config.mirror).is_dir():
         raise NmtError(f"mirror folder {config.mirror} not found")
     for split, corpora in recipe_for(config).items():
@@ -335,6 +336,7 @@ def check_inputs(config: PrepConfig) -> None:
 
 def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict:
     """Run the recipe into the run directory; returns the per-split statistics."""
+    config = resolved(config)
     check_inputs(config)
     recipe = recipe_for(config)
     paths = local_paths(recipe, config, run)

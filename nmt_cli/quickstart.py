@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 
-from nmt_cli import bpe, plot, prep, score, training, ui
+from nmt_cli import bpe, plot, prep, recipes, score, training, ui
 from nmt_cli.config import BpeConfig, PrepConfig, TrainConfig, TranslateConfig
 from nmt_cli.engine import checkpoint
 from nmt_cli.errors import NmtError
@@ -55,7 +55,7 @@ def run(
     if "prep" in done:
         ui.say(f"{run_dir.root} already has this step's output (manifest.json): kept")
     else:
-        config = PrepConfig(recipe="multi30k-en-de", mirror=mirror)
+        config = recipes.resolved(PrepConfig(recipe="multi30k-en-de", mirror=mirror))
         prep.check_inputs(config)
         with run_dir.lock("prep"):
             run_dir.save_config("prep", config)

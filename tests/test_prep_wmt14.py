@@ -28,11 +28,17 @@ def pinned_to(folder):
     }
 
 
+def pin(monkeypatch, folder) -> None:
+    """The wmt14-en-de recipe, its checksums those of the files in `folder`."""
+    known = dataclasses.replace(recipes.RECIPES["wmt14-en-de"], corpora=pinned_to(folder))
+    monkeypatch.setitem(recipes.RECIPES, "wmt14-en-de", known)
+
+
 @pytest.fixture
 def mirror(tmp_path, monkeypatch):
     folder = tmp_path / "mirror"
     expected = wmt14_mirror.build(folder)
-    monkeypatch.setattr(recipes, "WMT14_EN_DE", pinned_to(folder))
+    pin(monkeypatch, folder)
     return folder, expected
 
 
@@ -125,7 +131,7 @@ def test_hostile_archive_members_are_refused(tmp_path, member, what):
 def test_hostile_archive_is_refused_through_prep(mirror, tmp_path, monkeypatch, nmt):
     folder, _ = mirror
     _tar_with(folder / "training-parallel-europarl-v7.tgz", tarfile.TarInfo("../evil.txt"))
-    monkeypatch.setattr(recipes, "WMT14_EN_DE", pinned_to(folder))
+    pin(monkeypatch, folder)
     line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "refusing" in line and "'../evil.txt'" in line
     assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "run" / "evil.txt").exists()
@@ -135,7 +141,7 @@ def test_truncated_archive_is_a_clear_error(mirror, tmp_path, monkeypatch, nmt):
     folder, _ = mirror
     archive = folder / "training-parallel-commoncrawl.tgz"
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
-    monkeypatch.setattr(recipes, "WMT14_EN_DE", pinned_to(folder))  # as if pinned so
+    pin(monkeypatch, folder)  # as if pinned so
     line = one_error_line(nmt("prep", "wmt14-en-de", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "training-parallel-commoncrawl.tgz is truncated or corrupt" in line
 

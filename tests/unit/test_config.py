@@ -15,3 +15,17 @@ def test_auto_precision_is_bf16_for_gpu_training_and_fp32_for_gpu_decoding():
     assert resolve_precision("bf16", "cuda", decoding=True) == "bf16"  # asked for, given
     with pytest.raises(NmtError, match="fp16 needs a GPU"):
         resolve_precision("fp16", "cpu")
+
+
+def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
+    from nmt_cli.config import PrepConfig
+    from nmt_cli.recipes import RECIPES, resolved
+
+    assert resolved(PrepConfig("multi30k-en-de")).max_ratio == 9.0
+    assert resolved(PrepConfig("wmt14-en-de", src="de", tgt="en")).max_ratio == 1.5
+    assert resolved(PrepConfig("multi30k-en-de", max_ratio=2.0)).max_ratio == 2.0  # the user's stays
+    with pytest.raises(NmtError, match="is English-German: use --src en --tgt de"):
+        resolved(PrepConfig("multi30k-en-de", src="fr"))
+    with pytest.raises(NmtError, match="unknown recipe 'wmt15'"):
+        resolved(PrepConfig("wmt15"))
+    assert set(RECIPES) == {"wmt14-en-de", "multi30k-en-de", "custom"}
