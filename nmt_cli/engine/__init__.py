@@ -1,1 +1,1 @@
-"""The engine: model, trainer, decoder. It never imports typer or rich."""
+"""The engine: the model, the training loop and beam search. It never imports typer or rich."""
