@@ -179,8 +179,9 @@ def loop_against_bare(
     """Target tokens/s of the trainer's loop and of bare train_step on the same batches."""
     import tempfile
 
+    from nmt_cli import training
     from nmt_cli.config import TrainConfig
-    from nmt_cli.engine import state, trainer
+    from nmt_cli.engine import state
     from nmt_cli.engine.data import on_device
     from nmt_cli.rundir import RunDir
 
@@ -196,7 +197,7 @@ def loop_against_bare(
             save_every=10**6,
             warmup=100,
         )
-        t = trainer.Trainer(config, RunDir(run), state.Quiet())
+        t = training.build_trainer(config, RunDir(run), state.Quiet())
         groups = [[b] for b in t.epochs.batches(0)[:steps]]
         updates = list(on_device(t.epochs.fixed, groups, t.device))  # collated and copied first
 
@@ -216,7 +217,7 @@ def loop_against_bare(
         sync()
         bare = sum(b[0].tokens for b in updates) / (time.perf_counter() - start)
         del t, updates
-        loop = trainer.Trainer(config, RunDir(run), state.Quiet())
+        loop = training.build_trainer(config, RunDir(run), state.Quiet())
         looped = trained_tokens_per_s(loop, run)
         start = time.perf_counter()
         loop.save()

@@ -20,7 +20,8 @@ import numpy as np
 from nmt_cli import ui
 from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_open
+from nmt_cli.files import atomic_open
+from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard, ShardWriter, dtype_for
 from nmt_cli.textio import chunks, read_lines
 from nmt_cli.vocab import BOS, EOS, PAD, UNK

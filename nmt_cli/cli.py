@@ -350,15 +350,14 @@ def average(
     ] = 0,
 ) -> None:
     """Average the last N checkpoints (or the N best) into the run's model."""
-    from nmt_cli import ui
-    from nmt_cli.engine import checkpoint
+    from nmt_cli import average, ui
     from nmt_cli.rundir import RunDir
 
     if last < 1 or best < 0:
         raise NmtError("--last must be at least 1, and --best not negative")
     run = RunDir(run_dir)
     with run.lock("average"):
-        record = checkpoint.average_run(run, last, ui.say, best)
+        record = average.average_run(run, last, ui.say, best)
         ui.say(
             f"averaged {len(record['averaged'])} checkpoints (up to step {record['step']}) "
             f"into {run.averaged}"

@@ -125,7 +125,8 @@ def score(
     import json
 
     from nmt_cli import score
-    from nmt_cli.rundir import RunDir, atomic_write_json
+    from nmt_cli.files import atomic_write_json
+    from nmt_cli.rundir import RunDir
     from nmt_cli.textio import read_lines
 
     metric_names = score.parse_metrics(metrics)

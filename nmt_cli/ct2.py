@@ -19,8 +19,8 @@ import numpy as np
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.errors import NmtError
+from nmt_cli.files import atomic_write_json, sha256_file
 from nmt_cli.package import CT2, SETTINGS, Model, settings, writing
-from nmt_cli.rundir import atomic_write_json, sha256_file
 from nmt_cli.vocab import EOS
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nmt_cli import __version__, ui
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import sha256_file
+from nmt_cli.files import sha256_file
 
 CHUNK = 1 << 20
 

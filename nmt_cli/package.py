@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
+from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
+from nmt_cli.rundir import RunDir
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
     import torch

@@ -27,9 +27,10 @@ import numpy as np
 from nmt_cli import fetch, ui
 from nmt_cli.config import PrepConfig
 from nmt_cli.errors import NmtError
+from nmt_cli.files import atomic_open
 from nmt_cli.normalize import normalize
 from nmt_cli.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
-from nmt_cli.rundir import RunDir, atomic_open
+from nmt_cli.rundir import RunDir
 from nmt_cli.textio import Damage, chunks, read_lines
 
 # -- cleaning ----------------------------------------------------------------------------------

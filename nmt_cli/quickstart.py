@@ -7,11 +7,11 @@ import dataclasses
 import json
 import time
 
-from nmt_cli import bpe, plot, prep, recipes, score, training, ui
+from nmt_cli import average, bpe, plot, prep, recipes, score, training, ui
 from nmt_cli.config import BpeConfig, PrepConfig, TrainConfig, TranslateConfig
-from nmt_cli.engine import checkpoint
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_write_json
+from nmt_cli.files import atomic_write_json
+from nmt_cli.rundir import RunDir
 from nmt_cli.textio import read_lines
 
 # The CPU recipe measured in docs/benchmarks.md (Multi30k quality). Small batches: on Multi30k
@@ -79,7 +79,7 @@ def run(
     _train(run_dir, minutes - RESERVE_MINUTES, threads, train_options)
     _step(4, "average checkpoints")
     with run_dir.lock("average"):
-        checkpoint.average_run(run_dir, AVERAGE, ui.say)
+        average.average_run(run_dir, AVERAGE, ui.say)
     _step(5, "translate and score test2016")
     hyp, ref = score.translate_split(run_dir, "test", TranslateConfig(threads=threads))
     hyps, refs = list(read_lines(hyp)), list(read_lines(ref))

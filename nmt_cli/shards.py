@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import atomic_open
+from nmt_cli.files import atomic_open
 
 MAGIC = b"NMTIDX01"
 HEADER = 16

@@ -17,6 +17,7 @@ from nmt_cli.config import TrainConfig, from_json
 from nmt_cli.engine import checkpoint, distributed, state, trainer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
+from nmt_cli.shards import Shard
 
 
 def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
@@ -137,7 +138,43 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
             from nmt_cli.tensorboard import TensorBoard
 
             reporter = stack.enter_context(TensorBoard(display, run.tensorboard))
-        return trainer.train(config, run, reporter, bleu_of, init, resample)
+        return build_trainer(config, run, reporter, bleu_of, init, resample).train()
+
+
+def data_of(run: RunDir) -> trainer.Data:
+    """The binarized data of `run` (`nmt prep` and `nmt bpe`), as the trainer takes it."""
+    manifest = run.load_manifest()
+    prep, bpe = manifest.get("prep"), manifest.get("bpe")
+    if not prep or not bpe:
+        raise NmtError(
+            f"{run.root} has no binarized data: run `nmt "
+            f"{'prep' if not prep else 'bpe'}` first (with --run-dir {run.root})"
+        )
+    src, tgt = prep["src"], prep["tgt"]
+
+    def pairs(split: str) -> tuple[Shard, Shard]:
+        return Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
+
+    return trainer.Data(
+        train=pairs("train"),
+        valid=pairs("valid") if "valid" in prep["splits"] else None,
+        src=src,
+        tgt=tgt,
+        vocab_size=bpe["vocab_size"],
+        corpora=tuple(prep["splits"]["train"].get("corpora", [])),
+    )
+
+
+def build_trainer(
+    config: TrainConfig,
+    run: RunDir,
+    reporter: state.Reporter,
+    bleu_of=None,
+    init: state.Initial | None = None,
+    resample=None,
+) -> trainer.Trainer:
+    """A Trainer over `run`'s data, writing its checkpoints, best models and figures there."""
+    return trainer.Trainer(config, data_of(run), run, reporter, bleu_of, init, resample)
 
 
 def _resample(run: RunDir, config: TrainConfig):
@@ -162,7 +199,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     from pathlib import Path
 
     from nmt_cli import package
-    from nmt_cli.rundir import sha256_file
+    from nmt_cli.files import sha256_file
 
     where = config.init_from
     keep = config.init_optimizer or config.init_schedule

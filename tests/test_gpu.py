@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import TINY, count_decoding_steps, run_ok
 
+from nmt_cli import training
 from nmt_cli.engine import checkpoint, state, trainer
 from nmt_cli.engine.data import on_device
 from nmt_cli.rundir import RunDir
@@ -69,7 +70,7 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
 
     for precision in ("bf16", "fp16"):
         config = TrainConfig(size="tiny", max_tokens=1024, device="cuda", precision=precision, update_freq=2)
-        t = trainer.Trainer(config, RunDir(run_copy), state.Quiet())
+        t = training.build_trainer(config, RunDir(run_copy), state.Quiet())
         groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 8, 2)]
         updates = list(on_device(t.epochs.fixed, groups, t.device))
         assert updates[0][0].src.is_cuda

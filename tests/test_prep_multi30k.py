@@ -7,7 +7,8 @@ import pytest
 from conftest import one_error_line, prepared_multi30k
 
 from nmt_cli import bpe
-from nmt_cli.rundir import RunDir, file_stats
+from nmt_cli.files import file_stats
+from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
 
 SPLITS = {"train": 29000, "valid": 1014, "test": 1000, "test2017": 1000}

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_open, atomic_write_text, file_stats
+from nmt_cli.files import atomic_open, atomic_write_text, file_stats
+from nmt_cli.rundir import RunDir
 
 
 def test_atomic_write_keeps_old_content_on_failure(tmp_path):

@@ -19,7 +19,8 @@ from nmt_cli.engine import checkpoint, state, step, trainer
 from nmt_cli.engine.data import make_batches, padding_share
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.schedule import learning_rate
-from nmt_cli.rundir import RunDir, sha256_file
+from nmt_cli.files import sha256_file
+from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
 
 
@@ -411,7 +412,7 @@ def _tiny_trainer(run_dir, **options):
         device="cpu",
         **options,
     )
-    return trainer.Trainer(config, RunDir(run_dir), state.Quiet())
+    return training.build_trainer(config, RunDir(run_dir), state.Quiet())
 
 
 def test_compile_traces_the_model_once_for_every_batch_shape(run_copy, nmt):
@@ -440,11 +441,11 @@ def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatc
     monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: cpu_bf16)
     config = dict(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1)
     said = Said()
-    auto = trainer.Trainer(TrainConfig(device="cpu", **config), RunDir(run_copy), said)
+    auto = training.build_trainer(TrainConfig(device="cpu", **config), RunDir(run_copy), said)
     assert auto.precision == ("bf16" if cpu_bf16 else "fp32")
     assert any("bf16 autocast" in line for line in said.lines) == cpu_bf16
     kept = TrainConfig(device="cpu", precision="fp32", **config)
-    fp32 = trainer.Trainer(kept, RunDir(run_copy), state.Quiet())
+    fp32 = training.build_trainer(kept, RunDir(run_copy), state.Quiet())
     assert fp32.precision == "fp32"
 
 
@@ -817,7 +818,9 @@ def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_
     from nmt_cli.training import _resample
 
     config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, max_tokens=256, bpe_dropout=0.1)
-    t = trainer.Trainer(config, RunDir(run_copy), state.Quiet(), resample=_resample(RunDir(run_copy), config))
+    t = training.build_trainer(
+        config, RunDir(run_copy), state.Quiet(), resample=_resample(RunDir(run_copy), config)
+    )
     fixed, e0, e1 = t.epochs.fixed, t.epochs.data(0), t.epochs.data(1)
     assert t.epochs.data(1) is e1  # an epoch is encoded once
     assert fixed.src_lengths.sum() < e0.src_lengths.sum() and fixed.tgt_lengths.sum() < e0.tgt_lengths.sum()
@@ -885,7 +888,8 @@ def test_tensorboard_events_hold_the_series_of_metrics_jsonl_across_a_resume(run
 _HEAP_PROBE = """
 import ctypes, sys
 import torch
-from nmt_cli.engine import state, trainer
+from nmt_cli import training
+from nmt_cli.engine import state
 from nmt_cli.config import TrainConfig
 from nmt_cli.rundir import RunDir
 
@@ -908,7 +912,7 @@ def mapped_by_64mib_tensor():
 first = mapped_by_64mib_tensor()
 config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1,
                      num_decoder_layers=1, max_tokens=256, device="cpu")
-trainer.Trainer(config, RunDir(sys.argv[1]), state.Quiet())
+training.build_trainer(config, RunDir(sys.argv[1]), state.Quiet())
 print(first, mapped_by_64mib_tensor())
 """
 

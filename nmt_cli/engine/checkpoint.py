@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, atomic_open, atomic_write_json, now, sha256_file
+from nmt_cli.files import atomic_open, atomic_write_json, sha256_file
 
 NAME = re.compile(r"checkpoint_(\d{8})\.json$")
 
@@ -178,32 +178,3 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     for v in total.values():
         v /= len(paths)
     return total, first_meta
-
-
-def average_run(run: RunDir, last: int, say: Callable[[str], None], best: int = 0) -> dict:
-    """Average the last `last` checkpoints (or the `best` best kept ones) into the run's
-    averaged model."""
-    if best:
-        paths = [p for _, p in best_listed(run.best)][:best]
-        if not paths:
-            raise NmtError(f"no best models in {run.best}: train with --keep-best N")
-        if len(paths) < best:
-            say(f"only {len(paths)} best models are kept; averaging all of them")
-        chosen = sorted(paths)  # by step
-    else:
-        paths = listed(run.checkpoints)
-        if not paths:
-            raise NmtError(f"no checkpoints in {run.checkpoints}: run `nmt train` first")
-        if len(paths) < last:
-            say(f"only {len(paths)} checkpoints exist; averaging all of them")
-        chosen = paths[-last:]
-    weights, meta = average(chosen)
-    newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
-    record = {
-        **{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
-        "step": newest["step"],
-        "averaged": [p.name for p in chosen],
-        "saved": now(),
-    }
-    save_tensors(run.averaged, {"model": weights}, record)
-    return record

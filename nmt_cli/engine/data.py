@@ -15,7 +15,6 @@ import torch
 
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine.distributed import Group
-from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
 from nmt_cli.vocab import BOS, EOS, PAD
 
@@ -30,11 +29,6 @@ class Split:
     limit: int  # the longest side kept, in tokens
     # Corpora of different sampling weights: (first sentence, end, weight), in order.
     weights: tuple[tuple[int, int, float], ...] = ()
-
-    @classmethod
-    def load(cls, run: RunDir, split: str, src: str, tgt: str, limit: int, corpora: list[dict] = ()) -> Split:
-        """`corpora`: the manifest's record of the split's corpora (`nmt prep custom`)."""
-        return cls.of(Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt)), limit, corpora)
 
     @classmethod
     def of(cls, s: Shard, t: Shard, limit: int, corpora: list[dict] = ()) -> Split:

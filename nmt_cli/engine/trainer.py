@@ -14,6 +14,9 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -32,7 +35,7 @@ from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, gather_rng, restore_rng
 from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
-from nmt_cli.rundir import RunDir, now
+from nmt_cli.files import now
 from nmt_cli.shards import Shard
 
 # Updates between two reads of the training figures. A read waits for the device to finish
@@ -41,11 +44,37 @@ from nmt_cli.shards import Shard
 LOG_EVERY = 10
 
 
+@dataclass(frozen=True)
+class Data:
+    """What a run trains on: token ids of the training pairs and of the validation pairs (or
+    none), their languages and vocabulary size, and the training corpora as `nmt prep` records
+    them (the number of pairs and the sampling weight of each)."""
+
+    train: tuple[Shard, Shard]
+    valid: tuple[Shard, Shard] | None
+    src: str
+    tgt: str
+    vocab_size: int
+    corpora: tuple[dict, ...] = ()
+
+
+class Outputs(Protocol):
+    """Where a run's results go: checkpoints, best models and figures (rundir.RunDir is one)."""
+
+    checkpoints: Path
+    best: Path
+
+    def add_metric(self, record: dict) -> None: ...
+
+    def truncate_metrics(self, step: int) -> None: ...
+
+
 class Trainer:
     def __init__(
         self,
         config: TrainConfig,
-        run: RunDir,
+        data: Data,
+        out: Outputs,
         reporter: Reporter,
         bleu_of: Callable[[list[list[int]]], float] | None = None,
         init: Initial | None = None,
@@ -53,17 +82,11 @@ class Trainer:
     ):
         """`bleu_of` scores greedy translations of the validation set, given as token ids
         (for --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training
-        pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them)."""
-        self.config, self.run, self.reporter = config, run, reporter
+        pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
+        training.build_trainer hands a run directory's data and outputs to it."""
+        self.config, self.out, self.reporter = config, out, reporter
         self.bleu_of, self.init = bleu_of, init
-        manifest = run.load_manifest()
-        prep, bpe = manifest.get("prep"), manifest.get("bpe")
-        if not prep or not bpe:
-            raise NmtError(
-                f"{run.root} has no binarized data: run `nmt "
-                f"{'prep' if not prep else 'bpe'}` first (with --run-dir {run.root})"
-            )
-        self.src_lang, self.tgt_lang = prep["src"], prep["tgt"]
+        self.src_lang, self.tgt_lang = data.src, data.tgt
         if config.threads:
             torch.set_num_threads(config.threads)
         self.dist, self.device = distributed.setup(resolve_device(config.device))
@@ -77,8 +100,8 @@ class Trainer:
         self.precision = resolve_precision(config.precision, self.device.type, cpu_has_bf16())
         if config.precision == "auto" and self.device.type == "cpu" and self.precision == "bf16":
             reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
-        self.model_config: ModelConfig = config.model_config(bpe["vocab_size"])
-        self._load_data(prep, resample)
+        self.model_config: ModelConfig = config.model_config(data.vocab_size)
+        self._load_data(data, resample)
         torch.manual_seed(config.seed)
         self.model = Transformer(self.model_config).to(self.device)
         if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
@@ -99,22 +122,12 @@ class Trainer:
         self.saved_at = -1
         self._signal: int | None = None
 
-    def _load_data(self, prep: dict, resample: Callable[[int], tuple[Shard, Shard]] | None) -> None:
+    def _load_data(self, data: Data, resample: Callable[[int], tuple[Shard, Shard]] | None) -> None:
         """The training epochs and the validation split, pairs over the length limit left out."""
-        config, run, reporter = self.config, self.run, self.reporter
+        config, reporter = self.config, self.reporter
         limit = min(self.model_config.max_positions, config.max_tokens)
-        corpora = prep["splits"]["train"].get("corpora", [])
-        self.epochs = Epochs(
-            Split.load(run, "train", self.src_lang, self.tgt_lang, limit, corpora),
-            config,
-            self.dist,
-            resample,
-        )
-        self.valid_data = (
-            Split.load(run, "valid", self.src_lang, self.tgt_lang, limit)
-            if "valid" in prep["splits"]
-            else None
-        )
+        self.epochs = Epochs(Split.of(*data.train, limit, list(data.corpora)), config, self.dist, resample)
+        self.valid_data = Split.of(*data.valid, limit) if data.valid is not None else None
         if len(self.epochs.fixed.keep) == 0:
             raise NmtError(f"no training pair fits --max-tokens {config.max_tokens}: raise it")
         dropped = len(self.epochs.fixed.src) - len(self.epochs.fixed.keep)
@@ -156,7 +169,7 @@ class Trainer:
         # however many times it was interrupted and resumed.
         state = dataclasses.replace(self.state, seconds=self.elapsed())
         meta = self.record(state=dataclasses.asdict(state), world=self.dist.world)
-        path = checkpoint.path_for(self.run.checkpoints, self.state.step)
+        path = checkpoint.path_for(self.out.checkpoints, self.state.step)
         try:
             checkpoint.save_tensors(path, tensors, meta)
         except OSError as e:
@@ -165,10 +178,10 @@ class Trainer:
                 "checkpoints are intact: free space or fix the disk, then rerun to "
                 "resume"
             ) from None
-        checkpoint.prune(self.run.checkpoints, self.config.keep_last)
+        checkpoint.prune(self.out.checkpoints, self.config.keep_last)
 
     def resume(self) -> bool:
-        found = checkpoint.load_agreed(self.run.checkpoints, self.reporter.say, self.dist.gather_objects)
+        found = checkpoint.load_agreed(self.out.checkpoints, self.reporter.say, self.dist.gather_objects)
         if found is None:
             if self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
                 self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
@@ -177,7 +190,7 @@ class Trainer:
         tensors, meta = found
         if meta["model"] != dataclasses.asdict(self.model_config):
             raise NmtError(
-                f"the checkpoints in {self.run.checkpoints} are of another model shape "
+                f"the checkpoints in {self.out.checkpoints} are of another model shape "
                 f"({meta['model']}); use another --run-dir or the same shape options"
             )
         self.model.load_state_dict(tensors["model"])
@@ -197,7 +210,7 @@ class Trainer:
         self.state = State(**meta["state"])
         self.saved_at = self.state.step
         if self.dist.is_main:
-            self.run.truncate_metrics(self.state.step)
+            self.out.truncate_metrics(self.state.step)
         self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
         return True
 
@@ -220,7 +233,7 @@ class Trainer:
             "minutes": round(self.elapsed() / 60, 4),
             **metrics,
         }
-        self.run.add_metric(record)
+        self.out.add_metric(record)
         self.reporter.record(record)
 
     def elapsed(self) -> float:
@@ -342,7 +355,7 @@ class Trainer:
             }
         )
         checkpoint.keep_best(
-            self.run.best,
+            self.out.best,
             self.config.keep_best,
             score,
             self.state.step,
@@ -457,14 +470,3 @@ class Trainer:
             self.forward = None
             gc.collect()
             self.dist.close()
-
-
-def train(
-    config: TrainConfig,
-    run: RunDir,
-    reporter: Reporter,
-    bleu_of: Callable[[list[list[int]]], float] | None = None,
-    init: Initial | None = None,
-    resample: Callable[[int], tuple[Shard, Shard]] | None = None,
-) -> dict:
-    return Trainer(config, run, reporter, bleu_of, init, resample).train()
