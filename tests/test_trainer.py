@@ -926,3 +926,37 @@ def test_cpu_training_keeps_large_blocks_in_the_heap(run_copy):
     )
     before, after = map(int, out.stdout.split())
     assert (before, after) == (1, 0)
+
+
+def test_a_trainer_runs_on_data_in_memory_without_a_run_directory(tmp_path):
+    """The engine is handed its data and where its results go: here lists of ids and an object
+    that keeps figures in a list, no run directory."""
+
+    class Kept:
+        checkpoints, best = tmp_path / "ckpt", tmp_path / "ckpt" / "best"
+
+        def __init__(self):
+            self.figures = []
+
+        def add_metric(self, record):
+            self.figures.append(record)
+
+        def truncate_metrics(self, step):
+            self.figures = [r for r in self.figures if r["step"] <= step]
+
+    rng = np.random.default_rng(0)
+    src = [list(rng.integers(4, 60, rng.integers(3, 9))) for _ in range(200)]
+    tgt = [list(reversed(s)) for s in src]
+    shards = (Shard.in_memory(src, 64), Shard.in_memory(tgt, 64))
+    data = trainer.Data(train=shards, valid=shards, src="xx", tgt="yy", vocab_size=64)
+    config = TrainConfig(
+        size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1,
+        max_tokens=128, max_steps=6, eval_every=3, save_every=3, warmup=2, device="cpu",
+    )  # fmt: skip
+    out = Kept()
+    trainer.Trainer(config, data, out, state.Quiet()).train()
+    assert [r["step"] for r in out.figures if r["kind"] == "valid"] == [3, 6]
+    assert [p.name for p in checkpoint.listed(out.checkpoints)] == [
+        "checkpoint_00000003.pt",
+        "checkpoint_00000006.pt",
+    ]
