@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli.cli_options import (
+from nmt_cli.cli.options import (
     AlphaOption,
     BeamOption,
     CheckpointOption,

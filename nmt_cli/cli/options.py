@@ -57,3 +57,9 @@ def done(message: str, next_command: str) -> None:
     from nmt_cli import ui
 
     ui.done(message, next_command)
+
+
+def given_on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether an option was set on the command line or through the environment."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
