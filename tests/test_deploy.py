@@ -302,6 +302,14 @@ def test_a_line_into_an_open_pipe_is_answered_before_more_input(package):
 # -- nmt serve ---------------------------------------------------------------------------------
 
 
+def _until_closed(sock) -> bytes:
+    """What a socket receives until the server closes the connection."""
+    answer = b""
+    while chunk := sock.recv(4096):
+        answer += chunk
+    return answer
+
+
 class Server:
     def __init__(self, model: Path, *options: str):
         self.proc = subprocess.Popen(
@@ -411,9 +419,7 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
         for raw in (b"GARBAGE\r\n\r\n", b"POST /translate HTTP/1.1\r\nno colon\r\n\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:
                 s.sendall(raw)
-                answer = b""
-                while chunk := s.recv(4096):
-                    answer += chunk
+                answer = _until_closed(s)
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.0 400") and b"application/json" in head, answer
             assert set(json.loads(body)) == {"error"}
@@ -476,9 +482,7 @@ def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(package)
                 b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 b'Content-Length: 1000\r\n\r\n{"text": ["'
             )
-            answer = b""
-            while chunk := stalling.recv(4096):  # until the server closes the connection
-                answer += chunk
+            answer = _until_closed(stalling)
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), answer
         assert "did not arrive within 1 s" in json.loads(body)["error"]
@@ -501,9 +505,7 @@ def test_connections_without_a_whole_request_are_closed_and_their_number_capped(
             stalled.append(socket.create_connection(("127.0.0.1", port), timeout=10))
             stalled[-1].sendall(b"POST /translate HTTP/1.1\r\nHost: localhost\r\n")
         with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
-            answer = b""
-            while chunk := extra.recv(4096):
-                answer += chunk
+            answer = _until_closed(extra)
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 503"), answer
         assert json.loads(body) == {"error": "too many connections: retry shortly"}
@@ -512,9 +514,7 @@ def test_connections_without_a_whole_request_are_closed_and_their_number_capped(
         for s in stalled:  # data arriving does not count as a request
             s.sendall(b"X-Slow: 1\r\n")
         for s in stalled:  # a 408, then closed by the server
-            answer = b""
-            while chunk := s.recv(4096):
-                answer += chunk
+            answer = _until_closed(s)
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 408"), answer
             assert json.loads(body) == {"error": "the request's head did not arrive within 1 s"}

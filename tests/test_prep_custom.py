@@ -221,6 +221,7 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
     2.5 times on average, the extra half changing from epoch to epoch."""
     import numpy as np
 
+    from nmt_cli import training
     from nmt_cli.engine.data import Split
 
     files = multi30k_slices(multi30k_dir, tmp_path)
@@ -273,7 +274,9 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
         "<bt>",
         "\u2581A",
     ]
-    split = Split.load(run, "train", "en", "de", 1024, corpora)
+    data = training.data_of(run)
+    assert list(data.corpora) == corpora
+    split = Split.of(*data.train, 1024, corpora)
     assert all(split.src[i][1] == tag for i in range(na, na + nb)) and tag not in split.src[0]
     e0, e1 = split.chosen(seed=1, epoch=0), split.chosen(seed=1, epoch=1)
     counts = np.bincount(e0, minlength=na + nb)
