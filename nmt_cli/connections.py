@@ -102,7 +102,7 @@ def _raw_json(status: int, reason: str, message: str) -> bytes:
     )
 
 
-def json_errors(server):
+def with_json_errors(server):
     """aiohttp's protocol factory `server`, its protocols answering the requests its HTTP parser
     refuses (malformed request lines and headers, before any handler or middleware) with a JSON
     error too, and logging each in one line instead of a traceback."""

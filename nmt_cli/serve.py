@@ -29,7 +29,7 @@ import signal
 from nmt_cli import ui
 from nmt_cli.batcher import Batcher
 from nmt_cli.config import ServeConfig, TranslateConfig
-from nmt_cli.connections import Connections, connection_limit, json_errors
+from nmt_cli.connections import Connections, connection_limit, with_json_errors
 from nmt_cli.errors import NmtError
 from nmt_cli.package import Model
 from nmt_cli.translate import Translator
@@ -201,7 +201,7 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
             lingering_time=1.0,
         )
         await runner.setup()
-        connections.factory = json_errors(runner.server)
+        connections.factory = with_json_errors(runner.server)
         loop = asyncio.get_running_loop()
         try:  # not web.TCPSite: it would hand connections to aiohttp's protocol unwatched
             server = await loop.create_server(connections, config.host, config.port, reuse_address=True)
