@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,15 @@ class Result:
     code: int
     out: str
     err: str
+
+
+def nmt_command(*args) -> list[str]:
+    """`nmt ARGS...` as the command line of a process of its own."""
+    return [sys.executable, "-m", "nmt_cli", *map(str, args)]
+
+
+# Copying a trained run with this leaves its data and model settings, not its training.
+UNTRAINED = shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt")
 
 
 @pytest.fixture
@@ -146,6 +157,23 @@ def multi30k_slices(multi30k_dir: Path, folder: Path) -> dict[tuple[str, str], P
     return files
 
 
+def tagged_corpora(files: dict, weight: float) -> list:
+    """`nmt prep custom`'s options for multi30k_slices' training corpora: "a" as it is, "b"
+    tagged '<bt>' and of sampling weight `weight`."""
+    plain = ["--train-src", files["a", "en"], "--train-tgt", files["a", "de"], "--tag", "", "--weight", 1]
+    return [
+        *plain,
+        "--train-src",
+        files["b", "en"],
+        "--train-tgt",
+        files["b", "de"],
+        "--tag",
+        "<bt>",
+        "--weight",
+        weight,
+    ]
+
+
 @pytest.fixture(scope="session")
 def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
     """Tagged back-translation's layout on real Multi30k lines: a clean corpus (3,000 pairs) and
@@ -154,20 +182,9 @@ def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
     root = tmp_path_factory.mktemp("tagged")
     files = multi30k_slices(multi30k_dir, root)
     run_dir = root / "run"
-    corpora = ["--train-src", files["a", "en"], "--train-tgt", files["a", "de"], "--tag", "", "--weight", "1"]
-    corpora += [
-        "--train-src",
-        files["b", "en"],
-        "--train-tgt",
-        files["b", "de"],
-        "--tag",
-        "<bt>",
-        "--weight",
-        "2",
-    ]
     valid = ["--valid-src", files["v", "en"], "--valid-tgt", files["v", "de"]]
     run_ok(
-        ["prep", "custom", "--run-dir", run_dir, *corpora, *valid],
+        ["prep", "custom", "--run-dir", run_dir, *tagged_corpora(files, 2), *valid],
         ["bpe", "--run-dir", run_dir, "--vocab-size", 1000],
     )
     return run_dir
@@ -176,8 +193,6 @@ def tagged_bpe(tmp_path_factory, multi30k_dir) -> Path:
 @pytest.fixture
 def run_copy(multi30k_bpe, tmp_path) -> Path:
     """A fresh copy of the prepared Multi30k run directory."""
-    import shutil
-
     dest = tmp_path / "run"
     shutil.copytree(multi30k_bpe, dest)
     return dest
@@ -205,8 +220,6 @@ TINY = [
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, multi30k_bpe) -> Path:
     """A tiny model trained briefly on Multi30k, with its checkpoints averaged; copy before writing."""
-    import shutil
-
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     shutil.copytree(multi30k_bpe, run_dir)
     run_ok(
@@ -234,8 +247,6 @@ def trained(tmp_path_factory, multi30k_bpe) -> Path:
 @pytest.fixture(scope="session")
 def trained_longer(tmp_path_factory, multi30k_bpe):
     """A small model after 800 updates (15 s): most sentences end by themselves now."""
-    import shutil
-
     run_dir = tmp_path_factory.mktemp("trained-longer") / "run"
     shutil.copytree(multi30k_bpe, run_dir)
     run_ok(

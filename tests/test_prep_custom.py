@@ -3,7 +3,7 @@
 import gzip
 
 import pytest
-from conftest import multi30k_slices, one_error_line
+from conftest import multi30k_slices, one_error_line, tagged_corpora
 
 from nmt_cli.normalize import normalize
 from nmt_cli.prep import SeenPairs
@@ -236,17 +236,7 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
         "--valid-tgt",
         files["v", "de"],
     ]
-    args += ["--train-src", files["a", "en"], "--train-tgt", files["a", "de"], "--tag", "", "--weight", "1"]
-    args += [
-        "--train-src",
-        files["b", "en"],
-        "--train-tgt",
-        files["b", "de"],
-        "--tag",
-        "<bt>",
-        "--weight",
-        "2.5",
-    ]
+    args += tagged_corpora(files, 2.5)
     result = nmt(*args)
     assert result.code == 0, result.err
     corpora = run.load_manifest()["prep"]["splits"]["train"]["corpora"]

@@ -8,13 +8,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, children, env_of, rank_of
+from conftest import TINY, UNTRAINED, children, env_of, nmt_command, rank_of
 
 from nmt_cli.engine import checkpoint
 
@@ -32,6 +31,18 @@ def _train(nmt, run_dir: Path, args: list, ranks: int, update_freq: int):
     result = nmt("train", "--run-dir", run_dir, *args, "--update-freq", str(update_freq), *launch)
     assert result.code == 0, result.err
     return result
+
+
+def _outcomes(nmt, source: Path, tmp_path: Path, args: list, layouts, ignore=None) -> dict:
+    """Each (ranks, update_freq) of `layouts` trained on a copy of `source` (its files but
+    `ignore`d ones) in tmp_path/ranks{ranks}: the outcome of each, by ranks."""
+    outcomes = {}
+    for ranks, update_freq in layouts:
+        run = tmp_path / f"ranks{ranks}"
+        shutil.copytree(source, run, ignore=ignore)
+        _train(nmt, run, args, ranks, update_freq)
+        outcomes[ranks] = _outcome(run)
+    return outcomes
 
 
 def _outcome(run_dir: Path) -> dict:
@@ -104,14 +115,9 @@ def test_bleu_keep_best_patience_and_tensorboard_on_two_and_four_ranks(trained_l
         "--precision",
         "fp32",
     ]
-    outcomes = {}
-    for ranks, update_freq in ((1, 4), (2, 2), (4, 1)):
+    outcomes = _outcomes(nmt, trained_longer, tmp_path, args, ((1, 4), (2, 2), (4, 1)), UNTRAINED)
+    for ranks in outcomes:
         run = tmp_path / f"ranks{ranks}"
-        shutil.copytree(
-            trained_longer, run, ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt")
-        )
-        _train(nmt, run, args, ranks, update_freq)
-        outcomes[ranks] = _outcome(run)
         assert list((run / "tensorboard").iterdir()), "no TensorBoard events"
         tensors, _ = checkpoint.load_tensors(checkpoint.listed(run / "checkpoints")[-1])
         assert tuple(tensors["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.997)
@@ -146,14 +152,7 @@ def test_nll_keep_best_from_a_checkpoint_with_a_fresh_optimizer_on_two_ranks(tra
         "--max-steps",
         "12",
     ]
-    outcomes = {}
-    for ranks, update_freq in ((1, 2), (2, 1)):
-        run = tmp_path / f"ranks{ranks}"
-        shutil.copytree(
-            trained_longer, run, ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt")
-        )
-        _train(nmt, run, args, ranks, update_freq)
-        outcomes[ranks] = _outcome(run)
+    outcomes = _outcomes(nmt, trained_longer, tmp_path, args, ((1, 2), (2, 1)), UNTRAINED)
     assert len(outcomes[1]["valid"]) >= 2 and len(outcomes[1]["best"]) == 2
     _assert_same(outcomes[1], outcomes[2])
 
@@ -178,12 +177,7 @@ def test_tagged_weighted_corpora_with_bpe_dropout_in_bf16_on_two_ranks(tagged_bp
         "--max-steps",
         "20",
     ]
-    outcomes = {}
-    for ranks, update_freq in ((1, 2), (2, 1)):
-        run = tmp_path / f"ranks{ranks}"
-        shutil.copytree(tagged_bpe, run)
-        _train(nmt, run, args, ranks, update_freq)
-        outcomes[ranks] = _outcome(run)
+    outcomes = _outcomes(nmt, tagged_bpe, tmp_path, args, ((1, 2), (2, 1)))
     _assert_same(outcomes[1], outcomes[2])
 
 
@@ -203,26 +197,10 @@ STEPS = 40
 
 
 def _cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "nmt_cli",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *TINY,
-        "--max-steps",
-        str(STEPS),
-        "--save-every",
-        "5",
-        "--eval-every",
-        "10",
-        "--procs",
-        "2",
-        "--device",
-        "cpu",
-        *extra,
-    ]
+    return nmt_command(
+        "train", "--run-dir", run_dir, *TINY, "--max-steps", STEPS, "--save-every", 5,
+        "--eval-every", 10, "--procs", 2, "--device", "cpu", *extra,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

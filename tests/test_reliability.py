@@ -6,12 +6,11 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import TINY, one_error_line
+from conftest import TINY, nmt_command, one_error_line
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,25 +21,10 @@ STEPS = 150
 
 
 def _cmd(run_dir):
-    return [
-        sys.executable,
-        "-m",
-        "nmt_cli",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *TINY,
-        "--max-steps",
-        str(STEPS),
-        "--save-every",
-        "1",
-        "--keep-last",
-        "3",
-        "--eval-every",
-        "8",
-        "--seed",
-        "5",
-    ]
+    return nmt_command(
+        "train", "--run-dir", run_dir, *TINY, "--max-steps", STEPS, "--save-every", 1,
+        "--keep-last", 3, "--eval-every", 8, "--seed", 5,
+    )  # fmt: skip
 
 
 def _newest_step(run_dir) -> int:

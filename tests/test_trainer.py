@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, one_error_line
+from conftest import TINY, UNTRAINED, nmt_command, one_error_line
 
 from nmt_cli import training
 from nmt_cli.config import TrainConfig
@@ -118,23 +118,10 @@ def test_training_learns_and_logs(run_copy, nmt):
 
 
 def _train_cmd(run_dir, steps):
-    return [
-        sys.executable,
-        "-m",
-        "nmt_cli",
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *TINY,
-        "--max-steps",
-        str(steps),
-        "--save-every",
-        "1",
-        "--eval-every",
-        "5",
-        "--seed",
-        "3",
-    ]
+    return nmt_command(
+        "train", "--run-dir", run_dir, *TINY, "--max-steps", steps, "--save-every", 1,
+        "--eval-every", 5, "--seed", 3,
+    )  # fmt: skip
 
 
 def _final_weights(run_dir):
@@ -176,27 +163,14 @@ def test_an_interrupted_fine_tuning_resumes_from_its_own_checkpoint(trained_long
         shutil.copytree(
             trained_longer,
             runs[name],
-            ignore=shutil.ignore_patterns("checkpoints", "metrics.jsonl", "log.txt"),
+            ignore=UNTRAINED,
         )
 
     def cmd(run_dir):
-        return [
-            sys.executable,
-            "-m",
-            "nmt_cli",
-            "train",
-            "--run-dir",
-            str(run_dir),
-            *LONGER,
-            "--max-steps",
-            "40",
-            "--save-every",
-            "1000",
-            "--eval-every",
-            "1000",
-            "--init-from",
-            str(trained_longer),
-        ]
+        return nmt_command(
+            "train", "--run-dir", run_dir, *LONGER, "--max-steps", 40, "--save-every", 1000,
+            "--eval-every", 1000, "--init-from", trained_longer,
+        )  # fmt: skip
 
     subprocess.run(cmd(runs["uninterrupted"]), check=True, capture_output=True)
     run = runs["interrupted"]
