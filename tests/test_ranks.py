@@ -182,6 +182,39 @@ def test_tagged_weighted_corpora_with_bpe_dropout_in_bf16_on_two_ranks(tagged_bp
 
 
 @pytest.mark.slow
+def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy):
+    """--compile under DDP on 2 gloo ranks: no rank compiles again as batch shapes change, and
+    no graph break falls in nmt's code (DDP's own wrapper breaks the graph by torch's design)."""
+    done = subprocess.run(
+        nmt_command(
+            "train",
+            "--run-dir",
+            run_copy,
+            *TINY,
+            "--compile",
+            "--max-steps",
+            8,
+            "--eval-every",
+            4,
+            "--procs",
+            2,
+            "--device",
+            "cpu",
+        ),  # fmt: skip
+        env={**os.environ, "TORCH_LOGS": "dynamo,graph_breaks,recompiles"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "training stopped: reached --max-steps 8" in done.stderr
+    assert "torchdynamo start tracing" in done.stderr  # the logs reached the ranks
+    assert "Recompiling" not in done.stderr
+    breaks = [line for line in done.stderr.splitlines() if "Graph break in user code at" in line]
+    assert not [line for line in breaks if "/nmt_cli/" in line], breaks
+
+
+@pytest.mark.slow
 def test_max_time_stops_every_rank_together(run_copy, nmt):
     result = _train(
         nmt, run_copy, [*TINY, "--max-time", "0.1", "--max-steps", "0", "--eval-every", "100000"], 2, 1
