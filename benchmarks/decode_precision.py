@@ -22,11 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_name  # noqa: E402
 
+from nmt_cli.backend_nmt import load_model  # noqa: E402
 from nmt_cli.config import TranslateConfig  # noqa: E402
-from nmt_cli.decoder import load_model  # noqa: E402
 from nmt_cli.engine.device import resolve_device  # noqa: E402
 from nmt_cli.metrics import score  # noqa: E402
-from nmt_cli.package import from_run  # noqa: E402
+from nmt_cli.models import from_run  # noqa: E402
 from nmt_cli.rundir import RunDir  # noqa: E402
 from nmt_cli.translate import Translator  # noqa: E402
 

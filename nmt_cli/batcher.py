@@ -4,21 +4,19 @@ the requests served least first, large ones in pieces; each request's answers in
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from nmt_cli.config import ServeConfig
+from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.translate import Translator
 
 
 @dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity
 class Job:
     sentences: list[str]
-    beam: int
-    nbest: int
+    options: DecodeOptions
     done: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
@@ -39,11 +37,11 @@ class Batcher:
         self.arrived = asyncio.Event()
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
 
-    def submit(self, sentences: list[str], beam: int, nbest: int) -> asyncio.Future | None:
+    def submit(self, sentences: list[str], options: DecodeOptions) -> asyncio.Future | None:
         """The future of the job's answer, or None when the queue is full."""
         if self.pending + len(sentences) > self.config.max_queue:
             return None
-        job = Job(sentences, beam, nbest, asyncio.get_running_loop().create_future())
+        job = Job(sentences, options, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
         self.pending += len(sentences)
         self.arrived.set()
@@ -65,20 +63,21 @@ class Batcher:
         return min(self.jobs, key=lambda j: (j.taken, j.arrived))
 
     def _take(self) -> list[Piece]:
-        """One decoding batch: pieces of the jobs with the next job's settings, least served
+        """One decoding batch: pieces of the jobs with the next job's options, least served
         first, up to `max_batch` sentences at the default beam (fewer at a wider beam, so that
         every batch is about as much work)."""
         first = self._next()
         budget = self.config.max_batch * self.translator.config.decode.beam  # hypotheses
         pieces: list[Piece] = []
-        same = [j for j in self.jobs if (j.beam, j.nbest) == (first.beam, first.nbest)]
+        same = [j for j in self.jobs if j.options == first.options]
+        beam = first.options.beam
         for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
-            if pieces and (not self.config.batching or budget < job.beam):
+            if pieces and (not self.config.batching or budget < beam):
                 break
-            n = min(len(job.sentences) - job.taken, max(1, budget // job.beam))
+            n = min(len(job.sentences) - job.taken, max(1, budget // beam))
             pieces.append((job, job.taken, job.taken + n))
             job.taken += n
-            budget -= n * job.beam
+            budget -= n * beam
             if job.taken == len(job.sentences):
                 self.jobs.remove(job)
         return pieces
@@ -123,9 +122,7 @@ class Batcher:
         sentences = [s for job, lo, hi in pieces for s in job.sentences[lo:hi]]
         first = pieces[0][0]
         try:
-            texts, hyps = await loop.run_in_executor(
-                self.decoder, self._decode, sentences, first.beam, first.nbest
-            )
+            texts, hyps = await loop.run_in_executor(self.decoder, self._decode, sentences, first.options)
         except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
             if len(pieces) > 1:
                 for piece in pieces:
@@ -140,13 +137,12 @@ class Batcher:
         start = 0
         for job, lo, hi in pieces:
             end = start + hi - lo
-            job.answers += _answer(texts[start:end], hyps[start:end], job.nbest)
+            job.answers += _answer(texts[start:end], hyps[start:end], job.options.nbest)
             if len(job.answers) == len(job.sentences) and not job.done.done():
                 job.done.set_result(job.answers)
             start = end
 
-    def _decode(self, sentences: list[str], beam: int, nbest: int):
-        options = dataclasses.replace(self.translator.config.decode, beam=beam, nbest=nbest)
+    def _decode(self, sentences: list[str], options: DecodeOptions):
         hyps = self.translator.hypotheses(sentences, options)
         return self.translator.texts(hyps), hyps
 

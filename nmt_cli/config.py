@@ -15,6 +15,12 @@ from typing import Any, TypeVar
 from nmt_cli.errors import NmtError
 
 
+def knob(default: Any, help: str) -> Any:
+    """A config field that is also a command-line option: `help` is its --help text, written
+    only here (the CLI reads it: cli/options.about)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -55,23 +61,35 @@ PRESETS: dict[str, dict] = {
 @dataclass(frozen=True)
 class PrepConfig:
     recipe: str  # one of recipes.RECIPES, which checks the rest against it (recipes.resolved)
-    src: str = "en"
-    tgt: str = "de"
-    mirror: str | None = None  # a local folder holding the recipe's files by name
-    max_words: int = 250  # training pairs with a longer side are dropped
-    # ... and pairs whose length ratio is larger; None: the recipe's
-    max_ratio: float | None = None
+    src: str = knob("en", "Source language.")
+    tgt: str = knob("de", "Target language.")
+    mirror: str | None = knob(
+        None,
+        "Take the recipe's files from this local folder instead of the network (same names, same checksums).",
+    )
+    max_words: int = knob(250, "Drop training pairs with a side longer than this many words.")
+    max_ratio: float | None = knob(
+        None, "Drop training pairs whose word-count ratio exceeds this (default: the recipe's)."
+    )
     # custom recipe: the user's files (plain or .gz); several training corpora, one pair each
-    train_src: tuple[str, ...] = ()
-    train_tgt: tuple[str, ...] = ()
-    # custom, per training corpus (none, or one each): a token put before each source line
-    # ("" for none), and how many times an epoch takes each pair on average (1: once)
-    tags: tuple[str, ...] = ()
-    weights: tuple[float, ...] = ()
-    valid_src: str | None = None
-    valid_tgt: str | None = None
-    test_src: str | None = None
-    test_tgt: str | None = None
+    train_src: tuple[str, ...] = knob(
+        (), "custom: training source (plain or .gz); again for each further corpus."
+    )
+    train_tgt: tuple[str, ...] = knob((), "custom: training target, one per --train-src.")
+    tags: tuple[str, ...] = knob(
+        (),
+        "custom: per training corpus, a token put before its source lines, e.g. '<bt>' for "
+        "back-translations ('' for none).",
+    )
+    weights: tuple[float, ...] = knob(
+        (), "custom: per training corpus, times an epoch takes each pair on average (1)."
+    )
+    valid_src: str | None = knob(
+        None, "custom: validation source (default: every 100th training pair, up to 2000)."
+    )
+    valid_tgt: str | None = knob(None, "custom: validation target.")
+    test_src: str | None = knob(None, "custom: test source.")
+    test_tgt: str | None = knob(None, "custom: test target.")
 
     def __post_init__(self) -> None:
         for name in ("train_src", "train_tgt", "tags", "weights"):  # a list from JSON, one path before
@@ -119,16 +137,23 @@ class PrepConfig:
 
 @dataclass(frozen=True)
 class BpeConfig:
-    vocab_size: int = 0  # 0: chosen from the training set's size (see bpe.py)
-    # Encode with this model's sentencepiece model (a run, a package or an .model file)
-    # instead of learning one.
-    from_model: str | None = None
-    sample_lines: int = 500_000  # sentences (of both sides) the BPE model is learned from
-    seed: int = 1
-    # Fold case inside the sentencepiece model: every side, at training and translation time, is
-    # lowercased, and so are the translations (for setups scored lowercased, as Multi30k's).
-    lowercase: bool = False
-    threads: int = max(1, os.cpu_count() or 1)
+    vocab_size: int = knob(
+        0, "Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, else 32000)."
+    )
+    from_model: str | None = knob(
+        None,
+        "Encode with this model's sentencepiece model (a run directory, a package, or a .model "
+        "file) instead of learning one.",
+    )
+    sample_lines: int = knob(500_000, "Sentences (both sides) sampled to learn BPE from.")
+    seed: int = knob(1, "Seed of the sample.")
+    # Casing is folded inside the sentencepiece model, so translation time folds it too.
+    lowercase: bool = knob(
+        False,
+        "Lowercase everything the model encodes, so its translations are lowercase too (for "
+        "setups scored lowercased, as Multi30k papers).",
+    )
+    threads: int = knob(max(1, os.cpu_count() or 1), "Threads for learning and encoding.")
 
     def __post_init__(self) -> None:
         if self.vocab_size < 0 or (0 < self.vocab_size < 300):
@@ -177,51 +202,62 @@ def resolve_precision(
 
 @dataclass(frozen=True)
 class TrainConfig:
-    size: str = "base"  # one of PRESETS
-    num_encoder_layers: int | None = None  # None: the preset's value
-    num_decoder_layers: int | None = None
-    d_model: int | None = None
-    ffn: int | None = None
-    heads: int | None = None
-    dropout: float | None = None
-    attention_dropout: float | None = None
-    relu_dropout: float | None = None
-    post_norm: bool = False
-    max_tokens: int = 4096  # per batch (and per rank), source or target side
-    update_freq: int = 1  # batches whose gradients make one update
-    lr_scale: float = 1.0
-    warmup: int = 4000
-    beta1: float = 0.9
-    beta2: float = 0.98
-    adam_eps: float = 1e-9
-    label_smoothing: float = 0.1
-    # BPE-dropout (Provilkov et al. 2020): each epoch the training side is encoded anew with
-    # each merge dropped with this probability; 0: the fixed encoding of `nmt bpe`.
-    bpe_dropout: float = 0.0
-    clip_norm: float = 0.0  # 0: no clipping
-    max_steps: int = 100_000  # 0: no limit
-    max_epochs: int = 0  # 0: no limit
-    max_time: float = 0.0  # minutes; 0: no limit
-    precision: str = "auto"  # auto: resolve_precision
-    eval_every: int = 1000
-    eval_bleu: bool = False  # also log greedy BLEU of the validation set
-    patience: int = 0  # evaluations without improvement; 0: off
-    save_every: int = 1000
-    keep_last: int = 20  # enough to average the last 20 (big)
-    # Start from this model's weights (a run, a checkpoint or a package); fresh optimizer.
-    init_from: str | None = None
-    # ... keeping, from its training checkpoint, the Adam moments and / or the step (and so the
-    # point of the learning-rate schedule)
-    init_optimizer: bool = False
-    init_schedule: bool = False
-    keep_best: int = 0  # also keep the N best models by best_metric
-    best_metric: str = "nll"  # nll, or bleu (with eval_bleu); for patience too
-    seed: int = 1
-    tensorboard: bool = False  # also write metrics.jsonl's figures as TensorBoard events
-    device: str = "auto"
-    compile: bool = False
-    threads: int = 0  # 0: torch's default
-    max_bad_steps: int = 20  # non-finite steps in a row before stopping
+    size: str = knob("base", "Model preset: tiny, small (CPU), base, big.")
+    # None: the preset's value
+    num_encoder_layers: int | None = knob(None, "Override the preset.")
+    num_decoder_layers: int | None = knob(None, "Override the preset.")
+    d_model: int | None = knob(None, "Override the preset.")
+    ffn: int | None = knob(None, "Override the preset.")
+    heads: int | None = knob(None, "Override the preset.")
+    dropout: float | None = knob(None, "Residual/embedding dropout.")
+    attention_dropout: float | None = knob(None, "On attention weights.")
+    relu_dropout: float | None = knob(None, "After the FFN ReLU.")
+    post_norm: bool = knob(False, "The paper's post-norm sub-layers.")
+    max_tokens: int = knob(4096, "Tokens per batch (either side, per rank).")
+    update_freq: int = knob(1, "Batches accumulated into one update.")
+    lr_scale: float = knob(1.0, "Multiplies the paper's schedule.")
+    warmup: int = knob(4000, "Warm-up steps of the schedule.")
+    beta1: float = 0.9  # the paper's, not an option
+    beta2: float = knob(0.98, "Adam beta2 (t2t later used 0.997).")
+    adam_eps: float = 1e-9  # the paper's, not an option
+    label_smoothing: float = knob(0.1, "Label smoothing.")
+    # Provilkov et al. 2020; 0: the fixed encoding of `nmt bpe`
+    bpe_dropout: float = knob(
+        0.0, "BPE-dropout: re-encode the training side every epoch, each merge dropped with P."
+    )
+    clip_norm: float = knob(0.0, "Gradient norm clipping (0: off).")
+    max_steps: int = knob(100_000, "Stop after this many updates (0: no limit).")
+    max_epochs: int = knob(0, "Stop after this many epochs (0: no limit).")
+    max_time: float = knob(0.0, "Stop after this many minutes (0: no limit).")
+    precision: str = knob(
+        "auto", "auto (bf16 on a GPU and on a CPU with bf16 arithmetic, else fp32), fp32, bf16, fp16 (GPU)."
+    )
+    eval_every: int = knob(1000, "Validate every N updates.")
+    eval_bleu: bool = knob(False, "Also log greedy BLEU on the validation set.")
+    patience: int = knob(0, "Stop after N validations without improvement (0: off).")
+    save_every: int = knob(1000, "Checkpoint every N updates.")
+    keep_last: int = knob(20, "Checkpoints kept.")  # enough to average the last 20 (big)
+    init_from: str | None = knob(
+        None,
+        "Start from this model's weights (a run directory, a checkpoint or a package from `nmt "
+        "export`) with a fresh optimizer and schedule; its BPE must be this run's (`nmt bpe --from`).",
+    )
+    init_optimizer: bool = knob(False, "With --init-from: keep its Adam moments (a training checkpoint's).")
+    init_schedule: bool = knob(
+        False,
+        "With --init-from: go on from its step, and so its learning-rate schedule (--max-steps "
+        "counts its steps too).",
+    )
+    keep_best: int = knob(0, "Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
+    best_metric: str = knob("nll", "nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
+    seed: int = knob(1, "Seed of initialisation, dropout and batch order.")
+    tensorboard: bool = knob(
+        False, "Also write the figures as TensorBoard events in RUN/tensorboard ('.[tensorboard]')."
+    )
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
+    compile: bool = knob(False, "torch.compile the model.")
+    threads: int = knob(0, "CPU threads (0: torch's default).")
+    max_bad_steps: int = knob(20, "Stop after this many non-finite updates in a row.")
 
     def __post_init__(self) -> None:
         if self.size not in PRESETS:
@@ -276,6 +312,37 @@ class TrainConfig:
             raise NmtError(f"bad model shape: {e}") from None
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How `nmt train` starts its workers (not saved: the run is the same however it is launched)."""
+
+    gpus: int = knob(0, "GPUs on this node: one NCCL worker each, through torch's elastic launcher.")
+    procs: int = knob(1, "CPU worker processes (gloo), e.g. --procs 2 --device cpu.")
+    nnodes: int = knob(1, "Nodes taking part (run the same command on each).")
+    node_rank: int = knob(0, "This node's rank among --nnodes.")
+    rdzv_endpoint: str = knob("", "HOST:PORT of node 0, for --nnodes > 1.")
+    max_restarts: int = knob(0, "Restart failed workers up to N times; they resume from the last checkpoint.")
+    # A `big` checkpoint on a network file system, or a validation in progress, takes a while.
+    stop_grace: int = knob(
+        120,
+        "Seconds the workers get to save a checkpoint and exit after the launcher is signalled "
+        "(SIGTERM, Ctrl-C) before they are killed.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0 or self.stop_grace < 0:
+            raise NmtError(
+                "--gpus, --max-restarts, --stop-grace must not be negative; --procs and --nnodes "
+                "must be at least 1"
+            )
+        if self.gpus and self.procs > 1:
+            raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.gpus) or self.procs > 1 or self.nnodes > 1
+
+
 ENGINES = ("auto", "nmt", "ctranslate2")
 
 
@@ -283,13 +350,13 @@ ENGINES = ("auto", "nmt", "ctranslate2")
 class DecodeOptions:
     """How a search decodes: one object carried from the CLI, the server and the Python entry
     points through either backend to the search. A new decoding option is a field here, its use
-    in engine/beam.py and its mapping (or refusal) in ct2.py."""
+    in engine/beam.py and its mapping (or refusal) in backend_ct2.py."""
 
-    beam: int = 4
-    alpha: float = 0.6  # length penalty ((5 + |Y|) / 6) ** alpha (GNMT)
-    max_len_a: float = 1.0  # output length <= a * source length + b
-    max_len_b: int = 50
-    nbest: int = 1
+    beam: int = knob(4, "Beam size (1: greedy).")
+    alpha: float = knob(0.6, "Length penalty ((5+|Y|)/6)^alpha (GNMT).")
+    max_len_a: float = knob(1.0, "Output length <= a * source length + b: a.")
+    max_len_b: int = knob(50, "Output length <= a * source length + b: b.")
+    nbest: int = knob(1, "Hypotheses per sentence, best first (translate prints 'line<TAB>score<TAB>text').")
 
     def __post_init__(self) -> None:
         for name in ("beam", "nbest"):
@@ -297,22 +364,27 @@ class DecodeOptions:
                 raise NmtError(f"--{name} must be at least 1")
         if self.nbest > self.beam:
             raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
-        if self.alpha < 0 or self.max_len_a < 0 or self.max_len_b < 0:
-            raise NmtError("--alpha, --max-len-a and --max-len-b must not be negative")
+        for name in ("alpha", "max_len_a", "max_len_b"):
+            if getattr(self, name) < 0:
+                raise NmtError(f"--{name.replace('_', '-')} must not be negative")
 
 
 @dataclass(frozen=True)
 class TranslateConfig:
-    checkpoint: str | None = None  # default: the averaged model, else the latest checkpoint
+    checkpoint: str | None = knob(
+        None, "Model file (default: the averaged model, else the latest checkpoint)."
+    )
     decode: DecodeOptions = DecodeOptions()
-    max_tokens: int = 4096  # padded source tokens per batch
-    batch_size: int = 32  # sentences per batch
+    max_tokens: int = knob(4096, "Padded source tokens per batch.")
+    batch_size: int = knob(32, "Sentences per batch.")
     chunk: int = 10_000  # lines read (and held) at a time
-    device: str = "auto"
-    precision: str = "auto"  # auto: fp32 (resolve_precision)
-    int8: bool = False  # int8 weights, through CTranslate2
-    engine: str = "auto"  # nmt or ctranslate2; auto: nmt, but ctranslate2 for an export or --int8
-    threads: int = 0
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
+    precision: str = knob("auto", "auto (fp32), fp32, bf16, fp16 (GPU).")
+    int8: bool = knob(False, "int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
+    engine: str = knob(
+        "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
+    )
+    threads: int = knob(0, "CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "batch_size", "chunk"):
@@ -330,21 +402,29 @@ class TranslateConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    max_wait_ms: float = 5.0  # a request waits this long for others to batch with
-    max_batch: int = 64  # sentences decoded together at most
-    batching: bool = True  # False: one request per decoding batch
-    max_queue: int = 1024  # sentences waiting or in flight; beyond, 503
-    max_sentences: int = 256  # per request; beyond, 413
-    max_hypotheses: int = 2048  # sentences x beam per request; beyond, 413
+    host: str = knob("127.0.0.1", "Address to listen on.")
+    port: int = knob(8080, "TCP port (0: any free one, printed).")
+    max_wait_ms: float = knob(5.0, "How long a request may wait for others to share its batch.")
+    max_batch: int = knob(64, "Sentences decoded together at most.")
+    batching: bool = knob(True, "Decode concurrent requests together.")
+    max_queue: int = knob(1024, "Sentences waiting at most; beyond, 503.")
+    max_sentences: int = knob(256, "Sentences per request; beyond, 413.")
+    max_hypotheses: int = knob(2048, "Sentences x beam per request (the work it asks for); beyond, 413.")
     max_chars: int = 2000  # per sentence; beyond, 400
     max_body: int = 1 << 20  # bytes per request; beyond, 413
     shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
-    request_timeout: float = 60.0  # seconds a request may take; then 504 and it leaves the queue
-    read_timeout: float = 30.0  # seconds to receive a request's body; then 408
-    header_timeout: float = 10.0  # seconds a connection may be without a request; then closed
-    max_connections: int = 1000  # open at once; beyond, a new one gets 503
+    request_timeout: float = knob(
+        60.0, "Seconds a request may wait and decode; beyond, 504 and it leaves the queue."
+    )
+    read_timeout: float = knob(
+        30.0, "Seconds to receive a request's body; beyond, 408 (a client that stalls)."
+    )
+    header_timeout: float = knob(
+        10.0,
+        "Seconds a connection may stay without a request (its head must arrive whole within "
+        "them); beyond, it is closed.",
+    )
+    max_connections: int = knob(1000, "Connections open at once; beyond, a new one gets 503 and is closed.")
 
     def __post_init__(self) -> None:
         for name in (

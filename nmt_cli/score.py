@@ -15,7 +15,7 @@ from nmt_cli import ui
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_json
-from nmt_cli.package import Model, from_run
+from nmt_cli.models import Model, from_run
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import read_lines
 from nmt_cli.translate import Counts, Translator

@@ -23,15 +23,17 @@ SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 import signal
 
 from nmt_cli import ui
 from nmt_cli.batcher import Batcher
-from nmt_cli.config import ServeConfig, TranslateConfig
+from nmt_cli.config import DecodeOptions, ServeConfig, TranslateConfig
 from nmt_cli.connections import Connections, connection_limit, with_json_errors
 from nmt_cli.errors import NmtError
-from nmt_cli.package import Model
+from nmt_cli.models import Model
 from nmt_cli.translate import Translator
 
 MAX_BEAM = 32
@@ -51,8 +53,9 @@ def error(web, status: int, message: str, **headers: str):
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
-def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str], int, int]:
-    """The request's sentences, beam and nbest; ValueError (400) or OverflowError (413)."""
+def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> tuple[list[str], DecodeOptions]:
+    """The request's sentences and decoding options (any field of DecodeOptions, `defaults` for
+    the rest); ValueError (400) or OverflowError (413)."""
     try:
         data = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -63,10 +66,11 @@ def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str
         raise ValueError("the body is JSON nested too deeply") from None
     if not isinstance(data, dict) or "text" not in data:
         raise ValueError('expected a JSON object {"text": ["sentence", ...]}')
-    unknown = set(data) - {"text", "beam", "nbest"}
+    fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
+    unknown = set(data) - {"text"} - set(fields)
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    text = data["text"]
+    text = data.pop("text")
     if not isinstance(text, list) or not all(isinstance(s, str) for s in text):
         raise ValueError('"text" must be a list of strings')
     if not text:
@@ -76,18 +80,43 @@ def parse(body: bytes, config: ServeConfig, default_beam: int) -> tuple[list[str
     for i, s in enumerate(text):
         if len(s) > config.max_chars:
             raise ValueError(f"sentence {i} has {len(s)} characters; the limit is {config.max_chars}")
-    beam, nbest = data.get("beam", default_beam), data.get("nbest", 1)
-    for name, value in (("beam", beam), ("nbest", nbest)):
-        if type(value) is not int or not 1 <= value <= MAX_BEAM:
-            raise ValueError(f'"{name}" must be an integer from 1 to {MAX_BEAM}')
-    if nbest > beam:
-        raise ValueError(f'"nbest" ({nbest}) exceeds "beam" ({beam})')
-    if len(text) * beam > config.max_hypotheses:
+    for name, value in data.items():
+        kind = fields[name].type
+        if not isinstance(value, _json_types(kind)) or isinstance(value, bool) != ("bool" in kind):
+            raise ValueError(f'"{name}" must be {_described(kind)}')
+        if "float" in kind and isinstance(value, int):
+            data[name] = float(value)
+    try:
+        options = dataclasses.replace(defaults, **data)
+    except NmtError as e:  # the options' own checks, their names as the request spells them
+        raise ValueError(re.sub(r"--([a-z0-9-]+)", lambda m: f'"{m[1].replace("-", "_")}"', str(e))) from None
+    if options.beam > MAX_BEAM:
+        raise ValueError(f'"beam" must be at most {MAX_BEAM}')
+    if len(text) * options.beam > config.max_hypotheses:
         raise OverflowError(
-            f"{len(text)} sentences at beam {beam} are {len(text) * beam} hypotheses; the limit is "
-            f"{config.max_hypotheses} (--max-hypotheses): send fewer sentences or a narrower beam"
+            f"{len(text)} sentences at beam {options.beam} are {len(text) * options.beam} hypotheses; "
+            f"the limit is {config.max_hypotheses} (--max-hypotheses): send fewer sentences or a "
+            "narrower beam"
         )
-    return text, beam, nbest
+    return text, options
+
+
+# A field's type: the JSON values it takes (a float takes 1 as 1.0), and what to call them.
+JSON_TYPES = {
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"),
+    "None": ((type(None),), "null"),
+}
+
+
+def _json_types(annotation: str) -> tuple[type, ...]:
+    return tuple(t for name in annotation.split(" | ") for t in JSON_TYPES[name][0])
+
+
+def _described(annotation: str) -> str:
+    return " or ".join(JSON_TYPES[name][1] for name in annotation.split(" | "))
 
 
 def make_app(
@@ -111,12 +140,12 @@ def make_app(
             response.force_close()
             return response
         try:
-            text, beam, nbest = parse(body, config, translator.config.decode.beam)
+            text, options = parse(body, config, translator.config.decode)
         except OverflowError as e:
             return error(web, 413, str(e))
         except ValueError as e:
             return error(web, 400, str(e))
-        done = request.app[batcher_key].submit(text, beam, nbest)
+        done = request.app[batcher_key].submit(text, options)
         if done is None:
             return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
         try:

@@ -13,7 +13,7 @@ import os
 import sys
 
 from nmt_cli import ui
-from nmt_cli.config import TrainConfig, from_json
+from nmt_cli.config import LaunchConfig, TrainConfig, from_json
 from nmt_cli.engine import checkpoint, distributed, state, trainer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
@@ -36,42 +36,18 @@ def train_here(run: RunDir, config: TrainConfig, rank: int) -> dict:
     return _train(run, config)
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    gpus: int = 0  # one NCCL worker per GPU
-    procs: int = 1  # or this many CPU (gloo) workers
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str = ""
-    max_restarts: int = 0
-    # Seconds the workers get, after the launcher is signalled, to reach their next update, save
-    # a checkpoint and exit before they are killed: a `big` checkpoint on a network file system,
-    # or a validation in progress, takes a while.
-    stop_grace: int = 120
-
-    @property
-    def needed(self) -> bool:
-        return bool(self.gpus) or self.procs > 1 or self.nnodes > 1
-
-    def check(self, device: str) -> None:
-        if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0 or self.stop_grace < 0:
-            raise NmtError(
-                "--gpus, --max-restarts, --stop-grace must not be negative; --procs and --nnodes "
-                "must be at least 1"
-            )
-        if self.gpus and self.procs > 1:
-            raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
-        if self.gpus:
-            if device == "cpu":
-                raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N instead")
-            distributed.check_gpus(self.gpus)
-        elif device.startswith("cuda"):
-            raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
+def check_launch(how: LaunchConfig, device: str) -> None:
+    if how.gpus:
+        if device == "cpu":
+            raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N instead")
+        distributed.check_gpus(how.gpus)
+    elif device.startswith("cuda"):
+        raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
 
 
-def launch(run: RunDir, config: TrainConfig, how: Launch) -> None:
+def launch(run: RunDir, config: TrainConfig, how: LaunchConfig) -> None:
     """Start this node's workers on `config`; returns when the job has finished."""
-    how.check(config.device)
+    check_launch(how, config.device)
     if not how.gpus and config.device == "auto":
         config = dataclasses.replace(config, device="cpu")
     workers = how.gpus or how.procs
@@ -198,7 +174,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     --init-optimizer / --init-schedule, a training checkpoint (a run's latest, or the file)."""
     from pathlib import Path
 
-    from nmt_cli import package
+    from nmt_cli import models
     from nmt_cli.files import sha256_file
 
     where = config.init_from
@@ -212,7 +188,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     path = Path(where)
     is_checkpoint = path.is_file() and path.with_suffix(".json").is_file()
     loaded = checkpoint.load_tensors(path) if keep and is_checkpoint else None
-    model = package.locate(path, loaded)
+    model = models.locate(path, loaded)
     if model.load_weights is None:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"

@@ -6,8 +6,8 @@ large length-sorted batches), writing the translations in input order before rea
 memory stays bounded however long the input. Every input line gives exactly one output line
 (nbest > 1: `nbest` lines of line-number, score, text).
 
-Two engines search the same way: nmt's own (engine/beam.py) and CTranslate2 (ct2.py), on a
-run's model, a package or a CTranslate2 export (package.py).
+Two backends search the same way (`Backend`): nmt's own engine (backend_nmt.py) and CTranslate2
+(backend_ct2.py), on a run's model, a package or a CTranslate2 export (models.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, TextIO
+from typing import BinaryIO, Protocol, TextIO
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis
 from nmt_cli.errors import NmtError
+from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
-from nmt_cli.package import Model
 from nmt_cli.textio import Damage, decode_line
 
 # Characters that some readers take for a line break: an output line must stay one line.
@@ -31,6 +31,17 @@ ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2
 # How long input may pause before what has arrived is translated: short for a person at a pipe,
 # long beside the microseconds between the lines of a file.
 PAUSE = 0.02  # seconds
+
+
+class Backend(Protocol):
+    """What searches for translations: nmt's own engine or CTranslate2."""
+
+    def search(
+        self, batches: list[list[list[int]]], options: DecodeOptions
+    ) -> Iterator[list[list[Hypothesis]]]:
+        """The `options.nbest` best hypotheses of each sentence of each batch (source ids
+        without EOS), best first, batch by batch in order."""
+        ...
 
 
 def engine_of(model: Model, config: TranslateConfig) -> str:
@@ -65,14 +76,15 @@ class Translator:
 
         self.config = config
         self.engine = engine_of(model, config)
-        if self.engine == "ctranslate2":  # imported here: neither engine needs the other's
-            from nmt_cli import ct2
+        self.backend: Backend
+        if self.engine == "ctranslate2":  # imported here: neither backend needs the other's
+            from nmt_cli import backend_ct2
 
-            self.decoder = ct2.Engine(model, config)
+            self.backend = backend_ct2.Backend(model, config)
         else:
-            from nmt_cli import decoder
+            from nmt_cli import backend_nmt
 
-            self.decoder = decoder.Engine(model, config)
+            self.backend = backend_nmt.Backend(model, config)
         self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
         if self.sp.get_piece_size() != model.config.vocab_size:
             raise NmtError(
@@ -116,7 +128,7 @@ class Translator:
         ids = self.encode(lines)
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         batches = list(self.batches(ids))
-        found = self.decoder.search([[ids[i] for i in b] for b in batches], options)
+        found = self.backend.search([[ids[i] for i in b] for b in batches], options)
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h

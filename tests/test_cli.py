@@ -47,23 +47,69 @@ def test_the_suite_runs_without_a_gpu_unless_asked():
         assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_train_options_are_the_config_fields_with_the_same_defaults():
-    """`nmt train`'s options and TrainConfig are written twice (declaration and dataclass):
-    they must agree, name for name and default for default."""
+# Each command's options that fill a config: (config, {field: option name where they differ},
+# fields that are not options of that command); and the command's options that are no config's.
+FILLED = {
+    "prep": (
+        [("PrepConfig", {"tags": "tag", "weights": "weight"}, {"recipe"})],
+        {"recipe", "run_dir", "workers"},
+    ),
+    "bpe": ([("BpeConfig", {}, set())], {"run_dir"}),
+    "train": (
+        [("TrainConfig", {}, {"beta1", "adam_eps"}), ("LaunchConfig", {}, set())],
+        {"run_dir"},
+    ),
+    "translate": (
+        [("TranslateConfig", {}, {"decode", "chunk"}), ("DecodeOptions", {}, set())],
+        {"run_dir", "model"},
+    ),
+    "score": (
+        [
+            ("TranslateConfig", {}, {"decode", "chunk", "max_tokens", "batch_size"}),
+            ("DecodeOptions", {}, {"nbest"}),
+        ],
+        {"hyp", "ref", "src", "model", "run_dir", "split", "metrics", "tokenize", "lowercase"}
+        | {"moses_lc", "compound_split", "lang", "compare", "json_out"},
+    ),
+    "serve": (
+        [
+            ("ServeConfig", {}, {"max_chars", "max_body", "shutdown_timeout"}),
+            (
+                "TranslateConfig",
+                {},
+                {"checkpoint", "decode", "max_tokens", "batch_size", "chunk", "precision", "int8"},
+            ),
+            ("DecodeOptions", {}, set()),
+        ],
+        {"model"},
+    ),
+}
+
+
+def test_every_config_field_is_its_option_with_the_same_default_and_help():
+    """A config's fields and the options of the commands that fill it are declared apart (the
+    dataclass, the Typer signature): they must agree name for name, default for default, and
+    the --help text must be the field's own (config.knob), written once."""
     import dataclasses
 
     import typer
 
+    from nmt_cli import config
     from nmt_cli.cli import app
-    from nmt_cli.config import TrainConfig
-    from nmt_cli.training import Launch
 
-    params = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
-    launch = {f.name: f for f in dataclasses.fields(Launch)}  # the launcher's options
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    hidden = {"beta1", "adam_eps"}  # the paper's values, not options
-    assert set(params) - set(launch) - {"ctx", "run_dir"} == set(fields) - hidden
-    for name in set(fields) - hidden:
-        assert params[name].default == fields[name].default, name
-    for name, field in launch.items():
-        assert params[name].default == field.default, name
+    commands = typer.main.get_command(app).commands
+    for command, (configs, own) in FILLED.items():
+        params = {p.name: p for p in commands[command].params}
+        covered = set(own)
+        for name, renamed, hidden in configs:
+            for field in dataclasses.fields(getattr(config, name)):
+                where = f"{command} {name}.{field.name}"
+                if field.name in hidden:
+                    continue
+                option = params.get(renamed.get(field.name, field.name))
+                assert option is not None, f"{where} has no option"
+                covered.add(option.name)
+                default = option.default if option.default is not None or field.default != () else ()
+                assert default == field.default, where
+                assert option.help == field.metadata["help"], where
+        assert set(params) == covered, f"{command}: options that fill no config"

@@ -20,7 +20,7 @@ from conftest import one_error_line
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
-from nmt_cli.package import from_dir
+from nmt_cli.models import from_dir
 from nmt_cli.translate import Translator
 
 DEADLINE = 60  # seconds: every wait on another process ends

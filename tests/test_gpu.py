@@ -164,10 +164,10 @@ def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
 
 
 def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
+    from nmt_cli.backend_nmt import load_model
     from nmt_cli.config import DecodeOptions
-    from nmt_cli.decoder import load_model
     from nmt_cli.engine import beam
-    from nmt_cli.package import from_run
+    from nmt_cli.models import from_run
     from nmt_cli.rundir import RunDir
 
     path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]

@@ -46,7 +46,7 @@ def test_batching_does_not_change_translations(trained, nmt):
     text = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:40]
     big = nmt("translate", "--run-dir", trained, *FAST, stdin=b"".join(text))
     small = nmt("translate", "--run-dir", trained, *FAST, "--batch-size", "3", stdin=b"".join(text))
-    # One thread decodes the batches in turn; two decode two batches at once (decoder.py).
+    # One thread decodes the batches in turn; two decode two batches at once (backend_nmt.py).
     alone = nmt(
         "translate", "--run-dir", trained, *FAST, "--batch-size", "3", "--threads", "1", stdin=b"".join(text)
     )
@@ -202,7 +202,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
 
     from nmt_cli.config import DecodeOptions, TranslateConfig
     from nmt_cli.engine import beam
-    from nmt_cli.package import locate
+    from nmt_cli.models import locate
     from nmt_cli.translate import Translator
 
     first, last = sorted((trained / "checkpoints").glob("*.pt"))[-2:]
@@ -211,7 +211,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     both = nmt("translate", "--model", first, "--model", last, *FAST, stdin=stdin)
     assert both.code == 0, both.err
     # What the engine's ensemble search gives on the two models, decoded by hand here.
-    models = [Translator(locate(p), TranslateConfig()).decoder.models[0] for p in (first, last)]
+    models = [Translator(locate(p), TranslateConfig()).backend.models[0] for p in (first, last)]
     sp = spm.SentencePieceProcessor(model_file=str(RunDir(trained).spm_model))
     expected = []
     for line in lines:

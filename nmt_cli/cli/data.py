@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli.cli.options import RunDirOption, app, done
+from nmt_cli.cli.options import RunDirOption, about, app, done
+from nmt_cli.config import BpeConfig, PrepConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.recipes import RECIPES, resolved
 
@@ -22,53 +22,19 @@ def prep(
         RecipeName, typer.Argument(help=f"The corpus: {', '.join(RECIPES)} (custom: your own files).")
     ],
     run_dir: RunDirOption = Path("run"),
-    src: Annotated[str, typer.Option(help="Source language.")] = "en",
-    tgt: Annotated[str, typer.Option(help="Target language.")] = "de",
-    mirror: Annotated[
-        Optional[Path],
-        typer.Option(
-            envvar="NMT_MIRROR",
-            help="Take the recipe's files from this local folder instead of "
-            "the network (same names, same checksums).",
-        ),
-    ] = None,
-    max_words: Annotated[
-        int, typer.Option(help="Drop training pairs with a side longer than this many words.")
-    ] = 250,
-    max_ratio: Annotated[
-        Optional[float],
-        typer.Option(
-            help="Drop training pairs whose word-count ratio exceeds this (default: the recipe's: "
-            + ", ".join(f"{k.max_ratio:g} for {name}" for name, k in RECIPES.items())
-            + ").",
-            show_default=False,
-        ),
-    ] = None,
-    train_src: Annotated[
-        Optional[list[Path]],
-        typer.Option(help="custom: training source (plain or .gz); again for each further corpus."),
-    ] = None,
-    train_tgt: Annotated[
-        Optional[list[Path]], typer.Option(help="custom: training target, one per --train-src.")
-    ] = None,
-    tag: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            help="custom: per training corpus, a token put before its source lines, e.g. '<bt>' for "
-            "back-translations ('' for none)."
-        ),
-    ] = None,
-    weight: Annotated[
-        Optional[list[float]],
-        typer.Option(help="custom: per training corpus, times an epoch takes each pair on average (1)."),
-    ] = None,
-    valid_src: Annotated[
-        Optional[Path],
-        typer.Option(help="custom: validation source (default: every 100th training pair, up to 2000)."),
-    ] = None,
-    valid_tgt: Annotated[Optional[Path], typer.Option(help="custom: validation target.")] = None,
-    test_src: Annotated[Optional[Path], typer.Option(help="custom: test source.")] = None,
-    test_tgt: Annotated[Optional[Path], typer.Option(help="custom: test target.")] = None,
+    src: Annotated[str, about(PrepConfig, "src")] = "en",
+    tgt: Annotated[str, about(PrepConfig, "tgt")] = "de",
+    mirror: Annotated[Optional[Path], about(PrepConfig, "mirror", envvar="NMT_MIRROR")] = None,
+    max_words: Annotated[int, about(PrepConfig, "max_words")] = 250,
+    max_ratio: Annotated[Optional[float], about(PrepConfig, "max_ratio", show_default=False)] = None,
+    train_src: Annotated[Optional[list[Path]], about(PrepConfig, "train_src")] = None,
+    train_tgt: Annotated[Optional[list[Path]], about(PrepConfig, "train_tgt")] = None,
+    tag: Annotated[Optional[list[str]], about(PrepConfig, "tags", "--tag")] = None,
+    weight: Annotated[Optional[list[float]], about(PrepConfig, "weights", "--weight")] = None,
+    valid_src: Annotated[Optional[Path], about(PrepConfig, "valid_src")] = None,
+    valid_tgt: Annotated[Optional[Path], about(PrepConfig, "valid_tgt")] = None,
+    test_src: Annotated[Optional[Path], about(PrepConfig, "test_src")] = None,
+    test_tgt: Annotated[Optional[Path], about(PrepConfig, "test_tgt")] = None,
     workers: Annotated[
         Optional[int],
         typer.Option(help="Processes for cleaning (default: 1 for small corpora, else up to 4)."),
@@ -76,7 +42,6 @@ def prep(
 ) -> None:
     """Fetch, verify, extract and clean a corpus into the run directory."""
     from nmt_cli import prep as prep_mod
-    from nmt_cli.config import PrepConfig
     from nmt_cli.rundir import RunDir
 
     def opt(p: Optional[Path]) -> Optional[str]:
@@ -114,37 +79,15 @@ def prep(
 @app.command()
 def bpe(
     run_dir: RunDirOption = Path("run"),
-    vocab_size: Annotated[
-        int,
-        typer.Option(
-            help="Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, else 32000)."
-        ),
-    ] = 0,
-    sample_lines: Annotated[
-        int, typer.Option(help="Sentences (both sides) sampled to learn BPE from.")
-    ] = 500_000,
-    seed: Annotated[int, typer.Option(help="Seed of the sample.")] = 1,
-    threads: Annotated[int, typer.Option(help="Threads for learning and encoding.")] = os.cpu_count() or 1,
-    from_model: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--from",
-            help="Encode with this model's sentencepiece model (a run directory, a "
-            "package, or a .model file) instead of learning one.",
-        ),
-    ] = None,
-    lowercase: Annotated[
-        bool,
-        typer.Option(
-            "--lowercase",
-            help="Lowercase everything the model encodes, so its translations are lowercase too "
-            "(for setups scored lowercased, as Multi30k papers).",
-        ),
-    ] = False,
+    vocab_size: Annotated[int, about(BpeConfig, "vocab_size")] = 0,
+    sample_lines: Annotated[int, about(BpeConfig, "sample_lines")] = 500_000,
+    seed: Annotated[int, about(BpeConfig, "seed")] = 1,
+    threads: Annotated[int, about(BpeConfig, "threads")] = BpeConfig.threads,
+    from_model: Annotated[Optional[Path], about(BpeConfig, "from_model", "--from")] = None,
+    lowercase: Annotated[bool, about(BpeConfig, "lowercase", "--lowercase")] = False,
 ) -> None:
     """Learn a joint sentencepiece BPE model and binarize every split."""
     from nmt_cli import bpe as bpe_mod
-    from nmt_cli.config import BpeConfig
     from nmt_cli.rundir import RunDir
 
     config = BpeConfig(

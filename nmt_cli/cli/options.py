@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from nmt_cli.config import DecodeOptions, TranslateConfig
 
 app = typer.Typer(
     name="nmt",
@@ -25,18 +28,18 @@ RunDirOption = Annotated[
 ]
 
 
-BeamOption = Annotated[int, typer.Option(help="Beam size (1: greedy).")]
-AlphaOption = Annotated[float, typer.Option(help="Length penalty ((5+|Y|)/6)^alpha.")]
-MaxLenA = Annotated[float, typer.Option(help="Output length <= a * source length + b: a.")]
-MaxLenB = Annotated[int, typer.Option(help="Output length <= a * source length + b: b.")]
-CheckpointOption = Annotated[
-    Optional[Path], typer.Option(help="Model file (default: the averaged model, else the latest checkpoint).")
-]
-DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
-PrecisionOption = Annotated[str, typer.Option(help="auto (fp32), fp32, bf16, fp16 (GPU).")]
-Int8Option = Annotated[
-    bool, typer.Option("--int8", help="int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
-]
+def about(config: type, name: str, *names: str, **settings) -> typer.models.OptionInfo:
+    """The option of `config`'s field `name`, its --help text the field's own (config.knob)."""
+    import dataclasses
+
+    field = {f.name: f for f in dataclasses.fields(config)}[name]
+    return typer.Option(*names, help=field.metadata["help"], **settings)
+
+
+CheckpointOption = Annotated[Optional[Path], about(TranslateConfig, "checkpoint")]
+DeviceOption = Annotated[str, about(TranslateConfig, "device")]
+PrecisionOption = Annotated[str, about(TranslateConfig, "precision")]
+Int8Option = Annotated[bool, about(TranslateConfig, "int8", "--int8")]
 ModelOption = Annotated[
     Optional[list[Path]],
     typer.Option(
@@ -45,12 +48,56 @@ ModelOption = Annotated[
         "model); give it again for an ensemble of models that share a vocabulary.",
     ),
 ]
-EngineOption = Annotated[
-    str, typer.Option(help="nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8).")
-]
-ThreadsOption = Annotated[
-    int, typer.Option(help="CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
-]
+EngineOption = Annotated[str, about(TranslateConfig, "engine")]
+ThreadsOption = Annotated[int, about(TranslateConfig, "threads")]
+
+
+def decoding_options(*leave_out: str) -> Callable[[Callable], Callable]:
+    """The command takes every field of DecodeOptions (but `leave_out`) as an option, with the
+    field's type, default and help: a new decoding option reaches the CLI without being declared
+    again. config_of reads them back into the command's DecodeOptions."""
+    import dataclasses
+    import functools
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(DecodeOptions)
+    fields = [f for f in dataclasses.fields(DecodeOptions) if f.name not in leave_out]
+
+    def add(command: Callable) -> Callable:
+        signature = inspect.signature(command, eval_str=True)
+        added = [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=f.default,
+                annotation=Annotated[hints[f.name], about(DecodeOptions, f.name, rich_help_panel="Decoding")],
+            )
+            for f in fields
+        ]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            for f in fields:  # read back from the context, as the command's other options
+                kwargs.pop(f.name)
+            return command(*args, **kwargs)
+
+        run.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *added])
+        return run
+
+    return add
+
+
+def config_of(cls, ctx: typer.Context):
+    """The config `cls` of a command's options: those named as its fields (one definition of
+    what each means, in config.py); paths become strings, as the configs keep them."""
+    import dataclasses
+
+    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(cls) if f.name in ctx.params}
+    for f in dataclasses.fields(cls):  # a config within the config (TranslateConfig.decode)
+        if dataclasses.is_dataclass(f.default):
+            given[f.name] = config_of(type(f.default), ctx)
+    return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
 
 
 def done(message: str, next_command: str) -> None:

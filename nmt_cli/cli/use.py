@@ -9,19 +9,18 @@ from typing import Annotated, Optional
 import typer
 
 from nmt_cli.cli.options import (
-    AlphaOption,
-    BeamOption,
     CheckpointOption,
     DeviceOption,
     EngineOption,
     Int8Option,
-    MaxLenA,
-    MaxLenB,
     ModelOption,
     PrecisionOption,
     RunDirOption,
     ThreadsOption,
+    about,
     app,
+    config_of,
+    decoding_options,
     done,
 )
 from nmt_cli.config import ServeConfig, TranslateConfig
@@ -29,20 +28,14 @@ from nmt_cli.errors import NmtError
 
 
 @app.command()
+@decoding_options()
 def translate(
     ctx: typer.Context,
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
-    beam: BeamOption = 4,
-    alpha: AlphaOption = 0.6,
-    max_len_a: MaxLenA = 1.0,
-    max_len_b: MaxLenB = 50,
-    nbest: Annotated[
-        int, typer.Option(help="Hypotheses per line, printed as 'line<TAB>score<TAB>text'.")
-    ] = 1,
-    max_tokens: Annotated[int, typer.Option(help="Padded source tokens per batch.")] = 4096,
-    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
+    max_tokens: Annotated[int, about(TranslateConfig, "max_tokens")] = 4096,
+    batch_size: Annotated[int, about(TranslateConfig, "batch_size")] = 32,
     device: DeviceOption = "auto",
     precision: PrecisionOption = "auto",
     int8: Int8Option = False,
@@ -55,12 +48,13 @@ def translate(
     from nmt_cli import score
     from nmt_cli.translate import Translator
 
-    config = _config_of(TranslateConfig, ctx)
+    config = config_of(TranslateConfig, ctx)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
     score.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
 
 
 @app.command()
+@decoding_options("nbest")
 def score(
     ctx: typer.Context,
     hyp: Annotated[
@@ -111,10 +105,6 @@ def score(
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     checkpoint: CheckpointOption = None,
-    beam: BeamOption = 4,
-    alpha: AlphaOption = 0.6,
-    max_len_a: MaxLenA = 1.0,
-    max_len_b: MaxLenB = 50,
     device: DeviceOption = "auto",
     precision: PrecisionOption = "auto",
     int8: Int8Option = False,
@@ -133,7 +123,7 @@ def score(
     if moses_lc and compound_split:
         raise NmtError("--moses-lc and --compound-split are two ways of scoring: give one")
     run = RunDir(run_dir)
-    config = _config_of(TranslateConfig, ctx)
+    config = config_of(TranslateConfig, ctx)
     hyps, refs, names, found = score.inputs(
         run,
         split,
@@ -191,7 +181,7 @@ def export(
     checkpoint: CheckpointOption = None,
 ) -> None:
     """Write the model, its sentencepiece model, settings and provenance into one directory."""
-    from nmt_cli import package
+    from nmt_cli import export as export_mod
 
     if model and len(model) > 1:
         raise NmtError("export takes one --model (an ensemble's members are exported one by one)")
@@ -199,89 +189,56 @@ def export(
     if fmt == "nmt":
         if quantization != "float32":
             raise NmtError("--quantization is for --format ctranslate2")
-        package.export_nmt(found, out)
+        export_mod.export_nmt(found, out)
     elif fmt == "ctranslate2":
-        from nmt_cli import ct2
-
-        ct2.export(found, out, quantization)
+        export_mod.export_ct2(found, out, quantization)
     else:
         raise NmtError(f"unknown --format {fmt!r}: choose nmt or ctranslate2")
     done(f"exported {found.where} to {out}", f"nmt translate --model {out} < input.txt")
 
 
 @app.command()
+@decoding_options()
 def serve(
     ctx: typer.Context,
     model: Annotated[
         Path,
         typer.Option("--model", help="A directory from `nmt export`, a run directory or a checkpoint file."),
     ],
-    port: Annotated[int, typer.Option(help="TCP port (0: any free one, printed).")] = 8080,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    beam: BeamOption = 4,
-    max_wait_ms: Annotated[
-        float, typer.Option(help="How long a request may wait for others to share its batch.")
-    ] = 5.0,
-    max_batch: Annotated[int, typer.Option(help="Sentences decoded together at most.")] = 64,
-    batching: Annotated[
-        bool, typer.Option("--batching/--no-batching", help="Decode concurrent requests together.")
-    ] = True,
-    max_queue: Annotated[int, typer.Option(help="Sentences waiting at most; beyond, 503.")] = 1024,
-    max_sentences: Annotated[int, typer.Option(help="Sentences per request; beyond, 413.")] = 256,
-    max_hypotheses: Annotated[
-        int, typer.Option(help="Sentences x beam per request (the work it asks for); beyond, 413.")
-    ] = 2048,
-    request_timeout: Annotated[
-        float,
-        typer.Option(help="Seconds a request may wait and decode; beyond, 504 and it leaves the queue."),
-    ] = 60.0,
-    read_timeout: Annotated[
-        float, typer.Option(help="Seconds to receive a request's body; beyond, 408 (a client that stalls).")
-    ] = 30.0,
-    header_timeout: Annotated[
-        float,
-        typer.Option(
-            help="Seconds a connection may stay without a request (its head must arrive whole "
-            "within them); beyond, it is closed."
-        ),
-    ] = 10.0,
-    max_connections: Annotated[
-        int, typer.Option(help="Connections open at once; beyond, a new one gets 503 and is closed.")
-    ] = 1000,
+    port: Annotated[int, about(ServeConfig, "port")] = 8080,
+    host: Annotated[str, about(ServeConfig, "host")] = "127.0.0.1",
+    max_wait_ms: Annotated[float, about(ServeConfig, "max_wait_ms")] = 5.0,
+    max_batch: Annotated[int, about(ServeConfig, "max_batch")] = 64,
+    batching: Annotated[bool, about(ServeConfig, "batching", "--batching/--no-batching")] = True,
+    max_queue: Annotated[int, about(ServeConfig, "max_queue")] = 1024,
+    max_sentences: Annotated[int, about(ServeConfig, "max_sentences")] = 256,
+    max_hypotheses: Annotated[int, about(ServeConfig, "max_hypotheses")] = 2048,
+    request_timeout: Annotated[float, about(ServeConfig, "request_timeout")] = 60.0,
+    read_timeout: Annotated[float, about(ServeConfig, "read_timeout")] = 30.0,
+    header_timeout: Annotated[float, about(ServeConfig, "header_timeout")] = 10.0,
+    max_connections: Annotated[int, about(ServeConfig, "max_connections")] = 1000,
     engine: EngineOption = "auto",
     device: DeviceOption = "auto",
     threads: ThreadsOption = 0,
 ) -> None:
     """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
-    from nmt_cli import package
+    from nmt_cli import models
     from nmt_cli import serve as serve_mod
 
-    translate_config, config = _config_of(TranslateConfig, ctx), _config_of(ServeConfig, ctx)
-    serve_mod.run(package.locate(model), translate_config, config)
-
-
-def _config_of(cls, ctx: typer.Context):
-    """The config `cls` of a command's options: those named as its fields (one definition of
-    what each means, in config.py); paths become strings, as the configs keep them."""
-    import dataclasses
-
-    given = {f.name: ctx.params[f.name] for f in dataclasses.fields(cls) if f.name in ctx.params}
-    for f in dataclasses.fields(cls):  # a config within the config (TranslateConfig.decode)
-        if dataclasses.is_dataclass(f.default):
-            given[f.name] = _config_of(type(f.default), ctx)
-    return cls(**{k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
+    translate_config, config = config_of(TranslateConfig, ctx), config_of(ServeConfig, ctx)
+    serve_mod.run(models.locate(model), translate_config, config)
 
 
 def _load_model(run_dir: Path, model: Optional[list[Path]], checkpoint: Optional[str]):
     """The model of --model (several: their ensemble), else the run's (--checkpoint)."""
-    from nmt_cli import package
+    from nmt_cli import models
     from nmt_cli.rundir import RunDir
 
     if model:
         if checkpoint:
             raise NmtError("--model and --checkpoint name two models: give --model for each")
-        return package.ensemble([package.locate(m) for m in model])
-    return package.from_run(RunDir(run_dir), checkpoint)
+        return models.ensemble([models.locate(m) for m in model])
+    return models.from_run(RunDir(run_dir), checkpoint)
 
 
 def _stdin_lines() -> list[str]:

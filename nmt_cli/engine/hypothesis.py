@@ -1,5 +1,5 @@
 """What a search finds and how it ranks and bounds it, shared by nmt's beam search (beam.py) and
-CTranslate2's (ct2.py); plain Python, so that decoding a CTranslate2 export never imports torch."""
+CTranslate2's (backend_ct2.py); plain Python, so that decoding a CTranslate2 export never imports torch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A trained model on its own: the model package (`nmt export --format nmt`) and what a
-translation needs wherever the model comes from (a run directory, a package, a CTranslate2 export).
+"""A trained model on its own, found wherever it lies (a run directory, a checkpoint, a package, a
+CTranslate2 export) with what a translation needs; several as one ensemble. export.py writes
+the packages read here.
 
 A package is one directory:
     nmt.json           what it is: format, model shape, languages, text normalisation, the
@@ -8,26 +9,22 @@ A package is one directory:
     spm.model          the sentencepiece model
     provenance.json    how it was made: the data recipe and its checksums, the BPE and training
                        configs, the checkpoint(s) and step, the test scores with their signatures
-A CTranslate2 export (ct2.py) has the same nmt.json (format "ctranslate2"), spm.model and
+A CTranslate2 export (export.py) has the same nmt.json (format "ctranslate2"), spm.model and
 provenance.json beside CTranslate2's own files.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import hashlib
 import json
-import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
+from nmt_cli.files import sha256_file
 from nmt_cli.rundir import RunDir
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
@@ -228,64 +225,6 @@ def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -
             f"({len(differ)} tensors differ, e.g. {differ[0]}: declared {declared.get(differ[0])}, "
             f"held {held.get(differ[0])}): the package is damaged or was changed"
         )
-
-
-def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
-    from nmt_cli import __version__
-    from nmt_cli.config import DecodeOptions
-
-    d = DecodeOptions()
-    return {
-        "format": fmt,
-        "version": VERSION,
-        "nmt": __version__,
-        "exported": now(),
-        "model": dataclasses.asdict(model.config),
-        "src": model.src,
-        "tgt": model.tgt,
-        "text": model.text_settings,
-        "sha256": sha256,
-        "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a, "max_len_b": d.max_len_b},
-        **extra,
-    }
-
-
-def export_nmt(model: Model, out: Path) -> None:
-    """Write the package of `model` into the new directory `out`."""
-    from safetensors.torch import save_file
-
-    if model.load_weights is None:
-        raise NmtError(
-            f"{model.where} is a CTranslate2 export: export from the run directory or an nmt package instead"
-        )
-    with writing(model, out) as staging:
-        weights = {k: v.contiguous() for k, v in model.load_weights().items()}
-        save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
-        os.chmod(staging / WEIGHTS, new_file_mode())  # safetensors writes it 0600
-        atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
-
-
-@contextlib.contextmanager
-def writing(model: Model, out: Path) -> Iterator[Path]:
-    """A sibling directory to write an export of `model` into, with its sentencepiece model and
-    provenance; renamed to `out` at the end, so `out` appears complete or not at all."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise NmtError(f"{out} exists and is not empty: choose a new directory")
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    shutil.copyfile(model.spm, staging / SPM)
-    atomic_write_json(staging / PROVENANCE, model.provenance)
-    yield staging
-    for written in staging.iterdir():  # durable before the rename makes the export visible
-        with open(written, "rb") as f:
-            os.fsync(f.fileno())
-    fsync_dir(staging)
-    if out.exists():
-        out.rmdir()
-    staging.rename(out)
-    fsync_dir(out.parent)
 
 
 def _provenance(run: RunDir, path: Path, meta: dict) -> dict:

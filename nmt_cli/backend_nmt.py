@@ -1,5 +1,5 @@
-"""nmt's own engine as `nmt translate` runs it: the model(s) loaded for a device and number
-format, and batches of source ids searched by beam.py. ct2.Engine answers the same `search`."""
+"""The nmt backend of `nmt translate`: nmt's own engine with the model(s) loaded for a device and
+number format, batches of source ids searched by engine/beam.py (translate.Backend)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from nmt_cli.engine.hypothesis import Hypothesis
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
-from nmt_cli.package import Model
+from nmt_cli.models import Model
 
 
 def load_model(model: Model, device: torch.device, precision: str) -> Transformer:
@@ -35,7 +35,7 @@ def load_model(model: Model, device: torch.device, precision: str) -> Transforme
     return net.to(device)
 
 
-class Engine:
+class Backend:
     """`model`'s parts (one model, or an ensemble's members) on the configured device."""
 
     def __init__(self, model: Model, config: TranslateConfig):

@@ -1,0 +1,114 @@
+"""The CTranslate2 backend of `nmt translate` (`--engine ctranslate2`, --int8, an export):
+CTranslate2's beam search answering as nmt's own does (translate.Backend). An nmt model is
+converted on the fly (export.save). Nothing here imports torch: a CTranslate2 export starts
+without it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
+from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
+from nmt_cli.errors import NmtError
+from nmt_cli.export import pieces, require_ctranslate2, save
+from nmt_cli.models import Model
+from nmt_cli.vocab import EOS
+
+# nmt's --precision as CTranslate2's compute type
+COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class Backend:
+    """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
+
+    def __init__(self, model: Model, config: TranslateConfig):
+        ct2 = require_ctranslate2()
+        kind, index = device_of(ct2, config.device)
+        if config.int8:
+            compute_type = "int8"
+        elif config.precision == "auto" and model.ct2_dir is not None:
+            compute_type = "default"  # the export's own type
+        else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
+            compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind, decoding=True)]
+        threads = config.threads or cpus()
+        self._tmp = None
+        where = model.ct2_dir
+        if where is None:  # convert on the fly, in float32; compute_type quantises on load
+            self._tmp = tempfile.TemporaryDirectory(prefix="nmt-ct2-")
+            where = Path(self._tmp.name)
+            save(model, where)
+        try:
+            # On a CPU, `threads` workers of one thread each decode `threads` batches at once:
+            # CTranslate2's threads within one batch scale poorly on small matrices
+            # (docs/benchmarks.md). The workers share the weights.
+            cpu = kind == "cpu"
+            self.translator = ct2.Translator(
+                str(where),
+                device=kind,
+                device_index=index,
+                compute_type=compute_type,
+                inter_threads=threads if cpu else 1,
+                intra_threads=1 if cpu else threads,
+            )
+        except (RuntimeError, ValueError) as e:
+            raise NmtError(
+                f"CTranslate2 cannot load {model.where} on {config.device} as {compute_type}: {e}"
+            ) from None
+        self.pieces = pieces(model)
+        self.ids = {p: i for i, p in enumerate(self.pieces)}
+        self.ceiling = model.config.max_positions - 1
+
+    def search(
+        self, batches: list[list[list[int]]], options: DecodeOptions
+    ) -> Iterator[list[list[Hypothesis]]]:
+        """nmt's beam search on each of `batches` (source ids without EOS); the batches are all
+        handed over at once, so that every worker has one, and their answers come back in order.
+
+        CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
+        Its search ranks by the raw log-probability and applies the penalty only to finished
+        hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
+        One call has one length limit, the batch's largest (nmt's is each sentence's own; the
+        batches hold sentences of close lengths, and a trained model rarely meets its limit).
+        """
+        beam, a, b = options.beam, options.max_len_a, options.max_len_b
+        pending = [
+            self.translator.translate_batch(
+                [[self.pieces[i] for i in x] for x in batch],
+                beam_size=beam,
+                length_penalty=0.0,
+                num_hypotheses=beam,
+                max_decoding_length=max(max_lengths([len(x) for x in batch], a, b, self.ceiling)),
+                max_input_length=0,
+                return_scores=True,
+                return_end_token=True,
+                asynchronous=True,
+            )
+            for batch in batches
+        ]
+        for results in pending:
+            yield [self.ranked(r.result(), options.alpha, options.nbest) for r in results]
+
+    def ranked(self, result, alpha: float, nbest: int) -> list[Hypothesis]:
+        hyps = []
+        for tokens, score in zip(result.hypotheses, result.scores):
+            ids = [self.ids[t] for t in tokens]
+            # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
+            penalised = float(score) / length_penalty(len(ids), alpha)
+            hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
+        return sorted(hyps, key=lambda h: -h.score)[:nbest]
+
+
+def device_of(ct2, name: str) -> tuple[str, int]:
+    """--device as CTranslate2's (kind, index), GPUs counted by CTranslate2 itself."""
+    kind, _, index = resolve_device_name(name, ct2.get_cuda_device_count() > 0).partition(":")
+    return kind, int(index or 0)
+
+
+def cpus() -> int:
+    """The CPUs this process may run on (all of them where the OS cannot say, as on macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

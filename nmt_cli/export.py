@@ -1,0 +1,174 @@
+"""`nmt export`: a model written as one self-contained directory, in nmt's package format
+(models.py reads it) or as CTranslate2's model files with nmt's text settings beside them.
+
+CTranslate2: the weights go through `ctranslate2.specs.TransformerSpec` one for one: pre- or
+post-norm layers, the self-attention's Q/K/V as one fused projection, the encoder-decoder
+attention's K/V as one (as nmt computes them), embeddings scaled by sqrt(d_model), our sinusoid
+table, the tied output projection, LayerNorm eps 1e-6. The source gets its EOS from CTranslate2
+(add_source_eos) and the decoder starts from BOS, as nmt's own search does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from nmt_cli.errors import NmtError
+from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
+from nmt_cli.models import CT2, NMT, PROVENANCE, SETTINGS, SPM, VERSION, WEIGHTS, Model
+
+
+def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
+    from nmt_cli import __version__
+    from nmt_cli.config import DecodeOptions
+
+    d = DecodeOptions()
+    return {
+        "format": fmt,
+        "version": VERSION,
+        "nmt": __version__,
+        "exported": now(),
+        "model": dataclasses.asdict(model.config),
+        "src": model.src,
+        "tgt": model.tgt,
+        "text": model.text_settings,
+        "sha256": sha256,
+        "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a, "max_len_b": d.max_len_b},
+        **extra,
+    }
+
+
+def export_nmt(model: Model, out: Path) -> None:
+    """Write the package of `model` into the new directory `out`."""
+    from safetensors.torch import save_file
+
+    if model.load_weights is None:
+        raise NmtError(
+            f"{model.where} is a CTranslate2 export: export from the run directory or an nmt package instead"
+        )
+    with writing(model, out) as staging:
+        weights = {k: v.contiguous() for k, v in model.load_weights().items()}
+        save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
+        os.chmod(staging / WEIGHTS, new_file_mode())  # safetensors writes it 0600
+        atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
+
+
+@contextlib.contextmanager
+def writing(model: Model, out: Path) -> Iterator[Path]:
+    """A sibling directory to write an export of `model` into, with its sentencepiece model and
+    provenance; renamed to `out` at the end, so `out` appears complete or not at all."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NmtError(f"{out} exists and is not empty: choose a new directory")
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    shutil.copyfile(model.spm, staging / SPM)
+    atomic_write_json(staging / PROVENANCE, model.provenance)
+    yield staging
+    for written in staging.iterdir():  # durable before the rename makes the export visible
+        with open(written, "rb") as f:
+            os.fsync(f.fileno())
+    fsync_dir(staging)
+    if out.exists():
+        out.rmdir()
+    staging.rename(out)
+    fsync_dir(out.parent)
+
+
+QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16")
+
+
+def require_ctranslate2():
+    try:
+        import ctranslate2
+    except ImportError:
+        raise NmtError(
+            "CTranslate2 is not installed: pip install 'nmt-cli[ct2]' (or pip install ctranslate2)"
+        ) from None
+    return ctranslate2
+
+
+def pieces(model: Model) -> list[str]:
+    """The vocabulary as CTranslate2 takes it: the sentencepiece pieces, in id order."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model.spm))
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def save(model: Model, folder: Path, quantization: str = "float32") -> None:
+    """`model` as CTranslate2's model files in `folder`."""
+    spec = build_spec(model)
+    spec.validate()
+    spec.optimize(quantization=None if quantization == "float32" else quantization)
+    spec.save(str(folder))
+
+
+def build_spec(model: Model):
+    """A TransformerSpec holding `model`'s weights (float32), with its vocabulary."""
+    ct2 = require_ctranslate2()
+    from nmt_cli.engine.model import sinusoids
+
+    c, w = model.config, {k: v.float().numpy() for k, v in model.load_weights().items()}
+    spec = ct2.specs.TransformerSpec.from_config(
+        (c.num_encoder_layers, c.num_decoder_layers), c.heads, pre_norm=not c.post_norm
+    )
+    spec.config.layer_norm_epsilon = 1e-6
+    spec.config.add_source_eos = True
+    table = sinusoids(c.max_positions, c.d_model).numpy()
+
+    def norm(dst, name: str) -> None:
+        dst.gamma, dst.beta = w[f"{name}.weight"], w[f"{name}.bias"]
+
+    def linear(dst, *names: str) -> None:  # several names: fused along the output rows
+        dst.weight = np.concatenate([w[f"{n}.weight"] for n in names])
+        dst.bias = np.concatenate([w[f"{n}.bias"] for n in names])
+
+    for side, layers in (("encoder", spec.encoder), ("decoder", spec.decoder)):
+        embeddings = layers.embeddings[0] if side == "encoder" else layers.embeddings
+        embeddings.weight = w["embed.weight"]
+        layers.scale_embeddings = True
+        layers.position_encodings.encodings = table
+        if not c.post_norm:
+            norm(layers.layer_norm, f"{side}_norm")
+        for i, layer in enumerate(layers.layer):
+            p = f"{side}.{i}"
+            linear(layer.self_attention.linear[0], f"{p}.self_attn.q", f"{p}.self_attn.kv")
+            linear(layer.self_attention.linear[1], f"{p}.self_attn.out")
+            norm(layer.self_attention.layer_norm, f"{p}.res1.norm")
+            if side == "decoder":
+                linear(layer.attention.linear[0], f"{p}.cross_attn.q")
+                linear(layer.attention.linear[1], f"{p}.cross_attn.kv")
+                linear(layer.attention.linear[2], f"{p}.cross_attn.out")
+                norm(layer.attention.layer_norm, f"{p}.res2.norm")
+            linear(layer.ffn.linear_0, f"{p}.ffn.inner")
+            linear(layer.ffn.linear_1, f"{p}.ffn.outer")
+            norm(layer.ffn.layer_norm, f"{p}.res{3 if side == 'decoder' else 2}.norm")
+    spec.decoder.projection.weight = w["embed.weight"]
+    spec.decoder.projection.bias = np.zeros(c.vocab_size, dtype=np.float32)
+    vocabulary = pieces(model)
+    spec.register_source_vocabulary(vocabulary)
+    spec.register_target_vocabulary(vocabulary)
+    return spec
+
+
+def export_ct2(model: Model, out: Path, quantization: str = "float32") -> None:
+    """Write `model` as a CTranslate2 model directory, with nmt's text settings beside it."""
+    if model.ct2_dir is not None:
+        raise NmtError(f"{model.where} is already a CTranslate2 export")
+    if quantization not in QUANTIZATIONS:
+        raise NmtError(f"unknown --quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    require_ctranslate2()
+    with writing(model, out) as staging:
+        save(model, staging, quantization)
+        atomic_write_json(
+            staging / SETTINGS,
+            settings(model, CT2, sha256_file(staging / "model.bin"), quantization=quantization),
+        )
