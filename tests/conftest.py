@@ -217,6 +217,39 @@ TINY = [
 ]
 
 
+# trained_longer's model: wider, for tests that need a model that has learned something.
+LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]
+
+
+def train_command(run_dir, steps) -> list[str]:
+    """Train TINY for `steps`, a checkpoint at every one: for the resume tests."""
+    return nmt_command(
+        "train", "--run-dir", run_dir, *TINY, "--max-steps", steps, "--save-every", 1,
+        "--eval-every", 5, "--seed", 3,
+    )  # fmt: skip
+
+
+def final_weights(run_dir) -> tuple[dict, dict]:
+    """The tensors and record of the run's last checkpoint."""
+    from nmt_cli.engine import checkpoint
+
+    return checkpoint.load_tensors(checkpoint.listed(Path(run_dir) / "checkpoints")[-1])
+
+
+def tiny_trainer(run_dir, **options):
+    """A Trainer of a TINY-shaped model on a run directory's data, in this process."""
+    from nmt_cli import training
+    from nmt_cli.config import TrainConfig
+    from nmt_cli.engine import state
+    from nmt_cli.rundir import RunDir
+
+    config = TrainConfig(
+        size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1,
+        max_tokens=256, device="cpu", **options,
+    )  # fmt: skip
+    return training.build_trainer(config, RunDir(run_dir), state.Quiet())
+
+
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, multi30k_bpe) -> Path:
     """A tiny model trained briefly on Multi30k, with its checkpoints averaged; copy before writing."""

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, UNTRAINED, children, env_of, nmt_command, rank_of
+from conftest import LONGER, TINY, UNTRAINED, children, env_of, nmt_command, rank_of
 
 from nmt_cli.engine import checkpoint
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
-LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]  # trained_longer's
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -1,63 +1,28 @@
+"""The training loop: it learns and logs, stops at its limits, skips what is not finite, waits
+for the device only when it must, and runs on data in memory."""
+
 import json
 import math
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, UNTRAINED, nmt_command, one_error_line
+from conftest import (
+    TINY,
+    one_error_line,
+    tiny_trainer,
+)
 
 from nmt_cli import training
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state, step, trainer
 from nmt_cli.engine.data import make_batches, padding_share
-from nmt_cli.engine.loss import label_smoothed_loss
-from nmt_cli.engine.schedule import learning_rate
-from nmt_cli.files import sha256_file
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
-
-
-def test_learning_rate_schedule():
-    d, w = 512, 4000
-    assert learning_rate(w, d, w) == pytest.approx(d**-0.5 * w**-0.5)  # the peak
-    assert learning_rate(w // 2, d, w) == pytest.approx(learning_rate(w, d, w) / 2)  # linear
-    assert learning_rate(4 * w, d, w) == pytest.approx(learning_rate(w, d, w) / 2)  # 1/sqrt
-    assert learning_rate(w, d, w, scale=2.0) == pytest.approx(2 * learning_rate(w, d, w))
-
-
-def test_label_smoothed_loss_by_hand():
-    logits = torch.tensor([[0.0, math.log(3.0)], [math.log(3.0), 0.0]])  # p = (1/4, 3/4)
-    target = torch.tensor([1, 1])
-    loss, nll = label_smoothed_loss(logits, target, 0.0)
-    assert nll.item() == pytest.approx(-math.log(0.75) - math.log(0.25))
-    assert loss.item() == pytest.approx(nll.item())
-    loss, nll = label_smoothed_loss(logits, target, 0.1)
-    uniform = 2 * -(math.log(0.25) + math.log(0.75)) / 2
-    assert loss.item() == pytest.approx(0.9 * nll.item() + 0.1 * uniform)
-
-
-@pytest.mark.parametrize("epsilon", [0.0, 0.1])
-def test_label_smoothed_loss_gradient_matches_autograd(epsilon):
-    import torch.nn.functional as F
-
-    torch.manual_seed(0)
-    logits = torch.randn(40, 30, requires_grad=True)
-    target = torch.randint(0, 30, (40,))
-    lprobs = F.log_softmax(logits, -1)
-    nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)
-    reference = ((1 - epsilon) * nll - epsilon * lprobs.mean(-1)).sum()
-    (expected,) = torch.autograd.grad(3 * reference + 2 * nll.sum(), logits)
-    loss, nll_sum = label_smoothed_loss(logits, target, epsilon)
-    (got,) = torch.autograd.grad(3 * loss + 2 * nll_sum, logits)
-    assert torch.allclose(loss, reference.detach(), atol=1e-4)
-    assert torch.allclose(got, expected, atol=1e-6)
 
 
 def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
@@ -117,85 +82,6 @@ def test_training_learns_and_logs(run_copy, nmt):
     assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", line) for line in log)
 
 
-def _train_cmd(run_dir, steps):
-    return nmt_command(
-        "train", "--run-dir", run_dir, *TINY, "--max-steps", steps, "--save-every", 1,
-        "--eval-every", 5, "--seed", 3,
-    )  # fmt: skip
-
-
-def _final_weights(run_dir):
-    tensors, meta = checkpoint.load_tensors(checkpoint.listed(run_dir / "checkpoints")[-1])
-    return tensors, meta
-
-
-def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
-    import shutil
-
-    other = tmp_path / "uninterrupted"
-    shutil.copytree(run_copy, other)
-    subprocess.run(_train_cmd(other, 16), check=True, capture_output=True)
-
-    proc = subprocess.Popen(_train_cmd(run_copy, 16), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = run_copy / "checkpoints" / "checkpoint_00000007.json"
-    deadline = time.monotonic() + 120
-    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(checkpoint.listed(run_copy / "checkpoints")) < 16  # it really was cut short
-    subprocess.run(_train_cmd(run_copy, 16), check=True, capture_output=True)
-
-    a, meta_a = _final_weights(other)
-    b, meta_b = _final_weights(run_copy)
-    assert meta_a["step"] == meta_b["step"] == 16
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-    assert meta_a["state"] == {**meta_b["state"], "seconds": meta_a["state"]["seconds"]}
-
-
-def test_an_interrupted_fine_tuning_resumes_from_its_own_checkpoint(trained_longer, tmp_path):
-    """SIGTERM to a run started with --init-from, then the same command: it goes on from its own
-    checkpoint (not from the initial model again) and ends bit-identical to a run not stopped."""
-    runs = {}
-    for name in ("uninterrupted", "interrupted"):
-        runs[name] = tmp_path / name
-        shutil.copytree(
-            trained_longer,
-            runs[name],
-            ignore=UNTRAINED,
-        )
-
-    def cmd(run_dir):
-        return nmt_command(
-            "train", "--run-dir", run_dir, *LONGER, "--max-steps", 40, "--save-every", 1000,
-            "--eval-every", 1000, "--init-from", trained_longer,
-        )  # fmt: skip
-
-    subprocess.run(cmd(runs["uninterrupted"]), check=True, capture_output=True)
-    run = runs["interrupted"]
-    proc = subprocess.Popen(cmd(run), stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err and "run the same `nmt train` command again to resume" in err
-    saved = checkpoint.listed(run / "checkpoints")
-    step = checkpoint.step_of(saved[-1])
-    assert len(saved) == 1 and 10 <= step < 40  # the SIGTERM's own checkpoint
-    again = subprocess.run(cmd(run), capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming from step {step}" in again.stderr and "starting from the weights" not in again.stderr
-    a, _ = _final_weights(runs["uninterrupted"])
-    b, _ = _final_weights(run)
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-
-
 def test_max_time_counts_the_time_trained_before_a_resume(run_copy, nmt):
     first = nmt(
         "train", "--run-dir", run_copy, *TINY, "--max-steps", "8", "--save-every", "4", "--eval-every", "100"
@@ -247,116 +133,6 @@ def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
     assert "3 updates in a row had non-finite loss" in line
 
 
-def test_average_identity_order_and_shapes(run_copy, nmt):
-    assert (
-        nmt(
-            "train",
-            "--run-dir",
-            run_copy,
-            *TINY,
-            "--max-steps",
-            "6",
-            "--save-every",
-            "2",
-            "--eval-every",
-            "100",
-        ).code
-        == 0
-    )
-    folder = run_copy / "checkpoints"
-    paths = checkpoint.listed(folder)
-    one = checkpoint.load_tensors(paths[-1])[0]["model"]
-    same, _ = checkpoint.average([paths[-1]] * 3)
-    for k, v in one.items():
-        assert torch.allclose(same[k], v.float(), atol=1e-6)
-    forward, _ = checkpoint.average(paths)
-    backward, _ = checkpoint.average(paths[::-1])
-    for k in forward:
-        assert torch.allclose(forward[k], backward[k], atol=1e-6)
-    result = nmt("average", "--run-dir", run_copy, "--last", "2")
-    assert result.code == 0, result.err
-    tensors, meta = checkpoint.load_tensors(RunDir(run_copy).averaged)
-    assert meta["averaged"] == [p.name for p in paths[-2:]] and meta["step"] == 6
-    a, b = (checkpoint.load_tensors(p)[0]["model"] for p in paths[-2:])
-    assert any(not torch.equal(a[k], b[k]) for k in a)  # two different models
-    for k in a:  # their mean, element by element
-        assert torch.allclose(tensors["model"][k], (a[k].float() + b[k].float()) / 2, atol=1e-7)
-
-
-def test_average_refuses_other_shapes(run_copy, tmp_path, nmt):
-    import shutil
-
-    other = tmp_path / "other"
-    shutil.copytree(run_copy, other)
-    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "2", "--save-every", "2").code == 0
-    assert (
-        nmt(
-            "train",
-            "--run-dir",
-            other,
-            *TINY[:-2],
-            "--d-model",
-            "32",
-            "--max-tokens",
-            "256",
-            "--max-steps",
-            "2",
-            "--save-every",
-            "2",
-        ).code
-        == 0
-    )
-    ckpt = checkpoint.listed(other / "checkpoints")[-1]
-    for suffix in (".pt", ".json"):
-        shutil.copy(ckpt.with_suffix(suffix), run_copy / "checkpoints" / ("checkpoint_00000004" + suffix))
-    line = one_error_line(nmt("average", "--run-dir", run_copy, "--last", "2"))
-    assert "different shapes" in line
-
-
-def test_pickle_payload_is_never_executed(tmp_path):
-    marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    path = tmp_path / "checkpoint_00000001.pt"
-    torch.save({"model": Evil()}, path)
-    meta = {"step": 1, "sha256": sha256_file(path)}
-    path.with_suffix(".json").write_text(json.dumps(meta))
-    from nmt_cli.errors import NmtError
-
-    with pytest.raises(NmtError, match="refusing to load"):
-        checkpoint.load_tensors(path)
-    assert not marker.exists()
-
-
-def test_corrupt_latest_checkpoint_is_skipped(run_copy, nmt):
-    assert (
-        nmt(
-            "train",
-            "--run-dir",
-            run_copy,
-            *TINY,
-            "--max-steps",
-            "4",
-            "--save-every",
-            "2",
-            "--eval-every",
-            "100",
-        ).code
-        == 0
-    )
-    latest = checkpoint.listed(run_copy / "checkpoints")[-1]
-    data = bytearray(latest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    latest.write_bytes(bytes(data))
-    result = nmt("train", "--run-dir", run_copy, "--max-steps", "6")
-    assert result.code == 0, result.err
-    assert "skipping checkpoint checkpoint_00000004.pt" in result.err
-    assert "resuming from step 2" in result.err
-
-
 def test_train_errors(tmp_path, run_copy, nmt):
     assert "run `nmt prep`" in one_error_line(nmt("train", "--run-dir", tmp_path / "none"))
     assert "--size" in one_error_line(nmt("train", "--run-dir", run_copy, "--size", "huge"))
@@ -370,23 +146,6 @@ def test_train_errors(tmp_path, run_copy, nmt):
 
 
 # -- the hot path does not wait for the device -------------------------------------------------
-
-
-def _tiny_trainer(run_dir, **options):
-    from nmt_cli.config import TrainConfig
-
-    config = TrainConfig(
-        size="tiny",
-        d_model=16,
-        ffn=32,
-        heads=2,
-        num_encoder_layers=1,
-        num_decoder_layers=1,
-        max_tokens=256,
-        device="cpu",
-        **options,
-    )
-    return training.build_trainer(config, RunDir(run_dir), state.Quiet())
 
 
 def test_compile_traces_the_model_once_for_every_batch_shape(run_copy, nmt):
@@ -425,10 +184,10 @@ def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatc
 
 def test_cpu_training_widens_onednn_kernel_cache_unless_the_user_set_it(run_copy, monkeypatch):
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    _tiny_trainer(run_copy)
+    tiny_trainer(run_copy)
     assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) > 1024  # oneDNN's default
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    _tiny_trainer(run_copy)
+    tiny_trainer(run_copy)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
 
 
@@ -437,7 +196,7 @@ def test_train_step_reads_nothing_back_from_the_device(run_copy):
 
     from nmt_cli.engine.data import on_device
 
-    t = _tiny_trainer(run_copy, update_freq=2)
+    t = tiny_trainer(run_copy, update_freq=2)
     groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 12, 2)]
     updates = list(on_device(t.epochs.fixed, groups, t.device))
     with host_reads() as reads:
@@ -465,7 +224,7 @@ def test_train_step_reads_nothing_back_from_the_device(run_copy):
 def test_training_reads_its_figures_once_per_log_interval(run_copy):
     from conftest import host_reads
 
-    t = _tiny_trainer(run_copy, max_steps=40, eval_every=1000, save_every=1000)
+    t = tiny_trainer(run_copy, max_steps=40, eval_every=1000, save_every=1000)
     with host_reads() as reads:
         t.train()
     # Reads at step 1, every LOG_EVERY updates, and the final validation: about one per
@@ -477,7 +236,7 @@ def test_training_reads_its_figures_once_per_log_interval(run_copy):
 def test_a_skipped_update_changes_nothing(run_copy):
     from nmt_cli.engine.data import on_device
 
-    t = _tiny_trainer(run_copy)
+    t = tiny_trainer(run_copy)
     (batches,) = on_device(t.epochs.fixed, [t.epochs.batches(0)[:1]], t.device)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     figures = trainer.train_step(
@@ -504,330 +263,6 @@ def test_out_of_memory_is_one_line_with_the_fix(run_copy, nmt, monkeypatch):
     monkeypatch.setattr(trainer, "train_step", oom)
     line = one_error_line(nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", "4"))
     assert "out of memory" in line and "lower --max-tokens" in line and "--update-freq" in line
-
-
-def test_patience_is_rank_zeros_decision_for_every_rank(run_copy):
-    from nmt_cli.engine import distributed
-
-    class TwoRanks(distributed.Group):
-        """Rank 1 of two, whose rank 0 has run out of patience (what host_max would bring)."""
-
-        def host_max(self, values):
-            return [max(v, other) for v, other in zip(values, [0, 0, 1])]
-
-    t = _tiny_trainer(run_copy, patience=2)
-    t._started = time.monotonic()
-    assert t.agreed_stop() is None
-    t.dist = TwoRanks(rank=1, world=2)
-    t.state.bad_evals = 0  # this rank's own count would go on
-    assert "did not improve in 2 evaluations" in t.agreed_stop()
-
-
-def test_the_best_models_by_bleu_are_kept_and_averaged(trained_longer, tmp_path, nmt):
-    """--keep-best 2 --best-metric bleu keeps the two evaluations of highest validation BLEU
-    (whatever the pruning of the last checkpoints does), and `nmt average --best 2` averages
-    exactly those. (A model that ends its sentences: validation BLEU is then quick.)"""
-    import shutil
-
-    run = tmp_path / "run"
-    shutil.copytree(trained_longer, run)
-    shape = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]
-    result = nmt(
-        "train",
-        "--run-dir",
-        run,
-        *shape,
-        "--max-steps",
-        "840",
-        "--eval-every",
-        "10",
-        "--save-every",
-        "840",
-        "--keep-last",
-        "1",
-        "--eval-bleu",
-        "--keep-best",
-        "2",
-        "--best-metric",
-        "bleu",
-    )
-    assert result.code == 0, result.err
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    bleu = {r["step"]: r["valid_bleu"] for r in records if r["kind"] == "valid" and r["step"] > 800}
-    assert len(bleu) == 4 and len(set(bleu.values())) > 1, bleu
-    top = sorted(bleu, key=lambda s: (-bleu[s], s))[:2]
-    kept = sorted((run / "checkpoints" / "best").glob("best_*.pt"))
-    assert [int(p.stem.split("_")[1]) for p in kept] == sorted(top)
-    for p in kept:
-        meta = json.loads(p.with_suffix(".json").read_text())
-        assert meta["best"]["valid_bleu"] == bleu[meta["step"]]
-    result = nmt("average", "--run-dir", run, "--best", "2")
-    assert result.code == 0, result.err
-    record = json.loads((run / "averaged.json").read_text())
-    assert record["averaged"] == [p.name for p in kept]
-    mean = checkpoint.average(kept)[0]
-    averaged = checkpoint.load_tensors(run / "averaged.pt")[0]["model"]
-    assert all(torch.equal(averaged[k], v) for k, v in mean.items())
-
-
-def test_patience_watches_the_best_metric(run_copy):
-    # The loss falls while BLEU falls too: only the chosen metric counts.
-    figures = [
-        {"valid_nll": 3.0, "valid_bleu": 10.0, "valid_ppl": 1.0},
-        {"valid_nll": 2.0, "valid_bleu": 9.0, "valid_ppl": 1.0},
-        {"valid_nll": 1.0, "valid_bleu": 8.0, "valid_ppl": 1.0},
-    ]
-    for metric, improved in (("bleu", [True, False, False]), ("nll", [True, True, True])):
-        t = _tiny_trainer(run_copy, eval_bleu=True, best_metric=metric)
-        t._started = time.monotonic()
-        t.validate = iter(figures).__next__
-        got = []
-        for _ in figures:
-            t.evaluate()
-            got.append(t.state.bad_evals == 0)
-        assert got == improved, metric
-
-
-def test_best_metric_errors(run_copy, nmt):
-    assert "needs --eval-bleu" in one_error_line(
-        nmt("train", "--run-dir", run_copy, *TINY, "--best-metric", "bleu")
-    )
-    assert "train with --keep-best" in one_error_line(nmt("average", "--run-dir", run_copy, "--best", "2"))
-
-
-LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]  # trained_longer's
-
-
-def test_fine_tuning_starts_from_the_model_on_its_bpe(trained_longer, tmp_path, nmt):
-    """New data (Multi30k's test2017 as a corpus of its own) encoded with the trained model's
-    BPE, then trained from its weights: it starts where that model was, with a fresh schedule."""
-    text = trained_longer / "text"
-    runs = {}
-    for name, init in (("tuned", ["--init-from", trained_longer]), ("fresh", [])):
-        run = tmp_path / name
-        bpe = ["--from", trained_longer] if init else ["--vocab-size", "1000"]
-        for command in (
-            ["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt", text / "test2017.de"],
-            ["bpe", *bpe],
-            [
-                "train",
-                *LONGER,
-                "--max-steps",
-                "10",
-                "--eval-every",
-                "10",
-                "--save-every",
-                "10",
-                "--warmup",
-                "100",
-                *init,
-            ],
-        ):
-            result = nmt(*command, "--run-dir", run)
-            assert result.code == 0, (command, result.err)
-        runs[name] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert (tmp_path / "tuned" / "bpe" / "spm.model").read_bytes() == (
-        trained_longer / "bpe" / "spm.model"
-    ).read_bytes()
-    first = {name: next(r for r in records if r["kind"] == "train") for name, records in runs.items()}
-    assert first["tuned"]["step"] == first["fresh"]["step"] == 1
-    assert first["tuned"]["lr"] == first["fresh"]["lr"]  # the schedule starts afresh
-    assert first["tuned"]["loss"] < first["fresh"]["loss"] - 1.5, first
-    assert "starting from the weights of" in (tmp_path / "tuned" / "log.txt").read_text()
-    # Fresh: Adam's own step count starts at 0 too.
-    tensors, _ = checkpoint.load_tensors(tmp_path / "tuned" / "checkpoints" / "checkpoint_00000010.pt")
-    assert {float(s["step"]) for s in tensors["optimizer"]["state"].values()} == {10.0}
-
-
-def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp_path, nmt, monkeypatch):
-    text, run = trained_longer / "text", tmp_path / "kept"
-    start = checkpoint.listed(trained_longer / "checkpoints")[-1]
-    before, meta = checkpoint.load_tensors(start)
-    assert meta["step"] == 800
-    for command in (
-        ["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt", text / "test2017.de"],
-        ["bpe", "--from", trained_longer],
-    ):
-        assert nmt(*command, "--run-dir", run).code == 0
-    steps = [
-        "--max-steps",
-        "810",
-        "--eval-every",
-        "10",
-        "--save-every",
-        "10",
-        "--warmup",
-        "100",
-        "--lr-scale",
-        "2",
-    ]
-    both = ["--init-optimizer", "--init-schedule"]
-    result = nmt("train", "--run-dir", run, *LONGER, *steps, "--init-from", trained_longer, *both)
-    assert result.code == 0, result.err
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    first = next(r for r in records if r["kind"] == "train")
-    assert first["step"] == 810 and first["lr"] == pytest.approx(learning_rate(810, 64, 100, scale=2.0))
-    after, meta = checkpoint.load_tensors(run / "checkpoints" / "checkpoint_00000810.pt")
-    assert meta["step"] == 810 and meta["state"]["epoch"] == 0  # new data: its first epoch
-    # Adam went on from the checkpoint's moments: its step count too.
-    assert {float(s["step"]) for s in after["optimizer"]["state"].values()} == {810.0}
-    moved = after["optimizer"]["state"][0]["exp_avg_sq"] - before["optimizer"]["state"][0]["exp_avg_sq"]
-    assert moved.abs().max() < before["optimizer"]["state"][0]["exp_avg_sq"].abs().max()
-    assert "with its optimizer state, at its step 800" in (run / "log.txt").read_text()
-    # The checkpoint is read (and its sha256 verified) once for the weights and the optimizer.
-    reads = []
-    load = checkpoint.load_tensors
-    monkeypatch.setattr(checkpoint, "load_tensors", lambda *a, **k: reads.append(a) or load(*a, **k))
-    config = TrainConfig(init_from=str(trained_longer), init_optimizer=True, init_schedule=True)
-    initial = training.initial_model(RunDir(run), config)
-    assert reads == [(start,)] and initial.step == 800 and initial.optimizer is not None
-    assert initial.weights()["embed.weight"].equal(before["model"]["embed.weight"].float())
-    # A package or an averaged model keeps no optimizer: one error line.
-    other = tmp_path / "other"
-    shutil.copytree(run, other)
-    shutil.rmtree(other / "checkpoints")
-    (other / "metrics.jsonl").unlink()
-    package = tmp_path / "pkg"
-    assert nmt("export", package, "--model", start).code == 0
-    line = one_error_line(
-        nmt("train", "--run-dir", other, *LONGER, *steps, "--init-from", package, "--init-optimizer")
-    )
-    assert "not a training checkpoint" in line
-    assert "give --init-from" in one_error_line(nmt("train", "--run-dir", other, *LONGER, "--init-schedule"))
-
-
-def test_fine_tuning_errors(trained_longer, tmp_path, nmt):
-    text, own = trained_longer / "text", tmp_path / "own"
-    for command in (
-        ["prep", "custom", "--train-src", text / "test2017.en", "--train-tgt", text / "test2017.de"],
-        ["bpe", "--vocab-size", "1000"],
-    ):
-        assert nmt(*command, "--run-dir", own).code == 0
-    once = ["--max-steps", "1"]  # should a check fail to stop it
-    assert "nmt bpe --from" in one_error_line(
-        nmt("train", "--run-dir", own, *LONGER, *once, "--init-from", trained_longer)
-    )
-    import shutil
-
-    same_bpe = tmp_path / "same"
-    shutil.copytree(trained_longer, same_bpe)
-    shutil.rmtree(same_bpe / "checkpoints")
-    line = one_error_line(nmt("train", "--run-dir", same_bpe, *TINY, *once, "--init-from", trained_longer))
-    assert "another model shape" in line and "d_model 64 (here 16)" in line
-    assert "not found" in one_error_line(
-        nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", tmp_path / "nowhere")
-    )
-    stray = tmp_path / "stray.pt"
-    stray.write_bytes(b"not a checkpoint")
-    for keep in ([], ["--init-optimizer"]):
-        line = one_error_line(
-            nmt("train", "--run-dir", same_bpe, *LONGER, *once, "--init-from", stray, *keep)
-        )
-        assert "is not an nmt model" in line, line
-    assert "drop --vocab-size" in one_error_line(
-        nmt("bpe", "--run-dir", same_bpe, "--from", trained_longer, "--vocab-size", "900")
-    )
-    assert "no sentencepiece model" in one_error_line(nmt("bpe", "--run-dir", same_bpe, "--from", tmp_path))
-
-
-def test_bpe_dropout_encodes_each_epoch_anew_and_deterministically(multi30k_bpe):
-    import sentencepiece as spm
-
-    from nmt_cli.bpe import dropout_encoding
-
-    run = RunDir(multi30k_bpe)
-    fixed = Shard(run.tokens("train", "en"))
-    e0 = dropout_encoding(run, "en", 0.1, seed=1, epoch=0)
-    assert len(e0) == len(fixed) == 28_997  # what prep kept
-    same = subprocess.run(  # another process, as a resumed run or another rank is
-        [
-            sys.executable,
-            "-c",
-            "import sys, hashlib; from nmt_cli.bpe import dropout_encoding;"
-            "from nmt_cli.rundir import RunDir;"
-            "s = dropout_encoding(RunDir(sys.argv[1]), 'en', 0.1, 1, 0);"
-            "print(hashlib.sha256(s.tokens.tobytes() + s.offsets.tobytes()).hexdigest())",
-            str(multi30k_bpe),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    import hashlib
-
-    assert same == hashlib.sha256(e0.tokens.tobytes() + e0.offsets.tobytes()).hexdigest()
-    e1 = dropout_encoding(run, "en", 0.1, seed=1, epoch=1)
-    other_seed = dropout_encoding(run, "en", 0.1, seed=2, epoch=0)
-    differ = lambda a, b: sum(not np.array_equal(a[i], b[i]) for i in range(2000))  # noqa: E731
-    # Dropping 10% of merges re-segments most captions, into more and shorter pieces...
-    assert differ(e0, fixed) > 1500 and differ(e1, e0) > 1000 and differ(other_seed, e0) > 1000
-    assert 1.1 < e0.lengths.sum() / fixed.lengths.sum() < 1.4
-    # ... of the same text.
-    sp = spm.SentencePieceProcessor(model_file=str(run.spm_model))
-    assert all(sp.decode(e0[i].tolist()) == sp.decode(fixed[i].tolist()) for i in range(0, 28_997, 7))
-    assert differ(dropout_encoding(run, "en", 0.0, seed=1, epoch=0), fixed) == 0
-
-
-def test_bpe_dropout_keeps_corpus_tags_whole(tagged_bpe):
-    """A tag is a piece of its own that no merge builds: BPE-dropout leaves it as it is (it
-    raised KeyError: '<' on every tagged corpus), and at rate 0 gives the binarized data."""
-    from nmt_cli.bpe import dropout_encoding
-
-    run = RunDir(tagged_bpe)
-    fixed = Shard(run.tokens("train", "en"))
-    kept = dropout_encoding(run, "en", 0.0, 1, 0)
-    assert all(np.array_equal(kept[i], fixed[i]) for i in range(len(fixed)))
-    clean = run.load_manifest()["prep"]["splits"]["train"]["corpora"][0]["pairs"]  # then the tagged
-    tag = int(fixed[clean][1])  # a tagged line begins with U+2581, then the tag
-    dropped = dropout_encoding(run, "en", 0.3, 1, 0)
-    assert all(int(dropped[i][1]) == tag for i in range(clean, len(fixed)))
-    assert not any(tag in dropped[i].tolist() for i in range(clean))
-    assert sum(not np.array_equal(dropped[i], fixed[i]) for i in range(clean, len(fixed))) > 1000
-
-
-def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_path):
-    import shutil
-
-    from nmt_cli.config import TrainConfig
-    from nmt_cli.training import _resample
-
-    config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, max_tokens=256, bpe_dropout=0.1)
-    t = training.build_trainer(
-        config, RunDir(run_copy), state.Quiet(), resample=_resample(RunDir(run_copy), config)
-    )
-    fixed, e0, e1 = t.epochs.fixed, t.epochs.data(0), t.epochs.data(1)
-    assert t.epochs.data(1) is e1  # an epoch is encoded once
-    assert fixed.src_lengths.sum() < e0.src_lengths.sum() and fixed.tgt_lengths.sum() < e0.tgt_lengths.sum()
-    assert not np.array_equal(e0.src.tokens, e1.src.tokens)
-    assert (
-        t.valid_data.src_lengths.sum() == Shard(RunDir(run_copy).tokens("valid", "en")).lengths.sum() + 1014
-    )
-    t.dist.close()
-    # Killed and resumed, a BPE-dropout run ends with the weights of one that never stopped.
-    other = tmp_path / "uninterrupted"
-    shutil.copytree(run_copy, other)
-    cmd = lambda run_dir: [*_train_cmd(run_dir, 12), "--bpe-dropout", "0.1"]  # noqa: E731
-    subprocess.run(cmd(other), check=True, capture_output=True)
-    proc = subprocess.Popen(cmd(run_copy), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = run_copy / "checkpoints" / "checkpoint_00000005.json"
-    deadline = time.monotonic() + 120
-    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(checkpoint.listed(run_copy / "checkpoints")) < 12
-    subprocess.run(cmd(run_copy), check=True, capture_output=True)
-    a, _ = _final_weights(other)
-    b, _ = _final_weights(run_copy)
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-    # And its weights are not those of the fixed encoding.
-    plain = tmp_path / "plain"
-    shutil.copytree(other, plain)
-    shutil.rmtree(plain / "checkpoints")
-    subprocess.run(_train_cmd(plain, 12), check=True, capture_output=True)
-    c, _ = _final_weights(plain)
-    assert not torch.equal(a["model"]["embed.weight"], c["model"]["embed.weight"])
 
 
 def test_tensorboard_events_hold_the_series_of_metrics_jsonl_across_a_resume(run_copy, nmt):

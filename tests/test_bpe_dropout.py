@@ -1,0 +1,118 @@
+"""--bpe-dropout: each epoch encoded anew, deterministically, tags kept whole, resumed exactly."""
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+from conftest import (
+    final_weights,
+    train_command,
+)
+
+from nmt_cli import training
+from nmt_cli.config import TrainConfig
+from nmt_cli.engine import checkpoint, state
+from nmt_cli.rundir import RunDir
+from nmt_cli.shards import Shard
+
+
+def test_bpe_dropout_encodes_each_epoch_anew_and_deterministically(multi30k_bpe):
+    import sentencepiece as spm
+
+    from nmt_cli.bpe import dropout_encoding
+
+    run = RunDir(multi30k_bpe)
+    fixed = Shard(run.tokens("train", "en"))
+    e0 = dropout_encoding(run, "en", 0.1, seed=1, epoch=0)
+    assert len(e0) == len(fixed) == 28_997  # what prep kept
+    same = subprocess.run(  # another process, as a resumed run or another rank is
+        [
+            sys.executable,
+            "-c",
+            "import sys, hashlib; from nmt_cli.bpe import dropout_encoding;"
+            "from nmt_cli.rundir import RunDir;"
+            "s = dropout_encoding(RunDir(sys.argv[1]), 'en', 0.1, 1, 0);"
+            "print(hashlib.sha256(s.tokens.tobytes() + s.offsets.tobytes()).hexdigest())",
+            str(multi30k_bpe),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    import hashlib
+
+    assert same == hashlib.sha256(e0.tokens.tobytes() + e0.offsets.tobytes()).hexdigest()
+    e1 = dropout_encoding(run, "en", 0.1, seed=1, epoch=1)
+    other_seed = dropout_encoding(run, "en", 0.1, seed=2, epoch=0)
+    differ = lambda a, b: sum(not np.array_equal(a[i], b[i]) for i in range(2000))  # noqa: E731
+    # Dropping 10% of merges re-segments most captions, into more and shorter pieces...
+    assert differ(e0, fixed) > 1500 and differ(e1, e0) > 1000 and differ(other_seed, e0) > 1000
+    assert 1.1 < e0.lengths.sum() / fixed.lengths.sum() < 1.4
+    # ... of the same text.
+    sp = spm.SentencePieceProcessor(model_file=str(run.spm_model))
+    assert all(sp.decode(e0[i].tolist()) == sp.decode(fixed[i].tolist()) for i in range(0, 28_997, 7))
+    assert differ(dropout_encoding(run, "en", 0.0, seed=1, epoch=0), fixed) == 0
+
+
+def test_bpe_dropout_keeps_corpus_tags_whole(tagged_bpe):
+    """A tag is a piece of its own that no merge builds: BPE-dropout leaves it as it is (it
+    raised KeyError: '<' on every tagged corpus), and at rate 0 gives the binarized data."""
+    from nmt_cli.bpe import dropout_encoding
+
+    run = RunDir(tagged_bpe)
+    fixed = Shard(run.tokens("train", "en"))
+    kept = dropout_encoding(run, "en", 0.0, 1, 0)
+    assert all(np.array_equal(kept[i], fixed[i]) for i in range(len(fixed)))
+    clean = run.load_manifest()["prep"]["splits"]["train"]["corpora"][0]["pairs"]  # then the tagged
+    tag = int(fixed[clean][1])  # a tagged line begins with U+2581, then the tag
+    dropped = dropout_encoding(run, "en", 0.3, 1, 0)
+    assert all(int(dropped[i][1]) == tag for i in range(clean, len(fixed)))
+    assert not any(tag in dropped[i].tolist() for i in range(clean))
+    assert sum(not np.array_equal(dropped[i], fixed[i]) for i in range(clean, len(fixed))) > 1000
+
+
+def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_path):
+
+    from nmt_cli.training import _resample
+
+    config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, max_tokens=256, bpe_dropout=0.1)
+    t = training.build_trainer(
+        config, RunDir(run_copy), state.Quiet(), resample=_resample(RunDir(run_copy), config)
+    )
+    fixed, e0, e1 = t.epochs.fixed, t.epochs.data(0), t.epochs.data(1)
+    assert t.epochs.data(1) is e1  # an epoch is encoded once
+    assert fixed.src_lengths.sum() < e0.src_lengths.sum() and fixed.tgt_lengths.sum() < e0.tgt_lengths.sum()
+    assert not np.array_equal(e0.src.tokens, e1.src.tokens)
+    assert (
+        t.valid_data.src_lengths.sum() == Shard(RunDir(run_copy).tokens("valid", "en")).lengths.sum() + 1014
+    )
+    t.dist.close()
+    # Killed and resumed, a BPE-dropout run ends with the weights of one that never stopped.
+    other = tmp_path / "uninterrupted"
+    shutil.copytree(run_copy, other)
+    cmd = lambda run_dir: [*train_command(run_dir, 12), "--bpe-dropout", "0.1"]  # noqa: E731
+    subprocess.run(cmd(other), check=True, capture_output=True)
+    proc = subprocess.Popen(cmd(run_copy), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = run_copy / "checkpoints" / "checkpoint_00000005.json"
+    deadline = time.monotonic() + 120
+    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(checkpoint.listed(run_copy / "checkpoints")) < 12
+    subprocess.run(cmd(run_copy), check=True, capture_output=True)
+    a, _ = final_weights(other)
+    b, _ = final_weights(run_copy)
+    for name in a["model"]:
+        assert torch.equal(a["model"][name], b["model"][name]), name
+    # And its weights are not those of the fixed encoding.
+    plain = tmp_path / "plain"
+    shutil.copytree(other, plain)
+    shutil.rmtree(plain / "checkpoints")
+    subprocess.run(train_command(plain, 12), check=True, capture_output=True)
+    c, _ = final_weights(plain)
+    assert not torch.equal(a["model"]["embed.weight"], c["model"]["embed.weight"])
