@@ -1,5 +1,5 @@
 """The tool's promises under attack: it loses no work, never runs foreign code, always answers
-clearly. (Hostile archives, checksums and pickles: test_prep_wmt14, test_fetch, test_trainer.)"""
+clearly. (Hostile archives, checksums and pickles: test_prep_wmt14, test_fetch, test_checkpoints.)"""
 
 import json
 import random
