@@ -119,13 +119,8 @@ def _described(annotation: str) -> str:
     return " or ".join(JSON_TYPES[name][1] for name in annotation.split(" | "))
 
 
-def make_app(
-    translator: Translator, model: Model, config: ServeConfig, connections: Connections | None = None
-):
-    web = require()
-    app = web.Application(client_max_size=config.max_body)
-    batcher_key = web.AppKey("batcher", Batcher)
-    loop_key = web.AppKey("decoding_loop", asyncio.Task)
+def _translate_route(web, translator: Translator, config: ServeConfig, batcher_key):
+    """POST /translate: read, check, queue, answer, each failure its own status."""
 
     async def translate(request):
         if request.headers.get("Content-Encoding", "identity").lower() != "identity":
@@ -159,6 +154,19 @@ def make_app(
             raise
         except Exception as e:  # noqa: BLE001 - a decoding failure: the service lives on
             return error(web, 500, f"{type(e).__name__}: {e}")
+
+    return translate
+
+
+def make_app(
+    translator: Translator, model: Model, config: ServeConfig, connections: Connections | None = None
+):
+    web = require()
+    app = web.Application(client_max_size=config.max_body)
+    batcher_key = web.AppKey("batcher", Batcher)
+    loop_key = web.AppKey("decoding_loop", asyncio.Task)
+
+    translate = _translate_route(web, translator, config, batcher_key)
 
     async def health(request):
         alive = not request.app[loop_key].done()
