@@ -14,7 +14,7 @@ import sys
 
 from nmt_cli import ui
 from nmt_cli.config import LaunchConfig, TrainConfig, from_json
-from nmt_cli.engine import checkpoint, distributed, state, trainer
+from nmt_cli.engine import checkpoint, launcher, state, trainer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
@@ -40,7 +40,7 @@ def check_launch(how: LaunchConfig, device: str) -> None:
     if how.gpus:
         if device == "cpu":
             raise NmtError("--gpus trains on GPUs: drop --device cpu, or use --procs N instead")
-        distributed.check_gpus(how.gpus)
+        launcher.check_gpus(how.gpus)
     elif device.startswith("cuda"):
         raise NmtError("--procs starts CPU workers: use --gpus N for GPUs")
 
@@ -62,7 +62,7 @@ def launch(run: RunDir, config: TrainConfig, how: LaunchConfig) -> None:
     with run.lock("train") if how.node_rank == 0 else contextlib.nullcontext():
         run.save_config("train", config)
         try:
-            distributed.launch(
+            launcher.launch(
                 workers,
                 ["-m", "nmt_cli.training", str(run.root)],
                 how.nnodes,
@@ -72,7 +72,7 @@ def launch(run: RunDir, config: TrainConfig, how: LaunchConfig) -> None:
                 ui.say,
                 how.stop_grace,
             )
-        except distributed.Stopped as e:  # the workers saved what they could
+        except launcher.Stopped as e:  # the workers saved what they could
             saved = checkpoint.listed(run.checkpoints)
             step = checkpoint.step_of(saved[-1]) if saved else None
             raise state.Interrupted(e.signum, step) from None
@@ -95,7 +95,7 @@ def worker(run_dir: str) -> int:
             if isinstance(e, NmtError)
             else f"internal error: {type(e).__name__}: {e}"
         )
-        distributed.record_worker_error(message)
+        launcher.record_worker_error(message)
         print(f"nmt: rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr, flush=True)
         return 1
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import TINY, children, one_error_line, rank_of
 
-from nmt_cli.engine import checkpoint, distributed
+from nmt_cli.engine import checkpoint, distributed, launcher
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
 
@@ -134,7 +134,7 @@ def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
 
 @pytest.mark.slow
 def test_torchrun_starts_the_same_training(run_copy):
-    port = distributed._free_port()
+    port = launcher._free_port()
     done = subprocess.run(
         [
             sys.executable,
@@ -173,7 +173,7 @@ def test_torchrun_starts_the_same_training(run_copy):
 
 def _in_one_process_group() -> dict[str, str]:
     """The environment of a world of one: this process alone in its process group."""
-    port = distributed._free_port()
+    port = launcher._free_port()
     return {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -248,7 +248,8 @@ def test_launch_environments_find_their_gpu(monkeypatch):
 
 
 def test_the_launcher_reports_the_worker_that_started_it():
-    from nmt_cli.engine.distributed import LOST_CONTACT, WORKER_ERROR, root_cause
+    from nmt_cli.engine.distributed import LOST_CONTACT
+    from nmt_cli.engine.launcher import WORKER_ERROR, root_cause
 
     own = WORKER_ERROR + "out of memory on cuda:1 at step 9: lower --max-tokens"
     lost = WORKER_ERROR + LOST_CONTACT + " at step 8 (Connection reset by peer)"
@@ -267,7 +268,7 @@ def test_the_launcher_reports_the_worker_that_started_it():
 def _two_nodes(node_dirs, extra):
     """`nmt train` on two 'nodes' of one CPU worker each (this machine twice): node 0 and
     node 1 each run their own launcher, as on a cluster."""
-    port = distributed._free_port()
+    port = launcher._free_port()
     common = [
         *TINY,
         "--save-every",
@@ -323,7 +324,8 @@ def test_nodes_that_would_resume_apart_stop_with_one_error(run_copy, tmp_path):
 
 
 def test_a_workers_own_error_is_told_from_losing_the_others():
-    from nmt_cli.engine.distributed import LOST_CONTACT, WORKER_ERROR, root_cause
+    from nmt_cli.engine.distributed import LOST_CONTACT
+    from nmt_cli.engine.launcher import WORKER_ERROR, root_cause
 
     # Rank 1 stopped on an error of its own; the launcher then SIGTERMed rank 0.
     own = WORKER_ERROR + "internal error: KeyError: 'valid_bleu'"
@@ -363,7 +365,7 @@ def test_gloos_own_errors_for_a_lost_rank_count_as_lost_contact(peer):
     RuntimeError, not a DistError) is "lost contact"; a worker's own errors are not."""
     from nmt_cli.engine.distributed import is_lost_contact
 
-    port = str(distributed._free_port())
+    port = str(launcher._free_port())
     other = subprocess.Popen([sys.executable, "-c", _PEER, "1", port, "3", peer])
     try:
         done = subprocess.run(

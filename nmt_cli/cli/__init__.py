@@ -62,7 +62,7 @@ def _error(message: str) -> None:
     # torchrun through its error file.
     message = " ".join(str(message).split())
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from nmt_cli.engine.distributed import record_worker_error
+        from nmt_cli.engine.launcher import record_worker_error
 
         record_worker_error(message)
     print(f"nmt: error: {message}", file=sys.stderr, flush=True)
