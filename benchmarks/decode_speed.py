@@ -15,7 +15,8 @@ the whole prefix; the encoder side is computed once) decodes the first --uncache
 and the cached decoder decodes those too, so their ratio is the self-attention cache's alone.
 `--trained RUN_DIR` instead times `nmt translate` on that run's model as a user runs it (beam 4,
 early stopping, its own batching) on all of Multi30k test2016 and the first 1000 lines of
-newstest2014, with the process's peak resident memory.
+newstest2014, with the process's peak resident memory; `--against CHECKOUT` times another
+checkout's code too, in alternate rounds (a change must not slow decoding).
 Peers run in their own venvs (benchmarks/peers/install_fairseq.sh; `pip install ctranslate2`
 in ../peers/ct2).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -121,8 +123,11 @@ def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> 
     return json.loads(lines[-1]) if lines else {"system": script, "error": done.stderr[-400:]}
 
 
-def trained(run: Path, out: Path) -> list[dict]:
-    """Wall time and peak RSS of `nmt translate` (a fresh process per test set)."""
+def trained(run: Path, out: Path, against: Path | None = None, rounds: int = 1) -> list[dict]:
+    """Wall time and peak RSS of `nmt translate` (a fresh process per test set); with `against`
+    (another checkout of nmt), that code's too, the two in alternate rounds, and whether their
+    translations are the same."""
+    codes = [("this", ROOT)] + ([("against", against.resolve())] if against else [])
     rows = []
     for name, path, n in (
         ("multi30k test2016", "multi30k/test_2016_flickr.en.gz", 1000),
@@ -131,33 +136,41 @@ def trained(run: Path, out: Path) -> list[dict]:
         lines = gzip.open(DATA / path, "rt", encoding="utf-8").read().splitlines()[:n]
         src = out.parent / f"trained_{name.split()[0]}.en"
         src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        hyp = src.with_suffix(".hyp")
-        with open(src, "rb") as stdin, open(hyp, "wb") as stdout:
-            start = time.perf_counter()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "nmt_cli", "translate", "--run-dir", str(run), "--threads", "2"],
-                stdin=stdin,
-                stdout=stdout,
-                stderr=subprocess.DEVNULL,
-            )
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
-            seconds = time.perf_counter() - start
-        if status:
-            sys.exit(f"nmt translate failed on {name} (status {status})")
-        out_lines = hyp.read_text(encoding="utf-8").splitlines()
-        assert len(out_lines) == len(lines)
-        rows.append(
-            {
-                "set": name,
-                "sentences": len(lines),
-                "seconds": seconds,
-                "sentences_per_s": len(lines) / seconds,
-                "target_words": sum(len(x.split()) for x in out_lines),
-                "peak_rss_mb": usage.ru_maxrss / 1024,
-            }
-        )  # Linux: KiB
-        print(json.dumps(rows[-1]), flush=True)
+        for r in range(rounds):
+            for code, root in codes if r % 2 == 0 else codes[::-1]:
+                rows.append({"set": name, "code": code, "round": r, **_translate(run, src, root, code)})
+                print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _translate(run: Path, src: Path, root: Path, code: str) -> dict:
+    """One `nmt translate` of `src` by the nmt_cli found in `root`."""
+    hyp = src.with_suffix(f".{code}.hyp")
+    with open(src, "rb") as stdin, open(hyp, "wb") as stdout:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nmt_cli", "translate", "--run-dir", str(run.resolve()), "--threads", "2"],
+            stdin=stdin,
+            stdout=stdout,
+            stderr=subprocess.DEVNULL,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root)},
+        )
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory
+        seconds = time.perf_counter() - start
+    if status:
+        sys.exit(f"nmt translate ({code}) failed on {src} (status {status})")
+    out_lines = hyp.read_text(encoding="utf-8").splitlines()
+    sentences = len(src.read_text(encoding="utf-8").splitlines())
+    assert len(out_lines) == sentences
+    return {
+        "sentences": sentences,
+        "seconds": seconds,
+        "sentences_per_s": sentences / seconds,
+        "target_words": sum(len(x.split()) for x in out_lines),
+        "sha256": hashlib.sha256(hyp.read_bytes()).hexdigest(),
+        "peak_rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
+    }
 
 
 def one_round(shape: str, ids: list[list[int]], ids_file: Path, args) -> list[dict]:
@@ -222,10 +235,17 @@ def main() -> None:
         metavar="RUN_DIR",
         help="Time `nmt translate` with this run's model on the real test sets.",
     )
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="CHECKOUT",
+        help="With --trained: also time another checkout of nmt (e.g. a `git worktree` of the code "
+        "before a change), the two in --repeats alternate rounds.",
+    )
     args = ap.parse_args()
     if args.trained:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        rows = trained(args.trained, args.out)
+        rows = trained(args.trained, args.out, args.against, args.repeats if args.against else 1)
         args.out.with_name("decode_trained.json").write_text(
             json.dumps({"cpu": cpu_name(), "run": str(args.trained), "rows": rows}, indent=2)
         )

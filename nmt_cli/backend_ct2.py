@@ -25,7 +25,8 @@ class Backend:
     """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
 
     def __init__(self, model: Model, config: TranslateConfig):
-        ct2 = require_ctranslate2()
+        ct2 = self._ct2 = require_ctranslate2()
+        self._seeded = False
         kind, index = device_of(ct2, config.device)
         if config.int8:
             compute_type = "int8"
@@ -62,7 +63,7 @@ class Backend:
         self.ceiling = model.config.max_positions - 1
 
     def search(
-        self, batches: list[list[list[int]]], options: DecodeOptions
+        self, batches: list[list[list[int]]], options: DecodeOptions, keys: list[list[int]]
     ) -> Iterator[list[list[Hypothesis]]]:
         """nmt's beam search on each of `batches` (source ids without EOS); the batches are all
         handed over at once, so that every worker has one, and their answers come back in order.
@@ -72,33 +73,70 @@ class Backend:
         hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
         One call has one length limit, the batch's largest (nmt's is each sentence's own; the
         batches hold sentences of close lengths, and a trained model rarely meets its limit).
+
+        --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
+        process (by the first --seed it is given), so its draws are repeatable only where the
+        batches meet its threads in the same order; `keys` cannot seed them.
         """
-        beam, a, b = options.beam, options.max_len_a, options.max_len_b
+        a, b = options.max_len_a, options.max_len_b
+        if options.sample and not self._seeded:
+            self._ct2.set_random_seed(options.seed)
+            self._seeded = True
         pending = [
             self.translator.translate_batch(
                 [[self.pieces[i] for i in x] for x in batch],
-                beam_size=beam,
                 length_penalty=0.0,
-                num_hypotheses=beam,
                 max_decoding_length=max(max_lengths([len(x) for x in batch], a, b, self.ceiling)),
                 max_input_length=0,
                 return_scores=True,
                 return_end_token=True,
                 asynchronous=True,
+                **_search_settings(options),
             )
             for batch in batches
         ]
         for results in pending:
-            yield [self.ranked(r.result(), options.alpha, options.nbest) for r in results]
+            yield [self.ranked(r.result(), options) for r in results]
 
-    def ranked(self, result, alpha: float, nbest: int) -> list[Hypothesis]:
+    def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
+        """The log-probability of each target (ids without EOS; CTranslate2 adds it and scores
+        it) given its source, batch by batch, all handed over at once as in `search`."""
+        pending = [
+            self.translator.score_batch(
+                [[self.pieces[i] for i in x] for x in batch],
+                [[self.pieces[i] for i in y] for y in batch_targets],
+                max_input_length=0,
+                asynchronous=True,
+            )
+            for batch, batch_targets in zip(batches, targets)
+        ]
+        for results in pending:
+            yield [float(sum(r.result().log_probs)) for r in results]
+
+    def ranked(self, result, options: DecodeOptions) -> list[Hypothesis]:
         hyps = []
         for tokens, score in zip(result.hypotheses, result.scores):
             ids = [self.ids[t] for t in tokens]
             # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
-            penalised = float(score) / length_penalty(len(ids), alpha)
+            penalised = float(score) / length_penalty(len(ids), options.alpha)
             hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
-        return sorted(hyps, key=lambda h: -h.score)[:nbest]
+        hyps = sorted(hyps, key=lambda h: -h.score)
+        return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw
+
+
+def _search_settings(options: DecodeOptions) -> dict:
+    """`options` as translate_batch's arguments: nmt's beam (every hypothesis, unpenalised), or
+    its sampling."""
+    if not options.sample:
+        return {"beam_size": options.beam, "num_hypotheses": options.beam}
+    return {
+        "beam_size": 1,
+        # top-k 1 is greedy, for which CTranslate2 returns one hypothesis only
+        "num_hypotheses": 1 if options.topk == 1 else options.nbest,
+        "sampling_topk": options.topk,
+        "sampling_topp": options.topp,
+        "sampling_temperature": options.temperature,
+    }
 
 
 def device_of(ct2, name: str) -> tuple[str, int]:

@@ -3,7 +3,7 @@ number format, batches of source ids searched by engine/beam.py (translate.Backe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -47,27 +47,39 @@ class Backend:
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
     def search(
-        self, batches: list[list[list[int]]], options: DecodeOptions
+        self, batches: list[list[list[int]]], options: DecodeOptions, keys: list[list[int]]
     ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best of each sentence of each batch (source ids without EOS),
-        batch by batch.
+        batch by batch; `keys` seed --sample's draws."""
 
-        On a CPU, up to `threads` batches are decoded at once, one thread each: a decoding
-        step's matrices are too small for threads to share one well (benchmarks/deploy.py). The
-        models are only read; each search has its own cache."""
-
-        def one(batch: list[list[int]]) -> list[list[Hypothesis]]:
+        def one(batch: list[list[int]], batch_keys: list[int]) -> list[list[Hypothesis]]:
             src = torch.from_numpy(pad_sources(batch)).to(self.device)
-            return beam.translate(self.models, src, options)
+            return beam.translate(self.models, src, options, keys=batch_keys)
 
-        workers = min(self.threads, len(batches)) if self.device.type == "cpu" else 1
+        return self._each(one, batches, keys)
+
+    def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
+        """The log-probability of each target (ids without EOS, its EOS counted) given its
+        source, batch by batch."""
+
+        def one(batch: list[list[int]], batch_targets: list[list[int]]) -> list[float]:
+            src = torch.from_numpy(pad_sources(batch)).to(self.device)
+            return beam.forced(self.models, src, batch_targets)
+
+        return self._each(one, batches, targets)
+
+    def _each(self, one: Callable, *batches: list) -> Iterator:
+        """`one` on each batch, answers in order. On a CPU, up to `threads` batches at once, one
+        thread each: a decoding step's matrices are too small for threads to share one well
+        (benchmarks/deploy.py). The models are only read; each search has its own cache."""
+        workers = min(self.threads, len(batches[0])) if self.device.type == "cpu" else 1
         if workers < 2:
-            yield from map(one, batches)
+            yield from map(one, *batches)
             return
         torch.set_num_threads(1)
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode") as pool:
-                futures = [pool.submit(one, batch) for batch in batches]
+                futures = [pool.submit(one, *batch) for batch in zip(*batches)]
                 try:
                     for future in futures:
                         yield future.result()

@@ -67,17 +67,17 @@ class Batcher:
         first, up to `max_batch` sentences at the default beam (fewer at a wider beam, so that
         every batch is about as much work)."""
         first = self._next()
-        budget = self.config.max_batch * self.translator.config.decode.beam  # hypotheses
+        budget = self.config.max_batch * self.translator.config.decode.rows  # hypotheses
         pieces: list[Piece] = []
         same = [j for j in self.jobs if j.options == first.options]
-        beam = first.options.beam
+        rows = first.options.rows
         for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
-            if pieces and (not self.config.batching or budget < beam):
+            if pieces and (not self.config.batching or budget < rows):
                 break
-            n = min(len(job.sentences) - job.taken, max(1, budget // beam))
+            n = min(len(job.sentences) - job.taken, max(1, budget // rows))
             pieces.append((job, job.taken, job.taken + n))
             job.taken += n
-            budget -= n * beam
+            budget -= n * rows
             if job.taken == len(job.sentences):
                 self.jobs.remove(job)
         return pieces
@@ -120,9 +120,12 @@ class Batcher:
             return
         loop = asyncio.get_running_loop()
         sentences = [s for job, lo, hi in pieces for s in job.sentences[lo:hi]]
+        keys = [i for _, lo, hi in pieces for i in range(lo, hi)]  # each its place in its request
         first = pieces[0][0]
         try:
-            texts, hyps = await loop.run_in_executor(self.decoder, self._decode, sentences, first.options)
+            texts, hyps = await loop.run_in_executor(
+                self.decoder, self._decode, sentences, first.options, keys
+            )
         except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
             if len(pieces) > 1:
                 for piece in pieces:
@@ -137,17 +140,22 @@ class Batcher:
         start = 0
         for job, lo, hi in pieces:
             end = start + hi - lo
-            job.answers += _answer(texts[start:end], hyps[start:end], job.options.nbest)
+            job.answers += _answer(texts[start:end], hyps[start:end], job.options)
             if len(job.answers) == len(job.sentences) and not job.done.done():
                 job.done.set_result(job.answers)
             start = end
 
-    def _decode(self, sentences: list[str], options: DecodeOptions):
-        hyps = self.translator.hypotheses(sentences, options)
+    def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int]):
+        hyps = self.translator.hypotheses(sentences, options, keys)
         return self.translator.texts(hyps), hyps
 
 
-def _answer(texts: list[list[str]], hyps, nbest: int) -> list:
-    if nbest == 1:
+def _answer(texts: list[list[str]], hyps, options: DecodeOptions) -> list:
+    """Each sentence's translation: its text; with "scores", {"text", "score"}; with nbest > 1,
+    a list of these, best first."""
+    if options.nbest == 1 and not options.scores:
         return [t[0] for t in texts]
-    return [[{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
+    scored = [
+        [{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)
+    ]
+    return scored if options.nbest > 1 else [s[0] for s in scored]

@@ -356,14 +356,40 @@ class DecodeOptions:
     alpha: float = knob(0.6, "Length penalty ((5+|Y|)/6)^alpha (GNMT).")
     max_len_a: float = knob(1.0, "Output length <= a * source length + b: a.")
     max_len_b: int = knob(50, "Output length <= a * source length + b: b.")
-    nbest: int = knob(1, "Hypotheses per sentence, best first (translate prints 'line<TAB>score<TAB>text').")
+    nbest: int = knob(1, "Hypotheses per sentence, best first, each with its score.")
+    scores: bool = knob(False, "Each translation with its score, also the 1-best (see --nbest).")
+    # Sampling (Edunov et al. 2018's back-translation, diverse outputs): nbest draws per sentence.
+    sample: bool = knob(
+        False,
+        "Draw each next token at random instead of searching (back-translation, diverse outputs); "
+        "--nbest draws per line, --beam does not apply.",
+    )
+    topk: int = knob(0, "With --sample: draw among the K most likely tokens (0: all of them).")
+    topp: float = knob(
+        1.0, "With --sample: draw among the fewest most likely tokens whose probabilities reach P (nucleus)."
+    )
+    temperature: float = knob(
+        1.0, "With --sample: divide the log-probabilities by T (below 1: nearer greedy)."
+    )
+    seed: int = knob(
+        1, "With --sample: the same seed draws the same translations, however lines are batched."
+    )
+
+    @property
+    def rows(self) -> int:
+        """Hypotheses a sentence keeps alive at once: the work it asks for."""
+        return self.nbest if self.sample else self.beam
 
     def __post_init__(self) -> None:
         for name in ("beam", "nbest"):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name} must be at least 1")
-        if self.nbest > self.beam:
+        if self.nbest > self.beam and not self.sample:
             raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
+        if not self.sample and (self.topk, self.topp, self.temperature) != (0, 1.0, 1.0):
+            raise NmtError("--topk, --topp and --temperature shape --sample's draws: add --sample")
+        if self.topk < 0 or not 0 < self.topp <= 1 or not self.temperature > 0:
+            raise NmtError("--topk must not be negative, --topp must be in (0, 1], --temperature above 0")
         for name in ("alpha", "max_len_a", "max_len_b"):
             if getattr(self, name) < 0:
                 raise NmtError(f"--{name.replace('_', '-')} must not be negative")

@@ -5,6 +5,7 @@ bootstrap against another system)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_json
 from nmt_cli.models import Model, from_run
 from nmt_cli.rundir import RunDir
-from nmt_cli.textio import read_lines
+from nmt_cli.textio import decode_line, read_lines
 from nmt_cli.translate import Counts, Translator
 
 
@@ -175,6 +176,33 @@ def stream(
         task = bar.add_task(what, total=lines)
         counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
     report_counts(counts, translator.max_src)
+
+
+def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO) -> None:
+    """`nmt score-pairs`: each pair's scores, one line each, `chunk` pairs at a time."""
+    lines = [_count_lines(path) for path in (src, tgt)]
+    if lines[0] != lines[1]:
+        raise NmtError(f"{src} has {lines[0]} lines and {tgt} {lines[1]}: give line-aligned files")
+    damage = translator.counts.damage
+    with open(src, "rb") as a, open(tgt, "rb") as b, ui.progress() as bar:
+        task = bar.add_task("score-pairs", total=lines[0])
+        pairs = enumerate(zip(a, b), 1)
+        while chunk := list(itertools.islice(pairs, translator.config.chunk)):
+            sources = [decode_line(x, n, damage) for n, (x, _) in chunk]
+            targets = [decode_line(y, n, damage) for n, (_, y) in chunk]
+            for p in translator.score_pairs(sources, targets):
+                sink.write(f"{p.total:.4f}\t{p.per_token:.4f}\t{p.score:.4f}\n")
+            sink.flush()
+            bar.advance(task, len(chunk))
+    report_counts(translator.counts, translator.max_src)
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError as e:
+        raise NmtError(f"cannot read {path}: {e.strerror}") from None
 
 
 def report_counts(counts: Counts, max_src: int) -> None:

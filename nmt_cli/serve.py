@@ -90,11 +90,11 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> tuple[li
         options = dataclasses.replace(defaults, **data)
     except NmtError as e:  # the options' own checks, their names as the request spells them
         raise ValueError(re.sub(r"--([a-z0-9-]+)", lambda m: f'"{m[1].replace("-", "_")}"', str(e))) from None
-    if options.beam > MAX_BEAM:
-        raise ValueError(f'"beam" must be at most {MAX_BEAM}')
-    if len(text) * options.beam > config.max_hypotheses:
+    if options.rows > MAX_BEAM:
+        raise ValueError(f'"{"nbest" if options.sample else "beam"}" must be at most {MAX_BEAM}')
+    if len(text) * options.rows > config.max_hypotheses:
         raise OverflowError(
-            f"{len(text)} sentences at beam {options.beam} are {len(text) * options.beam} hypotheses; "
+            f"{len(text)} sentences at beam {options.rows} are {len(text) * options.rows} hypotheses; "
             f"the limit is {config.max_hypotheses} (--max-hypotheses): send fewer sentences or a "
             "narrower beam"
         )

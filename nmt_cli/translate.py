@@ -3,8 +3,8 @@
 A Unix filter that streams: it translates what has arrived as soon as input pauses (a line
 typed into a pipe is answered at once) and at most `chunk` lines at a time (a file goes in
 large length-sorted batches), writing the translations in input order before reading on, so
-memory stays bounded however long the input. Every input line gives exactly one output line
-(nbest > 1: `nbest` lines of line-number, score, text).
+memory stays bounded however long the input. Every input line gives exactly one output line;
+with scores (--scores, or --nbest above 1), `nbest` lines of line number, score and text.
 
 Two backends search the same way (`Backend`): nmt's own engine (backend_nmt.py) and CTranslate2
 (backend_ct2.py), on a run's model, a package or a CTranslate2 export (models.py).
@@ -17,10 +17,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO, Protocol, TextIO
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
-from nmt_cli.engine.hypothesis import Hypothesis
+from nmt_cli.engine.hypothesis import Hypothesis, length_penalty
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
@@ -37,10 +38,16 @@ class Backend(Protocol):
     """What searches for translations: nmt's own engine or CTranslate2."""
 
     def search(
-        self, batches: list[list[list[int]]], options: DecodeOptions
+        self, batches: list[list[list[int]]], options: DecodeOptions, keys: list[list[int]]
     ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best hypotheses of each sentence of each batch (source ids
-        without EOS), best first, batch by batch in order."""
+        without EOS), best first, batch by batch in order. `keys`: each sentence's line number
+        (what seeds its draws under --sample)."""
+        ...
+
+    def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
+        """The log-probability of each target (ids without EOS, its EOS counted) given its
+        source, batch by batch in order."""
         ...
 
 
@@ -59,6 +66,26 @@ def engine_of(model: Model, config: TranslateConfig) -> str:
     if config.int8:
         return "ctranslate2"
     return "nmt" if config.engine == "auto" else config.engine
+
+
+@dataclass(frozen=True)
+class Translation:
+    text: str
+    score: float  # the log-probability divided by the length penalty, as the search ranks
+
+
+@dataclass(frozen=True)
+class PairScore:
+    """A target's log-probability given its source: the sum, the tokens it counts (its EOS
+    too), and the score a search gives it (the sum divided by the length penalty)."""
+
+    total: float
+    tokens: int
+    score: float
+
+    @property
+    def per_token(self) -> float:
+        return self.total / self.tokens if self.tokens else 0.0
 
 
 @dataclass
@@ -92,9 +119,10 @@ class Translator:
                 f"{model.spm} has {self.sp.get_piece_size()}: they are from "
                 "different runs"
             )
-        self.src_lang = model.src
-        # room for the EOS in every model
+        self.src_lang, self.tgt_lang = model.src, model.tgt
+        # room for the EOS in every model; a target also has its BOS before it
         self.max_src = min(m.config.max_positions for m in model.parts) - 1
+        self.max_tgt = self.max_src - 1
         self.counts = Counts()
 
     def encode(self, lines: list[str]) -> list[list[int]]:
@@ -106,9 +134,10 @@ class Translator:
                 self.counts.truncated += 1
         return ids
 
-    def batches(self, ids: list[list[int]]) -> Iterable[list[int]]:
-        """Indices of non-empty sentences, longest first, in batches of bounded size."""
-        order = sorted((i for i, x in enumerate(ids) if x), key=lambda i: -len(ids[i]))
+    def batches(self, ids: list[list[int]], empty: bool = False) -> Iterable[list[int]]:
+        """Indices of non-empty sentences (`empty`: of all), longest first, in batches of
+        bounded size."""
+        order = sorted((i for i, x in enumerate(ids) if x or empty), key=lambda i: -len(ids[i]))
         batch: list[int] = []
         for i in order:
             longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
@@ -121,17 +150,41 @@ class Translator:
         if batch:
             yield batch
 
-    def hypotheses(self, lines: list[str], options: DecodeOptions | None = None) -> list[list[Hypothesis]]:
+    def hypotheses(
+        self, lines: list[str], options: DecodeOptions | None = None, keys: list[int] | None = None
+    ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
-        the config's for this call."""
+        the config's for this call; `keys` seed --sample's draws, one per line (default: the
+        lines' numbers in the input)."""
         options = options or self.config.decode
+        keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
         ids = self.encode(lines)
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         batches = list(self.batches(ids))
-        found = self.backend.search([[ids[i] for i in b] for b in batches], options)
+        found = self.backend.search(
+            [[ids[i] for i in b] for b in batches], options, [[keys[i] for i in b] for b in batches]
+        )
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h
+        return out
+
+    def score_pairs(self, sources: list[str], targets: list[str]) -> list[PairScore]:
+        """How likely the model finds each target line as the translation of its source line
+        (forced decoding), scored as the search scores its hypotheses."""
+        src_ids = self.encode(sources)
+        cleaned = [normalize(line, self.tgt_lang) for line in targets]
+        tgt_ids = [y[: self.max_tgt] for y in self.sp.encode(cleaned, out_type=int)]
+        out: list[PairScore] = [PairScore(0.0, 0, 0.0)] * len(sources)
+        batches = list(self.batches(src_ids, empty=True))
+        found = self.backend.score(
+            [[src_ids[i] for i in b] for b in batches], [[tgt_ids[i] for i in b] for b in batches]
+        )
+        alpha = self.config.decode.alpha
+        for batch, sums in zip(batches, found, strict=True):
+            for i, total in zip(batch, sums):
+                n = len(tgt_ids[i]) + 1  # with its EOS
+                out[i] = PairScore(total, n, total / length_penalty(n, alpha))
         return out
 
     def texts(self, hyps: list[list[Hypothesis]]) -> list[list[str]]:
@@ -139,11 +192,12 @@ class Translator:
         flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
         return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
 
-    def translate(self, lines: list[str]) -> list[str]:
-        """One output line per input line (nbest > 1: nbest lines each)."""
+    def output(self, lines: list[str]) -> list[str]:
+        """`nmt translate`'s output lines for `lines`: one per line; with scores (--scores, or
+        nbest > 1) `nbest` per line, as 'line<TAB>score<TAB>text' (the line numbered from 0)."""
         hyps = self.hypotheses(lines)
         texts = self.texts(hyps)
-        if self.config.decode.nbest == 1:
+        if self.config.decode.nbest == 1 and not self.config.decode.scores:
             return [t[0] for t in texts]
         first = self.counts.lines
         return [
@@ -152,13 +206,51 @@ class Translator:
             for h, text in zip(hs, ts)
         ]
 
+    # -- the Python API: Translator.load(...), then translate, translations, score
+    @classmethod
+    def load(cls, model: str | Path | list[str | Path], **settings) -> Translator:
+        """A model ready to translate: a run directory, a package or export from `nmt export`, or
+        a checkpoint file (a list: their ensemble). `settings` are `nmt translate`'s options
+        (engine="ctranslate2", device="cuda", beam=5, ...): the translation defaults."""
+        from nmt_cli import models
+
+        paths = [model] if isinstance(model, (str, Path)) else list(model)
+        found = models.ensemble([models.locate(Path(p)) for p in paths])
+        decoding = {f.name for f in dataclasses.fields(DecodeOptions)}
+        decode = DecodeOptions(**{k: v for k, v in settings.items() if k in decoding})
+        return cls(
+            found, TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})
+        )
+
+    def translate(self, lines: list[str], **options) -> list[str]:
+        """The best translation of each line. `options` (beam=5, sample=True, ...) replace the
+        defaults for this call."""
+        return [t[0].text for t in self.translations(lines, **options)]
+
+    def translations(self, lines: list[str], **options) -> list[list[Translation]]:
+        """The `nbest` best translations of each line (or draws, with sample=True), best first,
+        each with its score."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(DecodeOptions)})
+        if unknown:
+            raise NmtError(f"unknown decoding options {unknown}: take `nmt translate`'s, as beam=5")
+        decode = dataclasses.replace(self.config.decode, **options)
+        hyps = self.hypotheses(lines, decode, keys=list(range(len(lines))))
+        return [[Translation(t, h.score) for t, h in zip(ts, hs)] for ts, hs in zip(self.texts(hyps), hyps)]
+
+    def score(self, sources: list[str], targets: list[str]) -> list[PairScore]:
+        """How likely the model finds each target as the translation of its source (what
+        `nmt score-pairs` prints)."""
+        if len(sources) != len(targets):
+            raise NmtError(f"{len(sources)} sources but {len(targets)} targets: give one target per source")
+        return self.score_pairs(sources, targets)
+
     def stream(self, source: BinaryIO, sink: TextIO, advance: Callable[[int], None]) -> Counts:
         """Translate `source` line by line into `sink`, in input order, as input arrives."""
         for chunk in arrivals(source, self.config.chunk):
             lines = [
                 decode_line(raw, self.counts.lines + i + 1, self.counts.damage) for i, raw in enumerate(chunk)
             ]
-            for text in self.translate(lines):
+            for text in self.output(lines):
                 sink.write(text + "\n")
             sink.flush()
             self.counts.lines += len(chunk)

@@ -374,6 +374,23 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         assert status == 200 and len(body["translations"][0]) == 2
         assert body["translations"][0][0]["text"] == expected[0]
         assert body["translations"][1] == [{"text": "", "score": 0.0}] * 2
+        status, body, _ = server.post({"text": sources[:2], "scores": True})
+        assert status == 200 and [t["text"] for t in body["translations"]] == expected[:2]
+        assert all(isinstance(t["score"], float) and t["score"] < 0 for t in body["translations"])
+        # Draws depend on the request alone, not on the requests decoded in the same batch.
+        sampled = TranslateConfig(decode=DecodeOptions(sample=True, seed=4, nbest=2))
+        drawn = Translator(from_dir(package), sampled)
+        request = {"text": sources[:4], "sample": True, "seed": 4, "nbest": 2}
+        alone = drawn.texts(drawn.hypotheses(sources[:4], keys=[0, 1, 2, 3]))
+        together: list = []
+        clients = [threading.Thread(target=lambda: together.append(server.post(request))) for _ in range(3)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(DEADLINE)
+        assert len(together) == 3
+        for status, body, _ in together:
+            assert status == 200 and [[h["text"] for h in t] for t in body["translations"]] == alone
     finally:
         assert server.stop() == 0
 
@@ -537,7 +554,7 @@ class StandIn:
         self.batches: list = []
         self.release = threading.Event()
 
-    def hypotheses(self, sentences, options):
+    def hypotheses(self, sentences, options, keys=None):
         self.batches.append(list(sentences))
         if "slow" in sentences:
             self.release.wait(DEADLINE)

@@ -52,17 +52,24 @@ EngineOption = Annotated[str, about(TranslateConfig, "engine")]
 ThreadsOption = Annotated[int, about(TranslateConfig, "threads")]
 
 
-def decoding_options(*leave_out: str) -> Callable[[Callable], Callable]:
-    """The command takes every field of DecodeOptions (but `leave_out`) as an option, with the
-    field's type, default and help: a new decoding option reaches the CLI without being declared
-    again. config_of reads them back into the command's DecodeOptions."""
+def decoding_options(*leave_out: str, only: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """The command takes every field of DecodeOptions (but `leave_out`; or `only` these) as an
+    option, with the field's type, default and help: a new decoding option reaches the CLI
+    without being declared again. config_of reads them back into the command's DecodeOptions."""
     import dataclasses
     import functools
     import inspect
     import typing
 
     hints = typing.get_type_hints(DecodeOptions)
-    fields = [f for f in dataclasses.fields(DecodeOptions) if f.name not in leave_out]
+    fields = [
+        f
+        for f in dataclasses.fields(DecodeOptions)
+        if f.name not in leave_out and (not only or f.name in only)
+    ]
+
+    def flag(field: dataclasses.Field) -> tuple[str, ...]:  # a switch: --sample, not --sample/--no-sample
+        return (f"--{field.name.replace('_', '-')}",) if hints[field.name] is bool else ()
 
     def add(command: Callable) -> Callable:
         signature = inspect.signature(command, eval_str=True)
@@ -71,7 +78,9 @@ def decoding_options(*leave_out: str) -> Callable[[Callable], Callable]:
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=f.default,
-                annotation=Annotated[hints[f.name], about(DecodeOptions, f.name, rich_help_panel="Decoding")],
+                annotation=Annotated[
+                    hints[f.name], about(DecodeOptions, f.name, *flag(f), rich_help_panel="Decoding")
+                ],
             )
             for f in fields
         ]

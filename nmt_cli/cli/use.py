@@ -164,6 +164,36 @@ def score(
             )
 
 
+@app.command("score-pairs")
+@decoding_options(only=("alpha",))
+def score_pairs(
+    ctx: typer.Context,
+    src: Annotated[Path, typer.Option(help="Source lines.")],
+    tgt: Annotated[Path, typer.Option(help="Their translations to score, line-aligned with --src.")],
+    run_dir: RunDirOption = Path("run"),
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    max_tokens: Annotated[int, about(TranslateConfig, "max_tokens")] = 4096,
+    batch_size: Annotated[int, about(TranslateConfig, "batch_size")] = 32,
+    device: DeviceOption = "auto",
+    precision: PrecisionOption = "auto",
+    int8: Int8Option = False,
+    engine: EngineOption = "auto",
+    threads: ThreadsOption = 0,
+) -> None:
+    """Score given translations (forced decoding): how likely the model finds each --tgt line
+    as the translation of its --src line, for filtering a noisy corpus or reranking.
+
+    Prints one line per pair: the log-probability (its EOS counted), the same per token, and the
+    score a search gives it (divided by the length penalty of --alpha), tab-separated."""
+    from nmt_cli import score
+    from nmt_cli.translate import Translator
+
+    config = config_of(TranslateConfig, ctx)
+    translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
+    score.score_pairs(translator, src, tgt, sys.stdout)
+
+
 @app.command()
 def export(
     out: Annotated[Path, typer.Argument(help="The directory to write (new or empty).")],

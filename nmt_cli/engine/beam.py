@@ -20,6 +20,7 @@ from torch import Tensor
 
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine.cache import DecoderCache
+from nmt_cli.engine.data import pad_targets
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.engine.model import Transformer
 from nmt_cli.vocab import BOS, EOS, PAD
@@ -203,14 +204,82 @@ def greedy(
     return out
 
 
+def sample(
+    step: Callable[[Tensor], Tensor],
+    reorder: Callable[[Tensor], None],
+    max_lens: list[int],
+    options: DecodeOptions,
+    seeds: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> list[Hypothesis]:
+    """One translation per row, each token drawn from the model's distribution (shaped by
+    top-k, top-p and temperature), scored by the model's own log-probabilities.
+
+    Each row draws from a random stream of its own (`seeds`), so a row gets the same draws
+    whatever else is in its batch. A row stops alone: rows are not grouped as beams are."""
+    n = len(max_lens)
+    streams = [torch.Generator().manual_seed(seed) for seed in seeds]
+    out: list[Hypothesis] = [Hypothesis([], 0.0)] * n
+    generated: list[list[int]] = [[] for _ in range(n)]
+    active = np.arange(n)
+    tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
+    score = torch.zeros(n, device=device)
+    limits = torch.tensor(max_lens, device=device)
+    t = 0
+    while True:
+        lprobs = _allowed(step(tokens).float(), limits <= t + 1)
+        uniform = torch.cat([torch.rand(1, generator=streams[r]) for r in active]).to(device)
+        drawn = draw(lprobs, uniform, options.topk, options.topp, options.temperature)
+        score = score + lprobs.gather(1, drawn[:, None]).squeeze(1)
+        drawn_h, score_h = torch.stack([drawn.double(), score.double()]).cpu().numpy()
+        ended = drawn_h == EOS
+        for i in np.flatnonzero(ended):
+            penalty = length_penalty(t + 1, options.alpha)
+            out[active[i]] = Hypothesis(generated[active[i]], float(score_h[i]) / penalty)
+        keep = np.flatnonzero(~ended)
+        if not len(keep):
+            break
+        for i in keep:
+            generated[active[i]].append(int(drawn_h[i]))
+        if len(keep) < len(active):
+            keep_t = torch.from_numpy(keep).to(device)
+            reorder(keep_t)
+            drawn, score, limits = drawn[keep_t], score[keep_t], limits[keep_t]
+        active, tokens = active[keep], drawn[:, None]
+        t += 1
+    return out
+
+
+def draw(lprobs: Tensor, uniform: Tensor, topk: int, topp: float, temperature: float) -> Tensor:
+    """One token per row of `lprobs` (R, V): the inverse of the cumulative distribution, at
+    `uniform` (R,), of the log-probabilities divided by `temperature`, cut to the `topk` most
+    likely tokens (0: all) and then to the fewest most likely whose probabilities reach `topp`."""
+    probs, order = F.softmax(lprobs / temperature, dim=-1).sort(dim=-1, descending=True)
+    if topk:
+        probs[:, topk:] = 0.0
+    if topp < 1.0:
+        before = probs.cumsum(-1) - probs  # what the more likely tokens hold
+        probs = probs.masked_fill(before >= topp * probs.sum(-1, keepdim=True), 0.0)
+    total = probs.cumsum(-1)
+    at = torch.searchsorted(total, (uniform * total[:, -1])[:, None], right=True)
+    return order.gather(1, at.clamp_(max=probs.shape[1] - 1)).squeeze(1)
+
+
+def _seed(seed: int, key: int, draw: int) -> int:
+    """A random stream's seed from --seed, a sentence's key (its line number) and the draw."""
+    return ((seed * 1_000_003 + key) * 1_009 + draw) & (2**63 - 1)
+
+
 @torch.no_grad()
 def translate(
     model: Transformer | Sequence[Transformer],
     src: Tensor,
     options: DecodeOptions = DecodeOptions(),
     use_cache: bool = True,
+    keys: Sequence[int] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
+    `keys`: the sentences' line numbers, which seed --sample's draws (default: 0, 1, ...).
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
     encoder output and cache, and a step's log-probs are the mean of theirs."""
@@ -219,7 +288,11 @@ def translate(
     ceiling = min(m.config.max_positions for m in models) - 1
     o = options
     max_lens = max_lengths([n - 1 for n in src_lengths], o.max_len_a, o.max_len_b, ceiling)
-    k = o.beam
+    keys = range(len(max_lens)) if keys is None else keys
+    if o.sample:  # each draw a row of its own, as a sentence of its own
+        src = src.repeat_interleave(o.nbest, 0)
+        max_lens = [n for n in max_lens for _ in range(o.nbest)]
+    k = 1 if o.sample else o.beam
     parts = [_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models]
     if len(parts) == 1:
         step, reorder = parts[0]
@@ -232,9 +305,34 @@ def translate(
             for _, own in parts:
                 own(indices)
 
+    if o.sample:
+        seeds = [_seed(o.seed, key, j) for key in keys for j in range(o.nbest)]
+        drawn = sample(step, reorder, max_lens, o, seeds, src.device)
+        groups = [drawn[i : i + o.nbest] for i in range(0, len(drawn), o.nbest)]
+        return [sorted(g, key=lambda h: -h.score) for g in groups]
     if o.beam == 1 and o.nbest == 1:
         return greedy(step, reorder, max_lens, o.alpha, src.device)
     return search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device)
+
+
+@torch.no_grad()
+def forced(
+    model: Transformer | Sequence[Transformer], src: Tensor, tgt: Sequence[Sequence[int]]
+) -> list[float]:
+    """The log-probability of each given target (ids without BOS and EOS, its EOS counted) after
+    its source in the padded (B, S) batch `src`: the sum of the log-probs the search adds up
+    for it, token by token (an ensemble's mean log-probs), so that a search's own output scores
+    what the search scored it."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    tgt_in, tgt_out = pad_targets(tgt)
+    tgt_in_t, tgt_out_t = torch.from_numpy(tgt_in).to(src.device), torch.from_numpy(tgt_out).to(src.device)
+    lprobs = 0.0
+    for m in models:
+        m.eval()
+        lprobs = lprobs + F.log_softmax(m.logits(m(src, tgt_in_t)).float(), dim=-1)
+    lprobs = lprobs / len(models)
+    picked = lprobs.gather(2, tgt_out_t[..., None]).squeeze(2).masked_fill(tgt_out_t == PAD, 0.0)
+    return picked.sum(1).tolist()
 
 
 def _decoder(

@@ -187,9 +187,8 @@ def pad_sources(sentences: Sequence[Sequence[int]]) -> np.ndarray:
     return source
 
 
-def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
-    ys = [tgt[int(i)] for i in indices]
+def pad_targets(ys: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(B, T) decoder input BOS + ids, and (B, T) output ids + EOS, PAD after them."""
     t_len = max(len(y) for y in ys) + 1
     tgt_in = np.full((len(ys), t_len), PAD, dtype=np.int64)
     tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
@@ -198,4 +197,10 @@ def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np
         tgt_in[row, 1 : len(y) + 1] = y
         tgt_out[row, : len(y)] = y
         tgt_out[row, len(y)] = EOS
+    return tgt_in, tgt_out
+
+
+def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
+    tgt_in, tgt_out = pad_targets([tgt[int(i)] for i in indices])
     return pad_sources([src[int(i)] for i in indices]), tgt_in, tgt_out

@@ -261,3 +261,26 @@ def test_an_ensemble_averages_the_log_probabilities_of_its_models():
     alone = translate(models[0], src, DecodeOptions(beam=4, max_len_b=6, nbest=2))
     twice = translate([models[0], models[0]], src, DecodeOptions(beam=4, max_len_b=6, nbest=2))
     assert [[h.tokens for h in hs] for hs in twice] == [[h.tokens for h in hs] for hs in alone]
+
+
+def test_draws_follow_the_distribution_as_top_k_top_p_and_temperature_shape_it():
+    from nmt_cli.engine.beam import draw
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 40_000
+    lprobs = probs.log().expand(n, 4).clone()
+    uniform = torch.rand(n, generator=torch.Generator().manual_seed(0))
+
+    def shares(topk=0, topp=1.0, temperature=1.0) -> list[float]:
+        tokens = draw(lprobs, uniform, topk, topp, temperature)
+        return (torch.bincount(tokens, minlength=4).float() / n).tolist()
+
+    assert shares() == pytest.approx(probs.tolist(), abs=0.01)
+    assert shares(topk=2) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)
+    assert shares(topp=0.7) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)  # 0.5 falls short of 0.7
+    assert shares(topp=0.5) == [1.0, 0.0, 0.0, 0.0]
+    # top-p within what top-k kept: 0.5 / 0.95 + 0.3 / 0.95 falls short of 0.9
+    assert shares(topk=3, topp=0.9) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], abs=0.01)
+    assert shares(topk=3, topp=0.8) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)
+    squared = (probs**2 / (probs**2).sum()).tolist()
+    assert shares(temperature=0.5) == pytest.approx(squared, abs=0.01)

@@ -41,7 +41,7 @@ def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
         ({"alpha": "1"}, '"alpha" must be a number'),
         ({"max_len_a": -1}, '"max_len_a" must not be negative'),
         ({"beam": MAX_BEAM + 1}, f'"beam" must be at most {MAX_BEAM}'),
-        ({"temperature": 1}, "unknown field(s): temperature"),
+        ({"width": 1}, "unknown field(s): width"),
     ],
 )
 def test_a_bad_option_is_refused_naming_it(fields, message):

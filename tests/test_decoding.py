@@ -1,0 +1,156 @@
+"""Decoding beyond the beam: sampling, scores beside every translation, and scoring given pairs
+(forced decoding), in nmt's engine and CTranslate2's, on a small trained Multi30k model."""
+
+import dataclasses
+
+import pytest
+from conftest import one_error_line
+
+from nmt_cli.config import DecodeOptions, TranslateConfig
+from nmt_cli.errors import NmtError
+from nmt_cli.models import locate
+from nmt_cli.rundir import RunDir
+from nmt_cli.translate import Translator
+
+ENGINES = ("nmt", "ctranslate2")
+
+
+@pytest.fixture(scope="module")
+def sources(trained_longer) -> list[str]:
+    return RunDir(trained_longer).text("valid", "en", raw=True).read_text().splitlines()[:24]
+
+
+def translator(run, engine="nmt", **options) -> Translator:
+    config = TranslateConfig(engine=engine, decode=DecodeOptions(**options))
+    return Translator(locate(run), config)
+
+
+def texts(t: Translator, lines: list[str], **options) -> list[list[str]]:
+    return t.texts(t.hypotheses(lines, dataclasses.replace(t.config.decode, **options) if options else None))
+
+
+def test_a_seed_draws_the_same_samples_however_the_lines_are_batched(trained_longer, sources):
+    drawn = translator(trained_longer, sample=True, nbest=2, seed=7)
+    one_by_one = Translator(locate(trained_longer), dataclasses.replace(drawn.config, batch_size=1))
+    first, hyps = texts(drawn, sources), drawn.hypotheses(sources)
+    assert texts(drawn, sources) == first  # again, in the same process
+    assert one_by_one.texts(alone := one_by_one.hypotheses(sources)) == first
+    assert [h.score for hs in alone for h in hs] == pytest.approx(
+        [h.score for hs in hyps for h in hs], abs=1e-3
+    )
+    assert all(len(t) == 2 for t in first)
+    assert sum(a != b for a, b in first) > len(sources) // 2  # two draws, mostly different
+    assert texts(drawn, sources, seed=8) != first
+    greedy = texts(translator(trained_longer, beam=1), sources)
+    assert sum(t[0] != g[0] for t, g in zip(first, greedy)) > len(sources) // 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_top_k_1_and_a_cold_temperature_are_greedy(trained_longer, sources, engine):
+    greedy = texts(translator(trained_longer, engine, beam=1), sources)
+    assert texts(translator(trained_longer, engine, sample=True, topk=1), sources) == greedy
+    assert texts(translator(trained_longer, engine, sample=True, temperature=1e-6), sources) == greedy
+
+
+def test_ctranslate2_samples_as_many_draws_as_asked(trained_longer, sources):
+    drawn = texts(translator(trained_longer, "ctranslate2", sample=True, nbest=3, topp=0.9, seed=2), sources)
+    greedy = texts(translator(trained_longer, "ctranslate2", beam=1), sources)
+    assert all(len(t) == 3 for t in drawn)
+    assert sum(len(set(t)) > 1 for t in drawn) > len(sources) // 2  # draws, not one thrice
+    assert sum(t[0] != g[0] for t, g in zip(drawn, greedy)) > len(sources) // 2
+
+
+def test_sampling_options_are_checked(trained_longer, nmt):
+    for flags, message in (
+        (["--topk", "5"], "add --sample"),
+        (["--sample", "--topp", "0"], "--topp must be in (0, 1]"),
+        (["--sample", "--temperature", "0"], "--temperature above 0"),
+        (["--sample", "--topk", "-1"], "--topk must not be negative"),
+    ):
+        assert message in one_error_line(nmt("translate", "--run-dir", trained_longer, *flags, stdin=b"x\n"))
+
+
+def test_scores_print_beside_the_1_best_as_the_n_best_prints_them(trained_longer, sources, nmt):
+    stdin = "\n".join(sources[:6]).encode() + b"\n"
+    plain = nmt("translate", "--run-dir", trained_longer, stdin=stdin).out.splitlines()
+    scored = nmt("translate", "--run-dir", trained_longer, "--scores", stdin=stdin).out.splitlines()
+    nbest = nmt("translate", "--run-dir", trained_longer, "--nbest", "2", stdin=stdin).out.splitlines()
+    assert [line.split("\t") for line in scored] == [
+        [str(i), nbest[2 * i].split("\t")[1], text] for i, text in enumerate(plain)
+    ]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_scoring_the_beams_own_outputs_gives_the_beams_own_scores(trained_longer, sources, engine):
+    t = translator(trained_longer, engine, nbest=4)
+    hyps = t.hypotheses(sources)
+    # A hypothesis cut at the length limit (a * |X| + b) has no EOS in CTranslate2's search, and
+    # scoring it counts one: those are left out.
+    limits = [len(x) + 50 for x in t.encode(sources)]
+    pairs = [
+        (s, text, h.score)
+        for s, ts, hs, limit in zip(sources, t.texts(hyps), hyps, limits)
+        for text, h in zip(ts, hs)
+        if len(h.tokens) < limit
+    ]
+    assert len(pairs) > 80
+    scored = t.score_pairs([p[0] for p in pairs], [p[1] for p in pairs])
+    assert [s.score for s in scored] == pytest.approx([p[2] for p in pairs], abs=2e-3)
+    assert all(s.total <= s.score <= 0 and s.tokens >= 1 for s in scored)
+    # the other side's log-probability: each engine scores as the other does
+    other = translator(trained_longer, ENGINES[engine == "nmt"])
+    assert [
+        s.total for s in other.score_pairs([p[0] for p in pairs], [p[1] for p in pairs])
+    ] == pytest.approx([s.total for s in scored], abs=2e-3)
+
+
+def test_score_pairs_prints_a_line_per_pair_and_prefers_a_translation_to_its_words_reversed(
+    trained_longer, tmp_path, nmt
+):
+    run = RunDir(trained_longer)
+    src = run.text("valid", "en", raw=True).read_text().splitlines()[:30]
+    ref = run.text("valid", "de", raw=True).read_text().splitlines()[:30]
+    wrong = [" ".join(reversed(r.split())) for r in ref]  # the words of its translation, reversed
+    (tmp_path / "src").write_text("\n".join(src + src) + "\n")
+    (tmp_path / "tgt").write_text("\n".join(ref + wrong) + "\n")
+    result = nmt(
+        "score-pairs", "--run-dir", trained_longer, "--src", tmp_path / "src", "--tgt", tmp_path / "tgt"
+    )
+    assert result.code == 0, result.err
+    rows = [[float(x) for x in line.split("\t")] for line in result.out.splitlines()]
+    assert len(rows) == 60 and all(len(r) == 3 for r in rows)
+    assert all(total <= score <= 0 and total <= per_token for total, per_token, score in rows)
+    assert sum(rows[i][0] > rows[30 + i][0] for i in range(30)) >= 29
+    (tmp_path / "short").write_text("\n".join(ref[:3]) + "\n")
+    assert "give line-aligned files" in one_error_line(
+        nmt(
+            "score-pairs", "--run-dir", trained_longer, "--src", tmp_path / "src", "--tgt", tmp_path / "short"
+        )
+    )
+
+
+def test_the_python_api_translates_samples_and_scores_as_the_command_line(
+    trained_longer, sources, tmp_path, nmt
+):
+    from nmt_cli import Translator
+
+    model = Translator.load(trained_longer, beam=4, threads=1)
+    stdin = "\n".join(sources[:8]).encode() + b"\n"
+    assert (
+        model.translate(sources[:8])
+        == nmt("translate", "--run-dir", trained_longer, stdin=stdin).out.splitlines()
+    )
+    best = model.translations(sources[:8], nbest=2)
+    assert all(len(t) == 2 and t[0].score >= t[1].score for t in best)
+    assert [t[0].text for t in best] == model.translate(sources[:8])
+    drawn = model.translations(sources[:8], sample=True, seed=5)
+    cli = nmt(
+        "translate", "--run-dir", trained_longer, "--sample", "--seed", "5", stdin=stdin
+    ).out.splitlines()
+    assert [t[0].text for t in drawn] == cli
+    scored = model.score(sources[:8], [t[0].text for t in best])
+    assert [s.score for s in scored] == pytest.approx([t[0].score for t in best], abs=2e-3)
+    with pytest.raises(NmtError, match="unknown decoding options"):
+        model.translate(sources[:1], bem=5)
+    with pytest.raises(NmtError, match="--nbest 5 exceeds --beam 4"):
+        model.translations(sources[:1], nbest=5)
