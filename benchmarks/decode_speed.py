@@ -28,6 +28,7 @@ import gzip
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -123,11 +124,15 @@ def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> 
     return json.loads(lines[-1]) if lines else {"system": script, "error": done.stderr[-400:]}
 
 
-def trained(run: Path, out: Path, against: Path | None = None, rounds: int = 1) -> list[dict]:
+def trained(
+    run: Path, out: Path, against: Path | None = None, rounds: int = 1, variants: tuple[str, ...] = ()
+) -> list[dict]:
     """Wall time and peak RSS of `nmt translate` (a fresh process per test set); with `against`
-    (another checkout of nmt), that code's too, the two in alternate rounds, and whether their
-    translations are the same."""
-    codes = [("this", ROOT)] + ([("against", against.resolve())] if against else [])
+    (another checkout of nmt), that code's too, and with `variants` (translate's options, as
+    "--sample --topk 10"), this code with each, all in alternate rounds; the sha256 of each
+    output tells whether two translate alike."""
+    codes = [("this", ROOT, ())] + ([("against", against.resolve(), ())] if against else [])
+    codes += [(variant, ROOT, tuple(variant.split())) for variant in variants]
     rows = []
     for name, path, n in (
         ("multi30k test2016", "multi30k/test_2016_flickr.en.gz", 1000),
@@ -137,19 +142,55 @@ def trained(run: Path, out: Path, against: Path | None = None, rounds: int = 1) 
         src = out.parent / f"trained_{name.split()[0]}.en"
         src.write_text("\n".join(lines) + "\n", encoding="utf-8")
         for r in range(rounds):
-            for code, root in codes if r % 2 == 0 else codes[::-1]:
-                rows.append({"set": name, "code": code, "round": r, **_translate(run, src, root, code)})
+            for code, root, flags in codes if r % 2 == 0 else codes[::-1]:
+                timed = _translate(run, src, root, code, flags)
+                rows.append({"set": name, "code": code, "round": r, **timed})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def _translate(run: Path, src: Path, root: Path, code: str) -> dict:
-    """One `nmt translate` of `src` by the nmt_cli found in `root`."""
-    hyp = src.with_suffix(f".{code}.hyp")
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per test set and code: the median sentences/s of its rounds, against the first code's,
+    and whether its output is the same in every round and as the first code's."""
+    out = []
+    for name in dict.fromkeys(r["set"] for r in rows):
+        codes = dict.fromkeys(r["code"] for r in rows if r["set"] == name)
+        first = None
+        for code in codes:
+            mine = [r for r in rows if (r["set"], r["code"]) == (name, code)]
+            speed = statistics.median(r["sentences_per_s"] for r in mine)
+            first = first or (speed, mine[0]["sha256"])
+            out.append(
+                {
+                    "set": name,
+                    "code": code,
+                    "rounds": len(mine),
+                    "sentences_per_s": round(speed, 1),
+                    "vs_first": round(speed / first[0], 3),
+                    "same_output_as_first": all(r["sha256"] == first[1] for r in mine),
+                    "peak_rss_mb": round(max(r["peak_rss_mb"] for r in mine)),
+                }
+            )
+    return out
+
+
+def _translate(run: Path, src: Path, root: Path, code: str, flags: tuple[str, ...]) -> dict:
+    """One `nmt translate` of `src` by the nmt_cli found in `root`, with `flags`."""
+    hyp = src.with_suffix(f".{hashlib.sha256(code.encode()).hexdigest()[:8]}.hyp")
     with open(src, "rb") as stdin, open(hyp, "wb") as stdout:
         start = time.perf_counter()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nmt_cli", "translate", "--run-dir", str(run.resolve()), "--threads", "2"],
+            [
+                sys.executable,
+                "-m",
+                "nmt_cli",
+                "translate",
+                "--run-dir",
+                str(run.resolve()),
+                "--threads",
+                "2",
+                *flags,
+            ],
             stdin=stdin,
             stdout=stdout,
             stderr=subprocess.DEVNULL,
@@ -242,13 +283,29 @@ def main() -> None:
         help="With --trained: also time another checkout of nmt (e.g. a `git worktree` of the code "
         "before a change), the two in --repeats alternate rounds.",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="OPTIONS",
+        help='With --trained: also time this code with these translate options (e.g. "--sample '
+        '--topk 10"), in the same alternate rounds; give it again for more.',
+    )
     args = ap.parse_args()
     if args.trained:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        rows = trained(args.trained, args.out, args.against, args.repeats if args.against else 1)
-        args.out.with_name("decode_trained.json").write_text(
-            json.dumps({"cpu": cpu_name(), "run": str(args.trained), "rows": rows}, indent=2)
+        several = args.against or args.variant
+        rows = trained(
+            args.trained, args.out, args.against, args.repeats if several else 1, tuple(args.variant)
         )
+        summary = summarise(rows)
+        args.out.with_name("decode_trained.json").write_text(
+            json.dumps(
+                {"cpu": cpu_name(), "run": str(args.trained), "rows": rows, "summary": summary}, indent=2
+            )
+        )
+        for row in summary:
+            print(json.dumps(row))
         return
     torch.set_num_threads(2)
     results = {"cpu": cpu_name(), "threads": 2, "runs": []}

@@ -63,7 +63,11 @@ class Backend:
         self.ceiling = model.config.max_positions - 1
 
     def search(
-        self, batches: list[list[list[int]]], options: DecodeOptions, keys: list[list[int]]
+        self,
+        batches: list[list[list[int]]],
+        options: DecodeOptions,
+        keys: list[list[int]],
+        prefixes: list[list[list[int]]] | None = None,
     ) -> Iterator[list[list[Hypothesis]]]:
         """nmt's beam search on each of `batches` (source ids without EOS); the batches are all
         handed over at once, so that every worker has one, and their answers come back in order.
@@ -85,22 +89,38 @@ class Backend:
         pending = [
             self.translator.translate_batch(
                 [[self.pieces[i] for i in x] for x in batch],
+                target_prefix=[[self.pieces[i] for i in p] for p in starts] if starts else None,
                 length_penalty=0.0,
-                max_decoding_length=max(max_lengths([len(x) for x in batch], a, b, self.ceiling)),
+                max_decoding_length=max(
+                    max_lengths([len(x) for x in batch], a, b, self.ceiling)
+                    + [min(len(p) + 1, self.ceiling) for p in starts or []]
+                ),
                 max_input_length=0,
                 return_scores=True,
                 return_end_token=True,
                 asynchronous=True,
                 **_search_settings(options),
             )
-            for batch in batches
+            for batch, starts in zip(batches, prefixes or [None] * len(batches))
         ]
-        for results in pending:
-            yield [self.ranked(r.result(), options) for r in results]
+        # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
+        # the same for every hypothesis of a sentence, is added before the length penalty.
+        given = [
+            self._sums([batch], [starts], eos=False) if starts and any(starts) else None
+            for batch, starts in zip(batches, prefixes or [None] * len(batches))
+        ]
+        for results, batch, scored in zip(pending, batches, given):
+            offsets = next(scored) if scored is not None else [0.0] * len(batch)
+            yield [self.ranked(r.result(), options, offset) for r, offset in zip(results, offsets)]
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS; CTranslate2 adds it and scores
         it) given its source, batch by batch, all handed over at once as in `search`."""
+        return self._sums(batches, targets, eos=True)
+
+    def _sums(
+        self, batches: list[list[list[int]]], targets: list[list[list[int]]], eos: bool
+    ) -> Iterator[list[float]]:
         pending = [
             self.translator.score_batch(
                 [[self.pieces[i] for i in x] for x in batch],
@@ -111,14 +131,15 @@ class Backend:
             for batch, batch_targets in zip(batches, targets)
         ]
         for results in pending:
-            yield [float(sum(r.result().log_probs)) for r in results]
+            found = [r.result().log_probs for r in results]
+            yield [float(sum(lp if eos else lp[:-1])) for lp in found]
 
-    def ranked(self, result, options: DecodeOptions) -> list[Hypothesis]:
+    def ranked(self, result, options: DecodeOptions, offset: float = 0.0) -> list[Hypothesis]:
         hyps = []
         for tokens, score in zip(result.hypotheses, result.scores):
             ids = [self.ids[t] for t in tokens]
             # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
-            penalised = float(score) / length_penalty(len(ids), options.alpha)
+            penalised = (float(score) + offset) / length_penalty(len(ids), options.alpha)
             hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
         hyps = sorted(hyps, key=lambda h: -h.score)
         return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw

@@ -47,16 +47,20 @@ class Backend:
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
     def search(
-        self, batches: list[list[list[int]]], options: DecodeOptions, keys: list[list[int]]
+        self,
+        batches: list[list[list[int]]],
+        options: DecodeOptions,
+        keys: list[list[int]],
+        prefixes: list[list[list[int]]] | None = None,
     ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best of each sentence of each batch (source ids without EOS),
-        batch by batch; `keys` seed --sample's draws."""
+        batch by batch; `keys` seed --sample's draws; `prefixes` begin the hypotheses."""
 
-        def one(batch: list[list[int]], batch_keys: list[int]) -> list[list[Hypothesis]]:
+        def one(batch: list[list[int]], batch_keys: list[int], starts: list[list[int]] | None):
             src = torch.from_numpy(pad_sources(batch)).to(self.device)
-            return beam.translate(self.models, src, options, keys=batch_keys)
+            return beam.translate(self.models, src, options, keys=batch_keys, prefixes=starts)
 
-        return self._each(one, batches, keys)
+        return self._each(one, batches, keys, prefixes or [None] * len(batches))
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS, its EOS counted) given its

@@ -17,6 +17,7 @@ from nmt_cli.translate import Translator
 class Job:
     sentences: list[str]
     options: DecodeOptions
+    prefixes: list[str] | None
     done: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
@@ -37,11 +38,13 @@ class Batcher:
         self.arrived = asyncio.Event()
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
 
-    def submit(self, sentences: list[str], options: DecodeOptions) -> asyncio.Future | None:
+    def submit(
+        self, sentences: list[str], options: DecodeOptions, prefixes: list[str] | None = None
+    ) -> asyncio.Future | None:
         """The future of the job's answer, or None when the queue is full."""
         if self.pending + len(sentences) > self.config.max_queue:
             return None
-        job = Job(sentences, options, asyncio.get_running_loop().create_future())
+        job = Job(sentences, options, prefixes, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
         self.pending += len(sentences)
         self.arrived.set()
@@ -121,10 +124,13 @@ class Batcher:
         loop = asyncio.get_running_loop()
         sentences = [s for job, lo, hi in pieces for s in job.sentences[lo:hi]]
         keys = [i for _, lo, hi in pieces for i in range(lo, hi)]  # each its place in its request
+        prefixes = None
+        if any(job.prefixes for job, _, _ in pieces):
+            prefixes = [p for job, lo, hi in pieces for p in (job.prefixes or [""] * hi)[lo:hi]]
         first = pieces[0][0]
         try:
             texts, hyps = await loop.run_in_executor(
-                self.decoder, self._decode, sentences, first.options, keys
+                self.decoder, self._decode, sentences, first.options, keys, prefixes
             )
         except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
             if len(pieces) > 1:
@@ -145,8 +151,8 @@ class Batcher:
                 job.done.set_result(job.answers)
             start = end
 
-    def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int]):
-        hyps = self.translator.hypotheses(sentences, options, keys)
+    def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes):
+        hyps = self.translator.hypotheses(sentences, options, keys, prefixes)
         return self.translator.texts(hyps), hyps
 
 

@@ -4,6 +4,7 @@ bootstrap against another system)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -168,13 +169,18 @@ def translate_split(
 
 
 def stream(
-    translator: Translator, source: BinaryIO, sink: TextIO, what: str, lines: int | None = None
+    translator: Translator,
+    source: BinaryIO,
+    sink: TextIO,
+    what: str,
+    lines: int | None = None,
+    prefixes: Path | None = None,
 ) -> None:
     """`translator.stream` with a progress bar, then a warning for each kind of line it had
     to change."""
-    with ui.progress() as bar:
+    with ui.progress() as bar, open(prefixes, "rb") if prefixes else contextlib.nullcontext() as starts:
         task = bar.add_task(what, total=lines)
-        counts = translator.stream(source, sink, lambda n: bar.advance(task, n))
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n), starts)
     report_counts(counts, translator.max_src)
 
 

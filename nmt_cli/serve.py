@@ -53,9 +53,16 @@ def error(web, status: int, message: str, **headers: str):
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
-def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> tuple[list[str], DecodeOptions]:
-    """The request's sentences and decoding options (any field of DecodeOptions, `defaults` for
-    the rest); ValueError (400) or OverflowError (413)."""
+@dataclasses.dataclass(frozen=True)
+class Request:
+    text: list[str]
+    options: DecodeOptions
+    prefixes: list[str] | None = None  # what each translation begins with
+
+
+def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> Request:
+    """The request's sentences, their prefixes and its decoding options (any field of
+    DecodeOptions, `defaults` for the rest); ValueError (400) or OverflowError (413)."""
     try:
         data = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -67,7 +74,7 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> tuple[li
     if not isinstance(data, dict) or "text" not in data:
         raise ValueError('expected a JSON object {"text": ["sentence", ...]}')
     fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
-    unknown = set(data) - {"text"} - set(fields)
+    unknown = set(data) - {"text", "prefix"} - set(fields)
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
     text = data.pop("text")
@@ -77,9 +84,19 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> tuple[li
         raise ValueError('"text" is empty')
     if len(text) > config.max_sentences:
         raise OverflowError(f"{len(text)} sentences in one request; the limit is {config.max_sentences}")
-    for i, s in enumerate(text):
+    prefixes = data.pop("prefix", None)
+    if prefixes is not None and (
+        not isinstance(prefixes, list)
+        or len(prefixes) != len(text)
+        or not all(isinstance(p, str) for p in prefixes)
+    ):
+        raise ValueError('"prefix" must be a list of strings, one per sentence of "text" ("" for none)')
+    for i, s in enumerate(text + (prefixes or [])):
         if len(s) > config.max_chars:
-            raise ValueError(f"sentence {i} has {len(s)} characters; the limit is {config.max_chars}")
+            what = "sentence" if i < len(text) else "prefix"
+            raise ValueError(
+                f"{what} {i % len(text)} has {len(s)} characters; the limit is {config.max_chars}"
+            )
     for name, value in data.items():
         kind = fields[name].type
         if not isinstance(value, _json_types(kind)) or isinstance(value, bool) != ("bool" in kind):
@@ -98,7 +115,7 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> tuple[li
             f"the limit is {config.max_hypotheses} (--max-hypotheses): send fewer sentences or a "
             "narrower beam"
         )
-    return text, options
+    return Request(text, options, prefixes)
 
 
 # A field's type: the JSON values it takes (a float takes 1 as 1.0), and what to call them.
@@ -135,12 +152,12 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             response.force_close()
             return response
         try:
-            text, options = parse(body, config, translator.config.decode)
+            asked = parse(body, config, translator.config.decode)
         except OverflowError as e:
             return error(web, 413, str(e))
         except ValueError as e:
             return error(web, 400, str(e))
-        done = request.app[batcher_key].submit(text, options)
+        done = request.app[batcher_key].submit(asked.text, asked.options, asked.prefixes)
         if done is None:
             return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
         try:

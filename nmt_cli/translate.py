@@ -13,6 +13,7 @@ Two backends search the same way (`Backend`): nmt's own engine (backend_nmt.py) 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -38,11 +39,15 @@ class Backend(Protocol):
     """What searches for translations: nmt's own engine or CTranslate2."""
 
     def search(
-        self, batches: list[list[list[int]]], options: DecodeOptions, keys: list[list[int]]
+        self,
+        batches: list[list[list[int]]],
+        options: DecodeOptions,
+        keys: list[list[int]],
+        prefixes: list[list[list[int]]] | None = None,
     ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best hypotheses of each sentence of each batch (source ids
         without EOS), best first, batch by batch in order. `keys`: each sentence's line number
-        (what seeds its draws under --sample)."""
+        (what seeds its draws under --sample); `prefixes`: the ids each hypothesis begins with."""
         ...
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
@@ -151,30 +156,42 @@ class Translator:
             yield batch
 
     def hypotheses(
-        self, lines: list[str], options: DecodeOptions | None = None, keys: list[int] | None = None
+        self,
+        lines: list[str],
+        options: DecodeOptions | None = None,
+        keys: list[int] | None = None,
+        prefixes: list[str] | None = None,
     ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
         the config's for this call; `keys` seed --sample's draws, one per line (default: the
-        lines' numbers in the input)."""
+        lines' numbers in the input); `prefixes`: the text each translation begins with."""
         options = options or self.config.decode
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
         ids = self.encode(lines)
+        starts = self.encode_targets(prefixes) if prefixes is not None else None
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         batches = list(self.batches(ids))
         found = self.backend.search(
-            [[ids[i] for i in b] for b in batches], options, [[keys[i] for i in b] for b in batches]
+            [[ids[i] for i in b] for b in batches],
+            options,
+            [[keys[i] for i in b] for b in batches],
+            [[starts[i] for i in b] for b in batches] if starts is not None else None,
         )
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h
         return out
 
+    def encode_targets(self, lines: list[str]) -> list[list[int]]:
+        """Target-side text as ids, cleaned as the target side was for training, within the
+        model's positions (room for BOS and EOS)."""
+        cleaned = [normalize(line, self.tgt_lang) for line in lines]
+        return [y[: self.max_tgt] for y in self.sp.encode(cleaned, out_type=int)]
+
     def score_pairs(self, sources: list[str], targets: list[str]) -> list[PairScore]:
         """How likely the model finds each target line as the translation of its source line
         (forced decoding), scored as the search scores its hypotheses."""
-        src_ids = self.encode(sources)
-        cleaned = [normalize(line, self.tgt_lang) for line in targets]
-        tgt_ids = [y[: self.max_tgt] for y in self.sp.encode(cleaned, out_type=int)]
+        src_ids, tgt_ids = self.encode(sources), self.encode_targets(targets)
         out: list[PairScore] = [PairScore(0.0, 0, 0.0)] * len(sources)
         batches = list(self.batches(src_ids, empty=True))
         found = self.backend.score(
@@ -192,10 +209,10 @@ class Translator:
         flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
         return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
 
-    def output(self, lines: list[str]) -> list[str]:
+    def output(self, lines: list[str], prefixes: list[str] | None = None) -> list[str]:
         """`nmt translate`'s output lines for `lines`: one per line; with scores (--scores, or
         nbest > 1) `nbest` per line, as 'line<TAB>score<TAB>text' (the line numbered from 0)."""
-        hyps = self.hypotheses(lines)
+        hyps = self.hypotheses(lines, prefixes=prefixes)
         texts = self.texts(hyps)
         if self.config.decode.nbest == 1 and not self.config.decode.scores:
             return [t[0] for t in texts]
@@ -222,19 +239,23 @@ class Translator:
             found, TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})
         )
 
-    def translate(self, lines: list[str], **options) -> list[str]:
-        """The best translation of each line. `options` (beam=5, sample=True, ...) replace the
-        defaults for this call."""
-        return [t[0].text for t in self.translations(lines, **options)]
+    def translate(self, lines: list[str], prefixes: list[str] | None = None, **options) -> list[str]:
+        """The best translation of each line (beginning with its prefix, if given). `options`
+        (beam=5, sample=True, ...) replace the defaults for this call."""
+        return [t[0].text for t in self.translations(lines, prefixes, **options)]
 
-    def translations(self, lines: list[str], **options) -> list[list[Translation]]:
+    def translations(
+        self, lines: list[str], prefixes: list[str] | None = None, **options
+    ) -> list[list[Translation]]:
         """The `nbest` best translations of each line (or draws, with sample=True), best first,
-        each with its score."""
+        each with its score; each beginning with its line of `prefixes`, if given."""
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(DecodeOptions)})
         if unknown:
             raise NmtError(f"unknown decoding options {unknown}: take `nmt translate`'s, as beam=5")
         decode = dataclasses.replace(self.config.decode, **options)
-        hyps = self.hypotheses(lines, decode, keys=list(range(len(lines))))
+        if prefixes is not None and len(prefixes) != len(lines):
+            raise NmtError(f"{len(lines)} lines but {len(prefixes)} prefixes: give one prefix per line")
+        hyps = self.hypotheses(lines, decode, keys=list(range(len(lines))), prefixes=prefixes)
         return [[Translation(t, h.score) for t, h in zip(ts, hs)] for ts, hs in zip(self.texts(hyps), hyps)]
 
     def score(self, sources: list[str], targets: list[str]) -> list[PairScore]:
@@ -244,17 +265,38 @@ class Translator:
             raise NmtError(f"{len(sources)} sources but {len(targets)} targets: give one target per source")
         return self.score_pairs(sources, targets)
 
-    def stream(self, source: BinaryIO, sink: TextIO, advance: Callable[[int], None]) -> Counts:
-        """Translate `source` line by line into `sink`, in input order, as input arrives."""
+    def stream(
+        self,
+        source: BinaryIO,
+        sink: TextIO,
+        advance: Callable[[int], None],
+        prefixes: BinaryIO | None = None,
+    ) -> Counts:
+        """Translate `source` line by line into `sink`, in input order, as input arrives; each
+        translation beginning with the line of `prefixes` of the same number, if given."""
         for chunk in arrivals(source, self.config.chunk):
-            lines = [
-                decode_line(raw, self.counts.lines + i + 1, self.counts.damage) for i, raw in enumerate(chunk)
-            ]
-            for text in self.output(lines):
+            first = self.counts.lines
+            lines = [decode_line(raw, first + i + 1, self.counts.damage) for i, raw in enumerate(chunk)]
+            starts = None
+            if prefixes is not None:
+                starts = [
+                    decode_line(raw, first + i + 1, self.counts.damage)
+                    for i, raw in enumerate(itertools.islice(prefixes, len(chunk)))
+                ]
+                if len(starts) < len(chunk):
+                    raise NmtError(
+                        f"--prefix ends at line {first + len(starts)}, before the input: give one "
+                        "line per input line"
+                    )
+            for text in self.output(lines, starts):
                 sink.write(text + "\n")
             sink.flush()
             self.counts.lines += len(chunk)
             advance(len(chunk))
+        if prefixes is not None and next(iter(prefixes), None) is not None:
+            raise NmtError(
+                f"--prefix has more lines than the input's {self.counts.lines}: give one line per input line"
+            )
         return self.counts
 
 

@@ -61,7 +61,7 @@ FILLED = {
     ),
     "translate": (
         [("TranslateConfig", {}, {"decode", "chunk"}), ("DecodeOptions", {}, set())],
-        {"run_dir", "model"},
+        {"run_dir", "model", "prefix"},
     ),
     "score": (
         [

@@ -154,3 +154,40 @@ def test_the_python_api_translates_samples_and_scores_as_the_command_line(
         model.translate(sources[:1], bem=5)
     with pytest.raises(NmtError, match="--nbest 5 exceeds --beam 4"):
         model.translations(sources[:1], nbest=5)
+
+
+@pytest.fixture(scope="module")
+def prefixes(trained_longer, sources) -> list[str]:
+    """Each source's reference's first two words; every fourth line none."""
+    refs = RunDir(trained_longer).text("valid", "de", raw=True).read_text().splitlines()[: len(sources)]
+    return ["" if i % 4 == 0 else " ".join(r.split()[:2]) for i, r in enumerate(refs)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_translation_begins_with_its_prefix(trained_longer, sources, prefixes, engine):
+    model = Translator.load(trained_longer, engine=engine)
+    plain = model.translate(sources)
+    for options in ({}, {"beam": 1}, {"nbest": 2}, {"sample": True, "seed": 2}):
+        found = model.translations(sources, prefixes, **options)
+        for prefix, alone, hyps in zip(prefixes, plain, found):
+            assert all(h.text.startswith(prefix) for h in hyps), (options, prefix, hyps)
+            if not prefix and not options:  # a line without a prefix translates as before
+                assert hyps[0].text == alone
+    assert sum(t != p for t, p in zip(model.translate(sources, prefixes), plain)) > len(sources) // 2
+
+
+def test_both_engines_continue_a_prefix_alike(trained_longer, sources, prefixes):
+    ours = Translator.load(trained_longer, engine="nmt").translations(sources, prefixes)
+    theirs = Translator.load(trained_longer, engine="ctranslate2").translations(sources, prefixes)
+    assert sum(a[0].text == b[0].text for a, b in zip(ours, theirs)) >= len(sources) - 1
+    same = [(a[0].score, b[0].score) for a, b in zip(ours, theirs) if a[0].text == b[0].text]
+    assert [a for a, _ in same] == pytest.approx([b for _, b in same], abs=2e-3)
+
+
+def test_prefix_from_the_command_line(trained_longer, sources, prefixes, tmp_path, nmt):
+    (tmp_path / "prefixes").write_text("\n".join(prefixes[:6]) + "\n")
+    stdin = "\n".join(sources[:6]).encode() + b"\n"
+    out = nmt("translate", "--run-dir", trained_longer, "--prefix", tmp_path / "prefixes", stdin=stdin)
+    assert out.out.splitlines() == Translator.load(trained_longer).translate(sources[:6], prefixes[:6])
+    short = nmt("translate", "--run-dir", trained_longer, "--prefix", tmp_path / "prefixes", stdin=stdin * 2)
+    assert "--prefix ends at line 6, before the input" in one_error_line(short)

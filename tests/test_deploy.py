@@ -554,7 +554,7 @@ class StandIn:
         self.batches: list = []
         self.release = threading.Event()
 
-    def hypotheses(self, sentences, options, keys=None):
+    def hypotheses(self, sentences, options, keys=None, prefixes=None):
         self.batches.append(list(sentences))
         if "slow" in sentences:
             self.release.wait(DEADLINE)

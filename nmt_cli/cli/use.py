@@ -34,6 +34,12 @@ def translate(
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
+    prefix: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Each translation begins with the line of this file of the same number (target text)."
+        ),
+    ] = None,
     max_tokens: Annotated[int, about(TranslateConfig, "max_tokens")] = 4096,
     batch_size: Annotated[int, about(TranslateConfig, "batch_size")] = 32,
     device: DeviceOption = "auto",
@@ -50,7 +56,9 @@ def translate(
 
     config = config_of(TranslateConfig, ctx)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
-    score.stream(translator, sys.stdin.buffer, sys.stdout, "translate")
+    if prefix is not None and not prefix.is_file():
+        raise NmtError(f"--prefix {prefix} not found")
+    score.stream(translator, sys.stdin.buffer, sys.stdout, "translate", prefixes=prefix)
 
 
 @app.command()

@@ -63,8 +63,10 @@ def search(
     alpha: float,
     nbest: int = 1,
     device: torch.device | str = "cpu",
+    forced: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search for len(max_lens) sentences; the `nbest` best hypotheses of each, best first.
+    `forced` (n, P): each sentence's first tokens, -1 after its own (a target prefix).
 
     step(tokens (R, 1)) -> log-probs (R, V) of the next token of each live row.
     reorder(indices (R',)) keeps those rows (of the last step's R) for the next step.
@@ -83,6 +85,8 @@ def search(
     t = 0
     while True:
         lprobs = _allowed(step(tokens).float(), (limits <= t + 1).repeat_interleave(beam))  # (R, V)
+        if forced is not None and t < forced.shape[1]:
+            lprobs = _force(lprobs, forced[:, t].repeat_interleave(beam))
         b = len(active)
         cand = beam_step(scores, lprobs.view(b, beam, -1), beam)
         cand_scores, cand_beams, cand_tokens = (
@@ -110,6 +114,8 @@ def search(
         scores = cand[0].index_select(0, keep_t).gather(1, live_t)
         tokens = cand[2].index_select(0, keep_t).gather(1, live_t).view(-1, 1)
         limits = limits.index_select(0, keep_t)
+        if forced is not None:
+            forced = forced.index_select(0, keep_t)
         reorder(rows_t)
         t += 1
     return [sorted(f, key=lambda h: -h.score)[:nbest] for f in finished]
@@ -124,6 +130,14 @@ def _allowed(lprobs: Tensor, at_limit: Tensor) -> Tensor:
     lprobs.masked_fill_(at_limit[:, None], -math.inf)
     lprobs[:, EOS] = eos
     return lprobs
+
+
+def _force(lprobs: Tensor, tokens: Tensor) -> Tensor:
+    """`lprobs` (R, V) where each row with a token in `tokens` (R,) may take only that one (a
+    prefix's); rows with -1 are left as they are."""
+    at = tokens.clamp(min=0)[:, None]
+    only = torch.full_like(lprobs, -math.inf).scatter_(1, at, lprobs.gather(1, at))
+    return torch.where((tokens >= 0)[:, None], only, lprobs)
 
 
 def _going_on(
@@ -167,9 +181,10 @@ def greedy(
     max_lens: list[int],
     alpha: float,
     device: torch.device | str = "cpu",
+    forced: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """The best next token at every step: beam 1 without the bookkeeping. The host reads each
-    step's tokens (and running scores) once."""
+    step's tokens (and running scores) once. `forced` as in `search`."""
     n = len(max_lens)
     out: list[list[Hypothesis]] = [[] for _ in range(n)]
     generated: list[list[int]] = [[] for _ in range(n)]
@@ -182,6 +197,8 @@ def greedy(
         lprobs = step(tokens).float()
         lprobs[:, PAD] = -math.inf
         lprobs[:, BOS] = -math.inf
+        if forced is not None and t < forced.shape[1]:
+            lprobs = _force(lprobs, forced[:, t])
         best = torch.where(limits <= t + 1, EOS, lprobs.argmax(-1))
         score = score + lprobs.gather(1, best[:, None]).squeeze(1)
         best_h, score_h = torch.stack([best.double(), score.double()]).cpu().numpy()
@@ -199,6 +216,7 @@ def greedy(
             keep_t = torch.from_numpy(keep).to(device)
             reorder(keep_t)
             best, score, limits = best[keep_t], score[keep_t], limits[keep_t]
+            forced = forced[keep_t] if forced is not None else None
         active, tokens = active[keep], best[:, None]
         t += 1
     return out
@@ -211,6 +229,7 @@ def sample(
     options: DecodeOptions,
     seeds: Sequence[int],
     device: torch.device | str = "cpu",
+    forced: Tensor | None = None,
 ) -> list[Hypothesis]:
     """One translation per row, each token drawn from the model's distribution (shaped by
     top-k, top-p and temperature), scored by the model's own log-probabilities.
@@ -228,6 +247,8 @@ def sample(
     t = 0
     while True:
         lprobs = _allowed(step(tokens).float(), limits <= t + 1)
+        if forced is not None and t < forced.shape[1]:
+            lprobs = _force(lprobs, forced[:, t])
         uniform = torch.cat([torch.rand(1, generator=streams[r]) for r in active]).to(device)
         drawn = draw(lprobs, uniform, options.topk, options.topp, options.temperature)
         score = score + lprobs.gather(1, drawn[:, None]).squeeze(1)
@@ -245,6 +266,7 @@ def sample(
             keep_t = torch.from_numpy(keep).to(device)
             reorder(keep_t)
             drawn, score, limits = drawn[keep_t], score[keep_t], limits[keep_t]
+            forced = forced[keep_t] if forced is not None else None
         active, tokens = active[keep], drawn[:, None]
         t += 1
     return out
@@ -277,9 +299,11 @@ def translate(
     options: DecodeOptions = DecodeOptions(),
     use_cache: bool = True,
     keys: Sequence[int] | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
     `keys`: the sentences' line numbers, which seed --sample's draws (default: 0, 1, ...).
+    `prefixes`: the ids each translation must begin with (none: []).
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
     encoder output and cache, and a step's log-probs are the mean of theirs."""
@@ -288,31 +312,50 @@ def translate(
     ceiling = min(m.config.max_positions for m in models) - 1
     o = options
     max_lens = max_lengths([n - 1 for n in src_lengths], o.max_len_a, o.max_len_b, ceiling)
+    forced = None
+    if prefixes is not None and any(prefixes):
+        max_lens = [max(n, min(len(p) + 1, ceiling)) for n, p in zip(max_lens, prefixes)]
+        forced = _prefix_tensor(prefixes, src.device)
     keys = range(len(max_lens)) if keys is None else keys
     if o.sample:  # each draw a row of its own, as a sentence of its own
         src = src.repeat_interleave(o.nbest, 0)
         max_lens = [n for n in max_lens for _ in range(o.nbest)]
+        forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
-    parts = [_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models]
-    if len(parts) == 1:
-        step, reorder = parts[0]
-    else:
-
-        def step(tokens: Tensor) -> Tensor:
-            return torch.stack([own(tokens) for own, _ in parts]).mean(0)
-
-        def reorder(indices: Tensor) -> None:
-            for _, own in parts:
-                own(indices)
-
+    step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
     if o.sample:
         seeds = [_seed(o.seed, key, j) for key in keys for j in range(o.nbest)]
-        drawn = sample(step, reorder, max_lens, o, seeds, src.device)
+        drawn = sample(step, reorder, max_lens, o, seeds, src.device, forced)
         groups = [drawn[i : i + o.nbest] for i in range(0, len(drawn), o.nbest)]
         return [sorted(g, key=lambda h: -h.score) for g in groups]
     if o.beam == 1 and o.nbest == 1:
-        return greedy(step, reorder, max_lens, o.alpha, src.device)
-    return search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device)
+        return greedy(step, reorder, max_lens, o.alpha, src.device, forced)
+    return search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device, forced)
+
+
+def _prefix_tensor(prefixes: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
+    """(n, P): each sentence's prefix ids, -1 after them."""
+    out = np.full((len(prefixes), max(len(p) for p in prefixes)), -1, dtype=np.int64)
+    for row, p in enumerate(prefixes):
+        out[row, : len(p)] = p
+    return torch.from_numpy(out).to(device)
+
+
+def _together(
+    parts: list[tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]],
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
+    """One `step` and `reorder` for several models' (an ensemble): the mean of their log-probs."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def step(tokens: Tensor) -> Tensor:
+        return torch.stack([own(tokens) for own, _ in parts]).mean(0)
+
+    def reorder(indices: Tensor) -> None:
+        for _, own in parts:
+            own(indices)
+
+    return step, reorder
 
 
 @torch.no_grad()

@@ -21,14 +21,15 @@ def request(**fields) -> bytes:
 def test_every_decoding_option_is_a_request_field():
     for field in dataclasses.fields(DecodeOptions):
         value = getattr(DEFAULTS, field.name)
-        text, options = parse(request(**{field.name: value}), ServeConfig(), DEFAULTS)
-        assert text == ["a b c"] and options == DEFAULTS, field.name
+        asked = parse(request(**{field.name: value}), ServeConfig(), DEFAULTS)
+        assert asked.text == ["a b c"] and asked.options == DEFAULTS, field.name
 
 
 def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
-    _, options = parse(request(nbest=2, alpha=1), ServeConfig(), DEFAULTS)
+    options = parse(request(nbest=2, alpha=1), ServeConfig(), DEFAULTS).options
     assert options == dataclasses.replace(DEFAULTS, nbest=2, alpha=1.0)
     assert isinstance(options.alpha, float)
+    assert parse(request(prefix=["Ein"]), ServeConfig(), DEFAULTS).prefixes == ["Ein"]
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,9 @@ def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
         ({"max_len_a": -1}, '"max_len_a" must not be negative'),
         ({"beam": MAX_BEAM + 1}, f'"beam" must be at most {MAX_BEAM}'),
         ({"width": 1}, "unknown field(s): width"),
+        ({"prefix": "Ein"}, '"prefix" must be a list of strings, one per sentence'),
+        ({"prefix": ["Ein", "Zwei"]}, '"prefix" must be a list of strings, one per sentence'),
+        ({"prefix": ["x" * 3000]}, "prefix 0 has 3000 characters"),
     ],
 )
 def test_a_bad_option_is_refused_naming_it(fields, message):
