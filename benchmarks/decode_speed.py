@@ -159,6 +159,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         for code in codes:
             mine = [r for r in rows if (r["set"], r["code"]) == (name, code)]
             speed = statistics.median(r["sentences_per_s"] for r in mine)
+            words = statistics.median(r["target_words"] / r["seconds"] for r in mine)
             first = first or (speed, mine[0]["sha256"])
             out.append(
                 {
@@ -166,6 +167,11 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "code": code,
                     "rounds": len(mine),
                     "sentences_per_s": round(speed, 1),
+                    "words_per_s": round(words),
+                    "spread": [
+                        round(min(r["sentences_per_s"] for r in mine), 1),
+                        round(max(r["sentences_per_s"] for r in mine), 1),
+                    ],
                     "vs_first": round(speed / first[0], 3),
                     "same_output_as_first": all(r["sha256"] == first[1] for r in mine),
                     "peak_rss_mb": round(max(r["peak_rss_mb"] for r in mine)),

@@ -374,6 +374,9 @@ class DecodeOptions:
     seed: int = knob(
         1, "With --sample: the same seed draws the same translations, however lines are batched."
     )
+    tag: str = knob(
+        "", "Put this corpus tag before every source line, as training did (`nmt prep custom --tag`)."
+    )
 
     @property
     def rows(self) -> int:
@@ -393,6 +396,10 @@ class DecodeOptions:
         for name in ("alpha", "max_len_a", "max_len_b"):
             if getattr(self, name) < 0:
                 raise NmtError(f"--{name.replace('_', '-')} must not be negative")
+        if self.tag and self.tag.split() != [self.tag]:
+            raise NmtError(
+                f"--tag {self.tag!r} must be one token without spaces, as `nmt prep --tag` took it"
+            )
 
 
 @dataclass(frozen=True)

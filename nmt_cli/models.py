@@ -56,6 +56,16 @@ class Model:
         return self.members or (self,)
 
     @property
+    def tags(self) -> tuple[str, ...]:
+        """The corpus tags it was trained with (`nmt prep custom --tag`), as its provenance
+        records them; an ensemble's: those of all its members."""
+        if self.members:
+            common = set.intersection(*(set(m.tags) for m in self.members))
+            return tuple(t for t in self.members[0].tags if t in common)
+        corpora = self.provenance.get("data", {}).get("prep", {}).get("splits", {}).get("train", {})
+        return tuple(c["tag"] for c in corpora.get("corpora", []) if c.get("tag"))
+
+    @property
     def text_settings(self) -> dict:
         # The one normalisation (normalize.py) is Moses punctuation for the source language,
         # non-printing characters to spaces, single spaces.

@@ -60,7 +60,7 @@ class Request:
     prefixes: list[str] | None = None  # what each translation begins with
 
 
-def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> Request:
+def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple[str, ...] = ()) -> Request:
     """The request's sentences, their prefixes and its decoding options (any field of
     DecodeOptions, `defaults` for the rest); ValueError (400) or OverflowError (413)."""
     try:
@@ -107,6 +107,10 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions) -> Request:
         options = dataclasses.replace(defaults, **data)
     except NmtError as e:  # the options' own checks, their names as the request spells them
         raise ValueError(re.sub(r"--([a-z0-9-]+)", lambda m: f'"{m[1].replace("-", "_")}"', str(e))) from None
+    if options.tag and options.tag not in tags:
+        raise ValueError(
+            f'"tag" {options.tag!r} is not a tag of this model: ' + (", ".join(tags) or "it has none")
+        )
     if options.rows > MAX_BEAM:
         raise ValueError(f'"{"nbest" if options.sample else "beam"}" must be at most {MAX_BEAM}')
     if len(text) * options.rows > config.max_hypotheses:
@@ -152,7 +156,7 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             response.force_close()
             return response
         try:
-            asked = parse(body, config, translator.config.decode)
+            asked = parse(body, config, translator.config.decode, translator.tags)
         except OverflowError as e:
             return error(web, 413, str(e))
         except ValueError as e:

@@ -125,13 +125,29 @@ class Translator:
                 "different runs"
             )
         self.src_lang, self.tgt_lang = model.src, model.tgt
+        self.where, self.tags = model.where, model.tags
+        self.check_tag(config.decode.tag)
         # room for the EOS in every model; a target also has its BOS before it
         self.max_src = min(m.config.max_positions for m in model.parts) - 1
         self.max_tgt = self.max_src - 1
         self.counts = Counts()
 
-    def encode(self, lines: list[str]) -> list[list[int]]:
+    def check_tag(self, tag: str) -> None:
+        if tag and tag not in self.tags:
+            raise NmtError(
+                f"--tag {tag!r} is not a tag of {self.where}: "
+                + (
+                    f"choose {', '.join(map(repr, self.tags))}"
+                    if self.tags
+                    else "it was trained without tags"
+                )
+            )
+
+    def encode(self, lines: list[str], tag: str = "") -> list[list[int]]:
+        """Source lines as ids, cleaned as training's were, `tag` before each (not an empty one)."""
         cleaned = [normalize(line, self.src_lang) for line in lines]
+        if tag:
+            cleaned = [f"{tag} {line}" if line else line for line in cleaned]
         ids = self.sp.encode(cleaned, out_type=int)
         for i, x in enumerate(ids):
             if len(x) > self.max_src:
@@ -166,8 +182,9 @@ class Translator:
         the config's for this call; `keys` seed --sample's draws, one per line (default: the
         lines' numbers in the input); `prefixes`: the text each translation begins with."""
         options = options or self.config.decode
+        self.check_tag(options.tag)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
-        ids = self.encode(lines)
+        ids = self.encode(lines, options.tag)
         starts = self.encode_targets(prefixes) if prefixes is not None else None
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         batches = list(self.batches(ids))
@@ -191,7 +208,7 @@ class Translator:
     def score_pairs(self, sources: list[str], targets: list[str]) -> list[PairScore]:
         """How likely the model finds each target line as the translation of its source line
         (forced decoding), scored as the search scores its hypotheses."""
-        src_ids, tgt_ids = self.encode(sources), self.encode_targets(targets)
+        src_ids, tgt_ids = self.encode(sources, self.config.decode.tag), self.encode_targets(targets)
         out: list[PairScore] = [PairScore(0.0, 0, 0.0)] * len(sources)
         batches = list(self.batches(src_ids, empty=True))
         found = self.backend.score(

@@ -71,6 +71,28 @@ FILLED = {
         {"hyp", "ref", "src", "model", "run_dir", "split", "metrics", "tokenize", "lowercase"}
         | {"moses_lc", "compound_split", "lang", "compare", "json_out"},
     ),
+    "score-pairs": (
+        [
+            ("TranslateConfig", {}, {"decode", "chunk"}),
+            (
+                "DecodeOptions",
+                {},
+                {
+                    "beam",
+                    "max_len_a",
+                    "max_len_b",
+                    "nbest",
+                    "scores",
+                    "sample",
+                    "topk",
+                    "topp",
+                    "temperature",
+                    "seed",
+                },
+            ),
+        ],
+        {"src", "tgt", "run_dir", "model"},
+    ),
     "serve": (
         [
             ("ServeConfig", {}, {"max_chars", "max_body", "shutdown_timeout"}),

@@ -2,9 +2,11 @@
 (forced decoding), in nmt's engine and CTranslate2's, on a small trained Multi30k model."""
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
-from conftest import one_error_line
+from conftest import TINY, one_error_line, run_ok
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.errors import NmtError
@@ -191,3 +193,49 @@ def test_prefix_from_the_command_line(trained_longer, sources, prefixes, tmp_pat
     assert out.out.splitlines() == Translator.load(trained_longer).translate(sources[:6], prefixes[:6])
     short = nmt("translate", "--run-dir", trained_longer, "--prefix", tmp_path / "prefixes", stdin=stdin * 2)
     assert "--prefix ends at line 6, before the input" in one_error_line(short)
+
+
+@pytest.fixture(scope="module")
+def tagged_model(tagged_bpe, tmp_path_factory) -> Path:
+    """A TINY model trained briefly on a clean corpus and one tagged '<bt>', and its package."""
+    root = tmp_path_factory.mktemp("tagged-model")
+    shutil.copytree(tagged_bpe, root / "run")
+    run_ok(
+        [
+            "train",
+            "--run-dir",
+            root / "run",
+            *TINY,
+            "--max-steps",
+            20,
+            "--eval-every",
+            1000,
+            "--save-every",
+            20,
+        ],
+        ["export", root / "package", "--run-dir", root / "run"],
+    )
+    return root
+
+
+def test_a_tag_goes_before_every_source_line_as_in_training(tagged_model, sources):
+    for where in ("run", "package"):
+        model = Translator.load(tagged_model / where, tag="<bt>", max_len_b=8)
+        assert model.tags == ("<bt>",)
+        pieces = [[model.sp.id_to_piece(i) for i in ids] for ids in model.encode(sources[:4], "<bt>")]
+        assert all(p[:2] == ["▁", "<bt>"] and "<bt>" not in p[2:] for p in pieces)  # as prep wrote it
+        assert model.encode([""], "<bt>") == [[]]  # an empty line stays empty
+        by_hand = Translator.load(tagged_model / where, max_len_b=8)
+        assert model.translate(sources[:6]) == by_hand.translate([f"<bt> {s}" for s in sources[:6]])
+        assert model.translate(sources[:6], tag="") == by_hand.translate(sources[:6])
+
+
+def test_an_unknown_tag_is_refused_in_one_line(tagged_model, trained_longer, nmt):
+    refused = nmt("translate", "--run-dir", tagged_model / "run", "--tag", "<xx>", stdin=b"x\n")
+    assert "--tag '<xx>' is not a tag of" in one_error_line(refused) and "'<bt>'" in refused.err
+    untagged = nmt("translate", "--run-dir", trained_longer, "--tag", "<bt>", stdin=b"x\n")
+    assert "it was trained without tags" in one_error_line(untagged)
+    scored = nmt("score", "--run-dir", tagged_model / "run", "--split", "valid", "--tag", "<yy>")
+    assert "--tag '<yy>' is not a tag of" in one_error_line(scored)
+    with pytest.raises(NmtError, match="is not a tag of"):
+        Translator.load(tagged_model / "package").translate(["x"], tag="<zz>")

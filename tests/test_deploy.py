@@ -548,7 +548,7 @@ class StandIn:
     """Stands in for the translator in the server: fails on any batch holding "boom", waits for
     `release` on any holding "slow", and upper-cases the rest; records each batch."""
 
-    config, engine = TranslateConfig(), "stand-in"
+    config, engine, tags = TranslateConfig(), "stand-in", ()
 
     def __init__(self):
         self.batches: list = []

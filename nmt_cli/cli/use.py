@@ -173,7 +173,7 @@ def score(
 
 
 @app.command("score-pairs")
-@decoding_options(only=("alpha",))
+@decoding_options(only=("alpha", "tag"))
 def score_pairs(
     ctx: typer.Context,
     src: Annotated[Path, typer.Option(help="Source lines.")],

@@ -237,7 +237,10 @@ def sample(
     Each row draws from a random stream of its own (`seeds`), so a row gets the same draws
     whatever else is in its batch. A row stops alone: rows are not grouped as beams are."""
     n = len(max_lens)
-    streams = [torch.Generator().manual_seed(seed) for seed in seeds]
+    # every row's uniforms for all its steps, drawn at once from its own stream
+    steps = max(max_lens) + 1
+    uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(x)) for x in seeds])
+    uniforms = uniforms.to(device)
     out: list[Hypothesis] = [Hypothesis([], 0.0)] * n
     generated: list[list[int]] = [[] for _ in range(n)]
     active = np.arange(n)
@@ -249,8 +252,7 @@ def sample(
         lprobs = _allowed(step(tokens).float(), limits <= t + 1)
         if forced is not None and t < forced.shape[1]:
             lprobs = _force(lprobs, forced[:, t])
-        uniform = torch.cat([torch.rand(1, generator=streams[r]) for r in active]).to(device)
-        drawn = draw(lprobs, uniform, options.topk, options.topp, options.temperature)
+        drawn = draw(lprobs, uniforms[:, t], options.topk, options.topp, options.temperature)
         score = score + lprobs.gather(1, drawn[:, None]).squeeze(1)
         drawn_h, score_h = torch.stack([drawn.double(), score.double()]).cpu().numpy()
         ended = drawn_h == EOS
@@ -266,6 +268,7 @@ def sample(
             keep_t = torch.from_numpy(keep).to(device)
             reorder(keep_t)
             drawn, score, limits = drawn[keep_t], score[keep_t], limits[keep_t]
+            uniforms = uniforms[keep_t]
             forced = forced[keep_t] if forced is not None else None
         active, tokens = active[keep], drawn[:, None]
         t += 1
@@ -275,16 +278,22 @@ def sample(
 def draw(lprobs: Tensor, uniform: Tensor, topk: int, topp: float, temperature: float) -> Tensor:
     """One token per row of `lprobs` (R, V): the inverse of the cumulative distribution, at
     `uniform` (R,), of the log-probabilities divided by `temperature`, cut to the `topk` most
-    likely tokens (0: all) and then to the fewest most likely whose probabilities reach `topp`."""
-    probs, order = F.softmax(lprobs / temperature, dim=-1).sort(dim=-1, descending=True)
+    likely tokens (0: all) and then to the fewest most likely whose probabilities reach `topp`.
+    Any fixed order of the tokens draws alike: they are sorted only where a cut needs it."""
+    probs = F.softmax(lprobs / temperature, dim=-1)
+    order = None
     if topk:
-        probs[:, topk:] = 0.0
+        probs, order = probs.topk(min(topk, probs.shape[1]), dim=-1)
+    elif topp < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True)
     if topp < 1.0:
         before = probs.cumsum(-1) - probs  # what the more likely tokens hold
         probs = probs.masked_fill(before >= topp * probs.sum(-1, keepdim=True), 0.0)
     total = probs.cumsum(-1)
-    at = torch.searchsorted(total, (uniform * total[:, -1])[:, None], right=True)
-    return order.gather(1, at.clamp_(max=probs.shape[1] - 1)).squeeze(1)
+    at = torch.searchsorted(total, (uniform * total[:, -1])[:, None], right=True).clamp_(
+        max=probs.shape[1] - 1
+    )
+    return (order.gather(1, at) if order is not None else at).squeeze(1)
 
 
 def _seed(seed: int, key: int, draw: int) -> int:

@@ -52,3 +52,11 @@ def test_a_bad_option_is_refused_naming_it(fields, message):
     with pytest.raises(ValueError) as refused:
         parse(request(**fields), ServeConfig(), DEFAULTS)
     assert message in str(refused.value)
+
+
+def test_a_request_takes_only_a_tag_the_model_was_trained_with():
+    assert parse(request(tag="<bt>"), ServeConfig(), DEFAULTS, ("<bt>",)).options.tag == "<bt>"
+    with pytest.raises(ValueError, match="\"tag\" '<xx>' is not a tag of this model: <bt>"):
+        parse(request(tag="<xx>"), ServeConfig(), DEFAULTS, ("<bt>",))
+    with pytest.raises(ValueError, match="it has none"):
+        parse(request(tag="<bt>"), ServeConfig(), DEFAULTS)
