@@ -72,6 +72,17 @@ class Backend:
 
         return self._each(one, batches, targets)
 
+    def align(
+        self, batches: list[list[list[int]]], targets: list[list[list[int]]]
+    ) -> Iterator[list[list[tuple[int, int]]]]:
+        """Each target's (source position, target position) pairs (beam.aligned), batch by batch."""
+
+        def one(batch: list[list[int]], batch_targets: list[list[int]]) -> list[list[tuple[int, int]]]:
+            src = torch.from_numpy(pad_sources(batch)).to(self.device)
+            return beam.aligned(self.models, src, batch_targets)
+
+        return self._each(one, batches, targets)
+
     def _each(self, one: Callable, *batches: list) -> Iterator:
         """`one` on each batch, answers in order. On a CPU, up to `threads` batches at once, one
         thread each: a decoding step's matrices are too small for threads to share one well

@@ -157,11 +157,18 @@ class Batcher:
 
 
 def _answer(texts: list[list[str]], hyps, options: DecodeOptions) -> list:
-    """Each sentence's translation: its text; with "scores", {"text", "score"}; with nbest > 1,
-    a list of these, best first."""
-    if options.nbest == 1 and not options.scores:
+    """Each sentence's translation: its text; with "scores" or "alignments", an object with
+    "text" and those; with nbest > 1, a list of these, best first."""
+    if options.nbest == 1 and not options.scores and not options.alignments:
         return [t[0] for t in texts]
-    scored = [
-        [{"text": t, "score": round(h.score, 4)} for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)
-    ]
-    return scored if options.nbest > 1 else [s[0] for s in scored]
+
+    def one(text: str, h) -> dict:
+        answer: dict = {"text": text}
+        if options.scores or options.nbest > 1:
+            answer["score"] = round(h.score, 4)
+        if options.alignments:
+            answer["alignment"] = h.alignment or ""
+        return answer
+
+    found = [[one(t, h) for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
+    return found if options.nbest > 1 else [f[0] for f in found]

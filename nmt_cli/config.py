@@ -374,6 +374,11 @@ class DecodeOptions:
     seed: int = knob(
         1, "With --sample: the same seed draws the same translations, however lines are batched."
     )
+    alignments: bool = knob(
+        False,
+        "Each translation's word alignment after it: Pharaoh 'i-j' pairs (source word i, target "
+        "word j, from 0), from the last decoder layer's attention to the source; nmt's engine.",
+    )
     tag: str = knob(
         "", "Put this corpus tag before every source line, as training did (`nmt prep custom --tag`)."
     )

@@ -77,6 +77,7 @@ def engine_of(model: Model, config: TranslateConfig) -> str:
 class Translation:
     text: str
     score: float  # the log-probability divided by the length penalty, as the search ranks
+    alignment: str | None = None  # with alignments=True: Pharaoh "i-j" word pairs
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ class Translator:
         self.src_lang, self.tgt_lang = model.src, model.tgt
         self.where, self.tags = model.where, model.tags
         self.check_tag(config.decode.tag)
+        if config.decode.alignments and self.engine == "ctranslate2":
+            raise NmtError("--alignments come from nmt's engine: drop --engine ctranslate2 and --int8")
         # room for the EOS in every model; a target also has its BOS before it
         self.max_src = min(m.config.max_positions for m in model.parts) - 1
         self.max_tgt = self.max_src - 1
@@ -197,6 +200,33 @@ class Translator:
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h
+        if options.alignments:
+            self.align(ids, out, options.tag)
+        return out
+
+    def align(self, ids: list[list[int]], hyps: list[list[Hypothesis]], tag: str) -> None:
+        """Set each hypothesis's word alignment (of the source `ids`)."""
+        if not hasattr(self.backend, "align"):
+            raise NmtError("--alignments come from nmt's engine: drop --engine ctranslate2 and --int8")
+        rows = [(i, h) for i, hs in enumerate(hyps) if ids[i] for h in hs]
+        size = self.config.batch_size
+        groups = [rows[k : k + size] for k in range(0, len(rows), size)]
+        found = self.backend.align(
+            [[ids[i] for i, _ in g] for g in groups], [[h.tokens for _, h in g] for g in groups]
+        )
+        for group, pairs_of in zip(groups, found, strict=True):
+            for (i, h), pairs in zip(group, pairs_of):
+                source, target = self._words(ids[i], skip=1 if tag else 0), self._words(h.tokens)
+                words = sorted({(source[a], target[b]) for a, b in pairs if source[a] >= 0})
+                h.alignment = " ".join(f"{a}-{b}" for a, b in words)
+
+    def _words(self, ids: list[int], skip: int = 0) -> list[int]:
+        """The word of each piece (a piece that begins with '▁' begins one), the first `skip`
+        words (a tag) numbered below 0."""
+        out, word = [], -1 - skip
+        for i, piece in enumerate(self.sp.id_to_piece(ids)):
+            word += piece.startswith("▁") or i == 0
+            out.append(word)
         return out
 
     def encode_targets(self, lines: list[str]) -> list[list[int]]:
@@ -231,7 +261,10 @@ class Translator:
         nbest > 1) `nbest` per line, as 'line<TAB>score<TAB>text' (the line numbered from 0)."""
         hyps = self.hypotheses(lines, prefixes=prefixes)
         texts = self.texts(hyps)
-        if self.config.decode.nbest == 1 and not self.config.decode.scores:
+        o = self.config.decode
+        if o.alignments:  # the alignment after the text, tab-separated
+            texts = [[f"{t}\t{h.alignment or ''}" for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
+        if o.nbest == 1 and not o.scores:
             return [t[0] for t in texts]
         first = self.counts.lines
         return [
@@ -273,7 +306,8 @@ class Translator:
         if prefixes is not None and len(prefixes) != len(lines):
             raise NmtError(f"{len(lines)} lines but {len(prefixes)} prefixes: give one prefix per line")
         hyps = self.hypotheses(lines, decode, keys=list(range(len(lines))), prefixes=prefixes)
-        return [[Translation(t, h.score) for t, h in zip(ts, hs)] for ts, hs in zip(self.texts(hyps), hyps)]
+        texts = self.texts(hyps)
+        return [[Translation(t, h.score, h.alignment) for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
 
     def score(self, sources: list[str], targets: list[str]) -> list[PairScore]:
         """How likely the model finds each target as the translation of its source (what

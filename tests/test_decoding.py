@@ -2,6 +2,7 @@
 (forced decoding), in nmt's engine and CTranslate2's, on a small trained Multi30k model."""
 
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -239,3 +240,53 @@ def test_an_unknown_tag_is_refused_in_one_line(tagged_model, trained_longer, nmt
     assert "--tag '<yy>' is not a tag of" in one_error_line(scored)
     with pytest.raises(NmtError, match="is not a tag of"):
         Translator.load(tagged_model / "package").translate(["x"], tag="<zz>")
+
+
+@pytest.fixture(scope="module")
+def copy_model(multi30k_dir, tmp_path_factory) -> Path:
+    """A small model trained to copy English Multi30k captions (its 'target' is its source)."""
+    import gzip
+
+    root = tmp_path_factory.mktemp("copy")
+    with gzip.open(multi30k_dir / "train.en.gz", "rt", encoding="utf-8") as f:
+        lines = f.read().splitlines()[:8000]
+    (root / "train.txt").write_text("\n".join(lines[:7500]) + "\n")
+    (root / "valid.txt").write_text("\n".join(lines[7500:]) + "\n")
+    run = root / "run"
+    files = ["--train-src", root / "train.txt", "--train-tgt", root / "train.txt"]
+    files += ["--valid-src", root / "valid.txt", "--valid-tgt", root / "valid.txt"]
+    run_ok(
+        ["prep", "custom", "--run-dir", run, "--src", "en", "--tgt", "de", *files],
+        ["bpe", "--run-dir", run, "--vocab-size", 1000],
+        ["train", "--run-dir", run, *TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "1024"]
+        + ["--max-steps", 600, "--warmup", 100, "--lr-scale", 2, "--eval-every", 10000, "--save-every", 600],
+    )
+    return run
+
+
+def test_the_alignment_of_a_copy_is_the_diagonal(copy_model):
+    model = Translator.load(copy_model, alignments=True)
+    sources = (copy_model / "text" / "valid.raw.en").read_text().splitlines()[:60]
+    found = [t[0] for t in model.translations(sources)]
+    copied = [(s, t) for s, t in zip(sources, found) if t.text == s]
+    assert len(copied) >= 30  # the model learned to copy
+    pairs = [p.split("-") for _, t in copied for p in t.alignment.split()]
+    on_the_diagonal = sum(a == b for a, b in pairs) / len(pairs)
+    assert on_the_diagonal >= 0.9, on_the_diagonal
+    assert all(
+        {int(b) for _, b in (p.split("-") for p in t.alignment.split())} <= set(range(len(s.split())))
+        for s, t in copied
+    )
+
+
+def test_alignments_print_after_each_translation_and_only_from_nmts_engine(copy_model, nmt):
+    stdin = b"A man rides a bike .\nTwo dogs play .\n\n"
+    out = nmt("translate", "--run-dir", copy_model, "--alignments", stdin=stdin).out.splitlines()
+    assert len(out) == 3 and out[2] == "\t"
+    assert all(re.fullmatch(r"[^\t]+\t(\d+-\d+)( \d+-\d+)*", line) for line in out[:2]), out
+    scored = nmt("translate", "--run-dir", copy_model, "--alignments", "--nbest", "2", stdin=stdin)
+    assert all(len(line.split("\t")) == 4 for line in scored.out.splitlines())
+    refused = nmt(
+        "translate", "--run-dir", copy_model, "--alignments", "--engine", "ctranslate2", stdin=stdin
+    )
+    assert "--alignments come from nmt's engine" in one_error_line(refused)

@@ -377,6 +377,9 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         status, body, _ = server.post({"text": sources[:2], "scores": True})
         assert status == 200 and [t["text"] for t in body["translations"]] == expected[:2]
         assert all(isinstance(t["score"], float) and t["score"] < 0 for t in body["translations"])
+        status, body, _ = server.post({"text": sources[:2], "alignments": True})
+        assert status == 200 and [t["text"] for t in body["translations"]] == expected[:2]
+        assert all(re.fullmatch(r"\d+-\d+( \d+-\d+)*", t["alignment"]) for t in body["translations"])
         # Draws depend on the request alone, not on the requests decoded in the same batch.
         sampled = TranslateConfig(decode=DecodeOptions(sample=True, seed=4, nbest=2))
         drawn = Translator(from_dir(package), sampled)

@@ -350,6 +350,26 @@ def _prefix_tensor(prefixes: Sequence[Sequence[int]], device: torch.device | str
     return torch.from_numpy(out).to(device)
 
 
+@torch.no_grad()
+def aligned(
+    model: Transformer | Sequence[Transformer], src: Tensor, tgt: Sequence[Sequence[int]]
+) -> list[list[tuple[int, int]]]:
+    """Each target token's source token: (source position, target position) pairs, the source
+    position the last decoder layer's encoder-decoder attention (heads and models averaged)
+    weighs most when the token is predicted (teacher-forced on `tgt`, ids without EOS); the
+    source's EOS is never chosen."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    tgt_in, _ = pad_targets(tgt)
+    tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
+    weights = sum(m.cross_attention(src, tgt_in_t).float() for m in models) / len(models)
+    lengths = ((src != PAD).sum(1) - 1).tolist()  # without the EOS
+    out = []
+    for row, (y, n) in enumerate(zip(tgt, lengths)):
+        best = weights[row, : len(y), :n].argmax(-1).tolist() if n and y else []
+        out.append([(i, j) for j, i in enumerate(best)])
+    return out
+
+
 def _together(
     parts: list[tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]],
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:

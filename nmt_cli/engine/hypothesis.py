@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 class Hypothesis:
     tokens: list[int]  # without BOS and EOS
     score: float  # log-probability divided by the length penalty
+    alignment: str | None = None  # with --alignments: Pharaoh "i-j" word pairs
 
 
 def length_penalty(length: int | Tensor, alpha: float):

@@ -83,6 +83,14 @@ class Attention(nn.Module):
         b, h, n, k_ = y.shape
         return self.out(y.transpose(1, 2).reshape(b, n, h * k_))  # (B, n, D)
 
+    def weights(self, x: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None) -> Tensor:
+        """The attention probabilities (B, H, n, m) with which `forward` mixes the values."""
+        q, (k, _) = self.split(self.q(x)), kv
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        return scores.softmax(-1)
+
 
 class FeedForward(nn.Module):
     """Position-wise FFN, section 3.3, with dropout after the ReLU."""
@@ -233,6 +241,20 @@ class Transformer(nn.Module):
         if self.packed_output is not None:
             return self.packed_output(h)
         return F.linear(h, self.embed.weight)
+
+    def cross_attention(self, src: Tensor, tgt_in: Tensor, layer: int = -1) -> Tensor:
+        """(B, T, S): how much each position of the shifted targets attends to each source
+        position in decoder layer `layer`'s encoder-decoder attention, heads averaged."""
+        memory, src_mask = self.encode(src)
+        kv = self.memory_keys_values(memory)
+        x, last = self.embed_tokens(tgt_in), layer % len(self.decoder)
+        for i in range(last):
+            x = self.decoder[i](x, kv[i], src_mask)
+        d = self.decoder[last]
+        x = d.res1(x, lambda h: d.self_attn(h, d.self_attn.keys_values(h), causal=True))
+        return d.cross_attn.weights(x if self.config.post_norm else d.res2.norm(x), kv[last], src_mask).mean(
+            1
+        )
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
