@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
-from nmt_cli.engine import beam
+from nmt_cli.engine import beam, forced
 from nmt_cli.engine.data import pad_sources
 from nmt_cli.engine.device import resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis
@@ -68,18 +68,18 @@ class Backend:
 
         def one(batch: list[list[int]], batch_targets: list[list[int]]) -> list[float]:
             src = torch.from_numpy(pad_sources(batch)).to(self.device)
-            return beam.forced(self.models, src, batch_targets)
+            return forced.log_probs(self.models, src, batch_targets)
 
         return self._each(one, batches, targets)
 
     def align(
         self, batches: list[list[list[int]]], targets: list[list[list[int]]]
     ) -> Iterator[list[list[tuple[int, int]]]]:
-        """Each target's (source position, target position) pairs (beam.aligned), batch by batch."""
+        """Each target's (source position, target position) pairs (forced.aligned), batch by batch."""
 
         def one(batch: list[list[int]], batch_targets: list[list[int]]) -> list[list[tuple[int, int]]]:
             src = torch.from_numpy(pad_sources(batch)).to(self.device)
-            return beam.aligned(self.models, src, batch_targets)
+            return forced.aligned(self.models, src, batch_targets)
 
         return self._each(one, batches, targets)
 

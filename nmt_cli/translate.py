@@ -36,7 +36,8 @@ PAUSE = 0.02  # seconds
 
 
 class Backend(Protocol):
-    """What searches for translations: nmt's own engine or CTranslate2."""
+    """What searches for translations: nmt's own engine or CTranslate2. nmt's also aligns
+    (backend_nmt.Backend.align), which --alignments needs."""
 
     def search(
         self,

@@ -1,9 +1,11 @@
+import dataclasses
 import subprocess
 import sys
 
 from conftest import one_error_line
 
 from nmt_cli import __version__
+from nmt_cli.config import DecodeOptions
 
 COMMANDS = ["prep", "bpe", "train", "average", "translate", "score"]
 
@@ -47,6 +49,8 @@ def test_the_suite_runs_without_a_gpu_unless_asked():
         assert not torch.cuda.is_available() and os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
 
+_DECODING = {f.name for f in dataclasses.fields(DecodeOptions)}
+
 # Each command's options that fill a config: (config, {field: option name where they differ},
 # fields that are not options of that command); and the command's options that are no config's.
 FILLED = {
@@ -74,22 +78,7 @@ FILLED = {
     "score-pairs": (
         [
             ("TranslateConfig", {}, {"decode", "chunk"}),
-            (
-                "DecodeOptions",
-                {},
-                {
-                    "beam",
-                    "max_len_a",
-                    "max_len_b",
-                    "nbest",
-                    "scores",
-                    "sample",
-                    "topk",
-                    "topp",
-                    "temperature",
-                    "seed",
-                },
-            ),
+            ("DecodeOptions", {}, _DECODING - {"alpha", "tag"}),
         ],
         {"src", "tgt", "run_dir", "model"},
     ),

@@ -20,7 +20,6 @@ from torch import Tensor
 
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine.cache import DecoderCache
-from nmt_cli.engine.data import pad_targets
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
 from nmt_cli.engine.model import Transformer
 from nmt_cli.vocab import BOS, EOS, PAD
@@ -183,43 +182,13 @@ def greedy(
     device: torch.device | str = "cpu",
     forced: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """The best next token at every step: beam 1 without the bookkeeping. The host reads each
-    step's tokens (and running scores) once. `forced` as in `search`."""
-    n = len(max_lens)
-    out: list[list[Hypothesis]] = [[] for _ in range(n)]
-    generated: list[list[int]] = [[] for _ in range(n)]
-    active = np.arange(n)
-    tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
-    score = torch.zeros(n, device=device)
-    limits = torch.tensor(max_lens, device=device)
-    t = 0
-    while True:
-        lprobs = step(tokens).float()
-        lprobs[:, PAD] = -math.inf
-        lprobs[:, BOS] = -math.inf
-        if forced is not None and t < forced.shape[1]:
-            lprobs = _force(lprobs, forced[:, t])
-        best = torch.where(limits <= t + 1, EOS, lprobs.argmax(-1))
-        score = score + lprobs.gather(1, best[:, None]).squeeze(1)
-        best_h, score_h = torch.stack([best.double(), score.double()]).cpu().numpy()
-        ended = best_h == EOS
-        for i in np.flatnonzero(ended):
-            out[active[i]] = [
-                Hypothesis(generated[active[i]], float(score_h[i]) / length_penalty(t + 1, alpha))
-            ]
-        keep = np.flatnonzero(~ended)
-        if not len(keep):
-            break
-        for i in keep:
-            generated[active[i]].append(int(best_h[i]))
-        if len(keep) < len(active):
-            keep_t = torch.from_numpy(keep).to(device)
-            reorder(keep_t)
-            best, score, limits = best[keep_t], score[keep_t], limits[keep_t]
-            forced = forced[keep_t] if forced is not None else None
-        active, tokens = active[keep], best[:, None]
-        t += 1
-    return out
+    """The best next token at every step: beam 1 without the bookkeeping. `forced` as in
+    `search`."""
+
+    def best(lprobs: Tensor, rows: Tensor, t: int) -> Tensor:
+        return lprobs.argmax(-1)
+
+    return [[h] for h in _row_by_row(step, reorder, max_lens, alpha, best, device, forced)]
 
 
 def sample(
@@ -235,15 +204,35 @@ def sample(
     top-k, top-p and temperature), scored by the model's own log-probabilities.
 
     Each row draws from a random stream of its own (`seeds`), so a row gets the same draws
-    whatever else is in its batch. A row stops alone: rows are not grouped as beams are."""
-    n = len(max_lens)
+    whatever else is in its batch."""
     # every row's uniforms for all its steps, drawn at once from its own stream
     steps = max(max_lens) + 1
     uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(x)) for x in seeds])
     uniforms = uniforms.to(device)
+
+    def drawn(lprobs: Tensor, rows: Tensor, t: int) -> Tensor:
+        return draw(lprobs, uniforms[rows, t], options.topk, options.topp, options.temperature)
+
+    return _row_by_row(step, reorder, max_lens, options.alpha, drawn, device, forced)
+
+
+def _row_by_row(
+    step: Callable[[Tensor], Tensor],
+    reorder: Callable[[Tensor], None],
+    max_lens: list[int],
+    alpha: float,
+    choose_next: Callable[[Tensor, Tensor, int], Tensor],
+    device: torch.device | str,
+    forced: Tensor | None,
+) -> list[Hypothesis]:
+    """One hypothesis per row, each step's token chosen by `choose_next(lprobs, rows, t)` (rows:
+    the live rows' first indices); a row stops alone. The host reads each step's tokens (and
+    running scores) once."""
+    n = len(max_lens)
     out: list[Hypothesis] = [Hypothesis([], 0.0)] * n
     generated: list[list[int]] = [[] for _ in range(n)]
     active = np.arange(n)
+    rows = torch.arange(n, device=device)
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
     score = torch.zeros(n, device=device)
     limits = torch.tensor(max_lens, device=device)
@@ -252,25 +241,26 @@ def sample(
         lprobs = _allowed(step(tokens).float(), limits <= t + 1)
         if forced is not None and t < forced.shape[1]:
             lprobs = _force(lprobs, forced[:, t])
-        drawn = draw(lprobs, uniforms[:, t], options.topk, options.topp, options.temperature)
-        score = score + lprobs.gather(1, drawn[:, None]).squeeze(1)
-        drawn_h, score_h = torch.stack([drawn.double(), score.double()]).cpu().numpy()
-        ended = drawn_h == EOS
+        # at its limit a row ends, whatever its model makes of the EOS
+        chosen = torch.where(limits <= t + 1, EOS, choose_next(lprobs, rows, t))
+        score = score + lprobs.gather(1, chosen[:, None]).squeeze(1)
+        chosen_h, score_h = torch.stack([chosen.double(), score.double()]).cpu().numpy()
+        ended = chosen_h == EOS
         for i in np.flatnonzero(ended):
-            penalty = length_penalty(t + 1, options.alpha)
-            out[active[i]] = Hypothesis(generated[active[i]], float(score_h[i]) / penalty)
+            out[active[i]] = Hypothesis(
+                generated[active[i]], float(score_h[i]) / length_penalty(t + 1, alpha)
+            )
         keep = np.flatnonzero(~ended)
         if not len(keep):
             break
         for i in keep:
-            generated[active[i]].append(int(drawn_h[i]))
+            generated[active[i]].append(int(chosen_h[i]))
         if len(keep) < len(active):
             keep_t = torch.from_numpy(keep).to(device)
             reorder(keep_t)
-            drawn, score, limits = drawn[keep_t], score[keep_t], limits[keep_t]
-            uniforms = uniforms[keep_t]
+            chosen, score, limits, rows = chosen[keep_t], score[keep_t], limits[keep_t], rows[keep_t]
             forced = forced[keep_t] if forced is not None else None
-        active, tokens = active[keep], drawn[:, None]
+        active, tokens = active[keep], chosen[:, None]
         t += 1
     return out
 
@@ -350,26 +340,6 @@ def _prefix_tensor(prefixes: Sequence[Sequence[int]], device: torch.device | str
     return torch.from_numpy(out).to(device)
 
 
-@torch.no_grad()
-def aligned(
-    model: Transformer | Sequence[Transformer], src: Tensor, tgt: Sequence[Sequence[int]]
-) -> list[list[tuple[int, int]]]:
-    """Each target token's source token: (source position, target position) pairs, the source
-    position the last decoder layer's encoder-decoder attention (heads and models averaged)
-    weighs most when the token is predicted (teacher-forced on `tgt`, ids without EOS); the
-    source's EOS is never chosen."""
-    models = [model] if isinstance(model, torch.nn.Module) else list(model)
-    tgt_in, _ = pad_targets(tgt)
-    tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
-    weights = sum(m.cross_attention(src, tgt_in_t).float() for m in models) / len(models)
-    lengths = ((src != PAD).sum(1) - 1).tolist()  # without the EOS
-    out = []
-    for row, (y, n) in enumerate(zip(tgt, lengths)):
-        best = weights[row, : len(y), :n].argmax(-1).tolist() if n and y else []
-        out.append([(i, j) for j, i in enumerate(best)])
-    return out
-
-
 def _together(
     parts: list[tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]],
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
@@ -385,26 +355,6 @@ def _together(
             own(indices)
 
     return step, reorder
-
-
-@torch.no_grad()
-def forced(
-    model: Transformer | Sequence[Transformer], src: Tensor, tgt: Sequence[Sequence[int]]
-) -> list[float]:
-    """The log-probability of each given target (ids without BOS and EOS, its EOS counted) after
-    its source in the padded (B, S) batch `src`: the sum of the log-probs the search adds up
-    for it, token by token (an ensemble's mean log-probs), so that a search's own output scores
-    what the search scored it."""
-    models = [model] if isinstance(model, torch.nn.Module) else list(model)
-    tgt_in, tgt_out = pad_targets(tgt)
-    tgt_in_t, tgt_out_t = torch.from_numpy(tgt_in).to(src.device), torch.from_numpy(tgt_out).to(src.device)
-    lprobs = 0.0
-    for m in models:
-        m.eval()
-        lprobs = lprobs + F.log_softmax(m.logits(m(src, tgt_in_t)).float(), dim=-1)
-    lprobs = lprobs / len(models)
-    picked = lprobs.gather(2, tgt_out_t[..., None]).squeeze(2).masked_fill(tgt_out_t == PAD, 0.0)
-    return picked.sum(1).tolist()
 
 
 def _decoder(

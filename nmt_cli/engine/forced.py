@@ -1,0 +1,54 @@
+"""Teacher-forced passes over given targets: how likely the model finds them (`nmt score-pairs`)
+and which source token each of their tokens attends to most (--alignments)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nmt_cli.engine.data import pad_targets
+from nmt_cli.engine.model import Transformer
+from nmt_cli.vocab import PAD
+
+
+@torch.no_grad()
+def log_probs(
+    model: Transformer | Sequence[Transformer], src: Tensor, tgt: Sequence[Sequence[int]]
+) -> list[float]:
+    """The log-probability of each given target (ids without BOS and EOS, its EOS counted) after
+    its source in the padded (B, S) batch `src`: the sum of the log-probs the search adds up
+    for it, token by token (an ensemble's mean log-probs), so that a search's own output scores
+    what the search scored it."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    tgt_in, tgt_out = pad_targets(tgt)
+    tgt_in_t, tgt_out_t = torch.from_numpy(tgt_in).to(src.device), torch.from_numpy(tgt_out).to(src.device)
+    lprobs = 0.0
+    for m in models:
+        m.eval()
+        lprobs = lprobs + F.log_softmax(m.logits(m(src, tgt_in_t)).float(), dim=-1)
+    lprobs = lprobs / len(models)
+    picked = lprobs.gather(2, tgt_out_t[..., None]).squeeze(2).masked_fill(tgt_out_t == PAD, 0.0)
+    return picked.sum(1).tolist()
+
+
+@torch.no_grad()
+def aligned(
+    model: Transformer | Sequence[Transformer], src: Tensor, tgt: Sequence[Sequence[int]]
+) -> list[list[tuple[int, int]]]:
+    """Each target token's source token: (source position, target position) pairs, the source
+    position the last decoder layer's encoder-decoder attention (heads and models averaged)
+    weighs most when the token is predicted (teacher-forced on `tgt`, ids without EOS); the
+    source's EOS is never chosen."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    tgt_in, _ = pad_targets(tgt)
+    tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
+    weights = sum(m.cross_attention(src, tgt_in_t).float() for m in models) / len(models)
+    lengths = ((src != PAD).sum(1) - 1).tolist()  # without the EOS
+    out = []
+    for row, (y, n) in enumerate(zip(tgt, lengths)):
+        best = weights[row, : len(y), :n].argmax(-1).tolist() if n and y else []
+        out.append([(i, j) for j, i in enumerate(best)])
+    return out
