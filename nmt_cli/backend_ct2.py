@@ -86,10 +86,11 @@ class Backend:
         if options.sample and not self._seeded:
             self._ct2.set_random_seed(options.seed)
             self._seeded = True
+        starts_of = prefixes or [None] * len(batches)
         pending = [
             self.translator.translate_batch(
-                [[self.pieces[i] for i in x] for x in batch],
-                target_prefix=[[self.pieces[i] for i in p] for p in starts] if starts else None,
+                self._as_pieces(batch),
+                target_prefix=self._as_pieces(starts) if starts else None,
                 length_penalty=0.0,
                 max_decoding_length=max(
                     max_lengths([len(x) for x in batch], a, b, self.ceiling)
@@ -101,13 +102,13 @@ class Backend:
                 asynchronous=True,
                 **_search_settings(options),
             )
-            for batch, starts in zip(batches, prefixes or [None] * len(batches))
+            for batch, starts in zip(batches, starts_of)
         ]
         # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
         # the same for every hypothesis of a sentence, is added before the length penalty.
         given = [
             self._sums([batch], [starts], eos=False) if starts and any(starts) else None
-            for batch, starts in zip(batches, prefixes or [None] * len(batches))
+            for batch, starts in zip(batches, starts_of)
         ]
         for results, batch, scored in zip(pending, batches, given):
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
@@ -123,8 +124,8 @@ class Backend:
     ) -> Iterator[list[float]]:
         pending = [
             self.translator.score_batch(
-                [[self.pieces[i] for i in x] for x in batch],
-                [[self.pieces[i] for i in y] for y in batch_targets],
+                self._as_pieces(batch),
+                self._as_pieces(batch_targets),
                 max_input_length=0,
                 asynchronous=True,
             )
@@ -133,6 +134,9 @@ class Backend:
         for results in pending:
             found = [r.result().log_probs for r in results]
             yield [float(sum(lp if eos else lp[:-1])) for lp in found]
+
+    def _as_pieces(self, rows: list[list[int]]) -> list[list[str]]:
+        return [[self.pieces[i] for i in row] for row in rows]
 
     def ranked(self, result, options: DecodeOptions, offset: float = 0.0) -> list[Hypothesis]:
         hyps = []

@@ -238,10 +238,12 @@ def _row_by_row(
     limits = torch.tensor(max_lens, device=device)
     t = 0
     while True:
-        lprobs = _allowed(step(tokens).float(), limits <= t + 1)
+        lprobs = step(tokens).float()
+        lprobs[:, PAD] = -math.inf
+        lprobs[:, BOS] = -math.inf
         if forced is not None and t < forced.shape[1]:
             lprobs = _force(lprobs, forced[:, t])
-        # at its limit a row ends, whatever its model makes of the EOS
+        # at its limit a row ends, whatever its model makes of the EOS: no need to mask the rest
         chosen = torch.where(limits <= t + 1, EOS, choose_next(lprobs, rows, t))
         score = score + lprobs.gather(1, chosen[:, None]).squeeze(1)
         chosen_h, score_h = torch.stack([chosen.double(), score.double()]).cpu().numpy()
