@@ -285,6 +285,11 @@ class Translator:
         paths = [model] if isinstance(model, (str, Path)) else list(model)
         found = models.ensemble([models.locate(Path(p)) for p in paths])
         decoding = {f.name for f in dataclasses.fields(DecodeOptions)}
+        unknown = sorted(set(settings) - decoding - {f.name for f in dataclasses.fields(TranslateConfig)})
+        if unknown or "decode" in settings:
+            raise NmtError(
+                f"unknown settings {unknown or ['decode']}: take `nmt translate`'s options, as beam=5"
+            )
         decode = DecodeOptions(**{k: v for k, v in settings.items() if k in decoding})
         return cls(
             found, TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})

@@ -154,6 +154,8 @@ def test_the_python_api_translates_samples_and_scores_as_the_command_line(
     assert [t[0].text for t in drawn] == cli
     scored = model.score(sources[:8], [t[0].text for t in best])
     assert [s.score for s in scored] == pytest.approx([t[0].score for t in best], abs=2e-3)
+    with pytest.raises(NmtError, match=r"unknown settings \['bem'\]"):
+        Translator.load(trained_longer, bem=5)
     with pytest.raises(NmtError, match="unknown decoding options"):
         model.translate(sources[:1], bem=5)
     with pytest.raises(NmtError, match="--nbest 5 exceeds --beam 4"):
