@@ -16,7 +16,9 @@ and the cached decoder decodes those too, so their ratio is the self-attention c
 `--trained RUN_DIR` instead times `nmt translate` on that run's model as a user runs it (beam 4,
 early stopping, its own batching) on all of Multi30k test2016 and the first 1000 lines of
 newstest2014, with the process's peak resident memory; `--against CHECKOUT` times another
-checkout's code too, in alternate rounds (a change must not slow decoding).
+checkout's code too, in alternate rounds (a change must not slow decoding); `--variant OPTIONS`
+this code with other options, `--constraints N` with N terms per line (the reference's N longest
+words), with the share of lines whose translation holds them all.
 Peers run in their own venvs (benchmarks/peers/install_fairseq.sh; `pip install ctranslate2`
 in ../peers/ct2).
 """
@@ -28,6 +30,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, cpu_name  # noqa: E402
 
 from nmt_cli.config import DecodeOptions, ModelConfig  # noqa: E402
-from nmt_cli.engine import beam  # noqa: E402
+from nmt_cli.engine import decoding  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.packing import pack_for_cpu  # noqa: E402
 from nmt_cli.vocab import EOS, PAD  # noqa: E402
@@ -94,7 +97,7 @@ def nmt_decode(
         for r, s in enumerate(chunk):
             src[r, : len(s)] = torch.tensor(s)
             src[r, len(s)] = EOS
-        hyps = beam.translate(
+        hyps = decoding.translate(
             model, src, DecodeOptions(beam=4, max_len_a=0.0, max_len_b=length + 1), use_cache=cache
         )
         tokens += sum(len(h[0].tokens) for h in hyps)
@@ -125,12 +128,18 @@ def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> 
 
 
 def trained(
-    run: Path, out: Path, against: Path | None = None, rounds: int = 1, variants: tuple[str, ...] = ()
+    run: Path,
+    out: Path,
+    against: Path | None = None,
+    rounds: int = 1,
+    variants: tuple[str, ...] = (),
+    constraints: tuple[int, ...] = (),
 ) -> list[dict]:
     """Wall time and peak RSS of `nmt translate` (a fresh process per test set); with `against`
-    (another checkout of nmt), that code's too, and with `variants` (translate's options, as
-    "--sample --topk 10"), this code with each, all in alternate rounds; the sha256 of each
-    output tells whether two translate alike."""
+    (another checkout of nmt), that code's too, with `variants` (translate's options, as
+    "--sample --topk 10") this code with each, and with `constraints` (counts) this code with
+    that many phrases per line from the line's reference (`terms`), all in alternate rounds; the
+    sha256 of each output tells whether two translate alike."""
     codes = [("this", ROOT, ())] + ([("against", against.resolve(), ())] if against else [])
     codes += [(variant, ROOT, tuple(variant.split())) for variant in variants]
     rows = []
@@ -141,12 +150,32 @@ def trained(
         lines = gzip.open(DATA / path, "rt", encoding="utf-8").read().splitlines()[:n]
         src = out.parent / f"trained_{name.split()[0]}.en"
         src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        refs = gzip.open(DATA / path.replace(".en.", ".de."), "rt", encoding="utf-8").read().splitlines()[:n]
+        phrases = {k: terms(refs, k) for k in constraints}
+        for k, per_line in phrases.items():
+            terms_file = out.parent / f"trained_{name.split()[0]}.terms{k}"
+            terms_file.write_text("".join("\t".join(t) + "\n" for t in per_line), encoding="utf-8")
+            codes.append((f"{k} constraints/line", ROOT, ("--constraints", str(terms_file))))
         for r in range(rounds):
             for code, root, flags in codes if r % 2 == 0 else codes[::-1]:
                 timed = _translate(run, src, root, code, flags)
+                if "--constraints" in flags:
+                    wanted = phrases[int(code.split()[0])]
+                    timed["constraints_held"] = sum(
+                        all(t in line for t in ts) for ts, line in zip(wanted, timed.pop("lines"))
+                    ) / len(wanted)
+                timed.pop("lines")
                 rows.append({"set": name, "code": code, "round": r, **timed})
                 print(json.dumps(rows[-1]), flush=True)
+        codes = [c for c in codes if "--constraints" not in c[2]]
     return rows
+
+
+def terms(refs: list[str], k: int) -> list[list[str]]:
+    """Per reference, its `k` longest words (ties: the first), as terminology a user would ask
+    for: words the reference holds, rarely all of them in an unconstrained translation."""
+    words = [sorted(dict.fromkeys(re.findall(r"\w{3,}", ref)), key=len, reverse=True) for ref in refs]
+    return [w[:k] for w in words]
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -175,6 +204,11 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "vs_first": round(speed / first[0], 3),
                     "same_output_as_first": all(r["sha256"] == first[1] for r in mine),
                     "peak_rss_mb": round(max(r["peak_rss_mb"] for r in mine)),
+                    **(
+                        {"constraints_held": min(r["constraints_held"] for r in mine)}
+                        if "constraints_held" in mine[0]
+                        else {}
+                    ),
                 }
             )
     return out
@@ -216,6 +250,7 @@ def _translate(run: Path, src: Path, root: Path, code: str, flags: tuple[str, ..
         "sentences_per_s": sentences / seconds,
         "target_words": sum(len(x.split()) for x in out_lines),
         "sha256": hashlib.sha256(hyp.read_bytes()).hexdigest(),
+        "lines": out_lines,
         "peak_rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
     }
 
@@ -297,12 +332,26 @@ def main() -> None:
         help='With --trained: also time this code with these translate options (e.g. "--sample '
         '--topk 10"), in the same alternate rounds; give it again for more.',
     )
+    ap.add_argument(
+        "--constraints",
+        action="append",
+        type=int,
+        default=[],
+        metavar="N",
+        help="With --trained: also time this code with N constraints per line (the line's reference's "
+        "N longest words), in the same alternate rounds; give it again for more counts.",
+    )
     args = ap.parse_args()
     if args.trained:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        several = args.against or args.variant
+        several = args.against or args.variant or args.constraints
         rows = trained(
-            args.trained, args.out, args.against, args.repeats if several else 1, tuple(args.variant)
+            args.trained,
+            args.out,
+            args.against,
+            args.repeats if several else 1,
+            tuple(args.variant),
+            tuple(args.constraints),
         )
         summary = summarise(rows)
         args.out.with_name("decode_trained.json").write_text(

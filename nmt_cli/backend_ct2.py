@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
-from nmt_cli.engine.hypothesis import Hypothesis, length_penalty, max_lengths
+from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, max_lengths
 from nmt_cli.errors import NmtError
 from nmt_cli.export import pieces, require_ctranslate2, save
 from nmt_cli.models import Model
@@ -63,14 +63,10 @@ class Backend:
         self.ceiling = model.config.max_positions - 1
 
     def search(
-        self,
-        batches: list[list[list[int]]],
-        options: DecodeOptions,
-        keys: list[list[int]],
-        prefixes: list[list[list[int]]] | None = None,
+        self, sentences: list[list[Source]], options: DecodeOptions
     ) -> Iterator[list[list[Hypothesis]]]:
-        """nmt's beam search on each of `batches` (source ids without EOS); the batches are all
-        handed over at once, so that every worker has one, and their answers come back in order.
+        """nmt's beam search on each batch of `sentences`; the batches are all handed over at
+        once, so that every worker has one, and their answers come back in order.
 
         CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
         Its search ranks by the raw log-probability and applies the penalty only to finished
@@ -80,13 +76,17 @@ class Backend:
 
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
-        batches meet its threads in the same order; `keys` cannot seed them.
+        batches meet its threads in the same order; the sentences' keys cannot seed them.
+        CTranslate2 has no lexical constraints: sentences with some are refused.
         """
         a, b = options.max_len_a, options.max_len_b
         if options.sample and not self._seeded:
             self._ct2.set_random_seed(options.seed)
             self._seeded = True
-        starts_of = prefixes or [None] * len(batches)
+        if any(s.constraints for batch in sentences for s in batch):
+            raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
+        batches = [[s.ids for s in batch] for batch in sentences]
+        starts_of = [[s.prefix for s in b] if any(s.prefix for s in b) else None for b in sentences]
         pending = [
             self.translator.translate_batch(
                 self._as_pieces(batch),
@@ -134,6 +134,33 @@ class Backend:
         for results in pending:
             found = [r.result().log_probs for r in results]
             yield [float(sum(lp if eos else lp[:-1])) for lp in found]
+
+    def align(
+        self, batches: list[list[list[int]]], targets: list[list[list[int]]]
+    ) -> Iterator[list[list[tuple[int, int]]]]:
+        """Each target's (source position, target position) pairs, as nmt's engine gives them
+        (forced.aligned): the target forced as a prefix, each of its tokens paired with the
+        source token (not the EOS) that the last decoder layer's attention weighs most."""
+        pending = [
+            self.translator.translate_batch(
+                self._as_pieces(batch),
+                target_prefix=self._as_pieces(batch_targets),
+                beam_size=1,
+                max_decoding_length=max(map(len, batch_targets)) + 1,
+                max_input_length=0,
+                return_attention=True,
+                asynchronous=True,
+            )
+            for batch, batch_targets in zip(batches, targets)
+        ]
+        for results, batch, batch_targets in zip(pending, batches, targets):
+            found = [r.result().attention[0] for r in results]
+            yield [
+                [(max(range(len(x)), key=row.__getitem__), j) for j, row in enumerate(weights[: len(y)])]
+                if x and y
+                else []
+                for weights, x, y in zip(found, batch, batch_targets)
+            ]
 
     def _as_pieces(self, rows: list[list[int]]) -> list[list[str]]:
         return [[self.pieces[i] for i in row] for row in rows]

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
-from nmt_cli.engine import beam, forced
+from nmt_cli.engine import decoding, forced
 from nmt_cli.engine.data import pad_sources
 from nmt_cli.engine.device import resolve_device
-from nmt_cli.engine.hypothesis import Hypothesis
+from nmt_cli.engine.hypothesis import Hypothesis, Source
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
@@ -46,21 +46,22 @@ class Backend:
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
-    def search(
-        self,
-        batches: list[list[list[int]]],
-        options: DecodeOptions,
-        keys: list[list[int]],
-        prefixes: list[list[list[int]]] | None = None,
-    ) -> Iterator[list[list[Hypothesis]]]:
-        """The `options.nbest` best of each sentence of each batch (source ids without EOS),
-        batch by batch; `keys` seed --sample's draws; `prefixes` begin the hypotheses."""
+    def search(self, batches: list[list[Source]], options: DecodeOptions) -> Iterator[list[list[Hypothesis]]]:
+        """The `options.nbest` best of each sentence of each batch, batch by batch."""
 
-        def one(batch: list[list[int]], batch_keys: list[int], starts: list[list[int]] | None):
-            src = torch.from_numpy(pad_sources(batch)).to(self.device)
-            return beam.translate(self.models, src, options, keys=batch_keys, prefixes=starts)
+        def one(batch: list[Source]) -> list[list[Hypothesis]]:
+            src = torch.from_numpy(pad_sources([s.ids for s in batch])).to(self.device)
+            bound = any(s.prefix for s in batch), any(s.constraints for s in batch)
+            return decoding.translate(
+                self.models,
+                src,
+                options,
+                keys=[s.key for s in batch],
+                prefixes=[s.prefix for s in batch] if bound[0] else None,
+                constraints=[s.constraints for s in batch] if bound[1] else None,
+            )
 
-        return self._each(one, batches, keys, prefixes or [None] * len(batches))
+        return self._each(one, batches)
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS, its EOS counted) given its

@@ -18,6 +18,7 @@ class Job:
     sentences: list[str]
     options: DecodeOptions
     prefixes: list[str] | None
+    constraints: list[list[str]] | None
     done: asyncio.Future
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
@@ -39,12 +40,16 @@ class Batcher:
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
 
     def submit(
-        self, sentences: list[str], options: DecodeOptions, prefixes: list[str] | None = None
+        self,
+        sentences: list[str],
+        options: DecodeOptions,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
     ) -> asyncio.Future | None:
         """The future of the job's answer, or None when the queue is full."""
         if self.pending + len(sentences) > self.config.max_queue:
             return None
-        job = Job(sentences, options, prefixes, asyncio.get_running_loop().create_future())
+        job = Job(sentences, options, prefixes, constraints, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
         self.pending += len(sentences)
         self.arrived.set()
@@ -124,13 +129,12 @@ class Batcher:
         loop = asyncio.get_running_loop()
         sentences = [s for job, lo, hi in pieces for s in job.sentences[lo:hi]]
         keys = [i for _, lo, hi in pieces for i in range(lo, hi)]  # each its place in its request
-        prefixes = None
-        if any(job.prefixes for job, _, _ in pieces):
-            prefixes = [p for job, lo, hi in pieces for p in (job.prefixes or [""] * hi)[lo:hi]]
+        prefixes = _joined([(job.prefixes, lo, hi) for job, lo, hi in pieces], "")
+        constraints = _joined([(job.constraints, lo, hi) for job, lo, hi in pieces], [])
         first = pieces[0][0]
         try:
             texts, hyps = await loop.run_in_executor(
-                self.decoder, self._decode, sentences, first.options, keys, prefixes
+                self.decoder, self._decode, sentences, first.options, keys, prefixes, constraints
             )
         except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
             if len(pieces) > 1:
@@ -151,9 +155,17 @@ class Batcher:
                 job.done.set_result(job.answers)
             start = end
 
-    def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes):
-        hyps = self.translator.hypotheses(sentences, options, keys, prefixes)
+    def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes, constraints):
+        hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints)
         return self.translator.texts(hyps), hyps
+
+
+def _joined(parts: list[tuple[list | None, int, int]], none) -> list | None:
+    """The pieces' per-sentence lists (a job's prefixes, constraints) as one list for the batch,
+    `none` for the sentences of jobs without one; None if no job has one."""
+    if not any(given for given, _, _ in parts):
+        return None
+    return [x for given, lo, hi in parts for x in (given or [none] * hi)[lo:hi]]
 
 
 def _answer(texts: list[list[str]], hyps, options: DecodeOptions) -> list:

@@ -377,7 +377,7 @@ class DecodeOptions:
     alignments: bool = knob(
         False,
         "Each translation's word alignment after it: Pharaoh 'i-j' pairs (source word i, target "
-        "word j, from 0), from the last decoder layer's attention to the source; nmt's engine.",
+        "word j, from 0), from the last decoder layer's attention to the source.",
     )
     tag: str = knob(
         "", "Put this corpus tag before every source line, as training did (`nmt prep custom --tag`)."

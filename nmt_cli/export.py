@@ -118,7 +118,10 @@ def build_spec(model: Model):
 
     c, w = model.config, {k: v.float().numpy() for k, v in model.load_weights().items()}
     spec = ct2.specs.TransformerSpec.from_config(
-        (c.num_encoder_layers, c.num_decoder_layers), c.heads, pre_norm=not c.post_norm
+        (c.num_encoder_layers, c.num_decoder_layers),
+        c.heads,
+        pre_norm=not c.post_norm,
+        alignment_heads=c.heads,  # its attention for --alignments: all heads, as nmt's engine takes
     )
     spec.config.layer_norm_epsilon = 1e-6
     spec.config.add_source_eos = True

@@ -175,12 +175,14 @@ def stream(
     what: str,
     lines: int | None = None,
     prefixes: Path | None = None,
+    constraints: Path | None = None,
 ) -> None:
     """`translator.stream` with a progress bar, then a warning for each kind of line it had
-    to change."""
-    with ui.progress() as bar, open(prefixes, "rb") if prefixes else contextlib.nullcontext() as starts:
+    to change; `prefixes` and `constraints`: files aligned with the input."""
+    with contextlib.ExitStack() as files, ui.progress() as bar:
+        starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
         task = bar.add_task(what, total=lines)
-        counts = translator.stream(source, sink, lambda n: bar.advance(task, n), starts)
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n), starts, phrases)
     report_counts(counts, translator.max_src)
 
 

@@ -37,6 +37,8 @@ from nmt_cli.models import Model
 from nmt_cli.translate import Translator
 
 MAX_BEAM = 32
+# each constraint adds a bank to a sentence's search: enough for terminology, not a way to stall it
+MAX_CONSTRAINTS = 16
 
 
 def require():
@@ -58,11 +60,43 @@ class Request:
     text: list[str]
     options: DecodeOptions
     prefixes: list[str] | None = None  # what each translation begins with
+    constraints: list[list[str]] | None = None  # the phrases each translation contains
 
 
-def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple[str, ...] = ()) -> Request:
-    """The request's sentences, their prefixes and its decoding options (any field of
-    DecodeOptions, `defaults` for the rest); ValueError (400) or OverflowError (413)."""
+def parse(
+    body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple[str, ...] = (), engine: str = "nmt"
+) -> Request:
+    """The request's sentences, their prefixes and constraints, and its decoding options (any
+    field of DecodeOptions, `defaults` for the rest), for a model with `tags` decoded by
+    `engine`; ValueError (400) or OverflowError (413)."""
+    data = _json(body)
+    fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
+    unknown = set(data) - {"text", "prefix", "constraints"} - set(fields)
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    text, prefixes, constraints = _sentences(data, config)
+    options = _options(data, defaults, fields)
+    if options.tag and options.tag not in tags:
+        raise ValueError(
+            f'"tag" {options.tag!r} is not a tag of this model: ' + (", ".join(tags) or "it has none")
+        )
+    if any(constraints or []) and (engine != "nmt" or options.sample):
+        raise ValueError(
+            '"constraints" are met by nmt\'s beam search: '
+            + ('drop "sample"' if engine == "nmt" else f"this server decodes with {engine}")
+        )
+    if options.rows > MAX_BEAM:
+        raise ValueError(f'"{"nbest" if options.sample else "beam"}" must be at most {MAX_BEAM}')
+    if len(text) * options.rows > config.max_hypotheses:
+        raise OverflowError(
+            f"{len(text)} sentences at beam {options.rows} are {len(text) * options.rows} hypotheses; "
+            f"the limit is {config.max_hypotheses} (--max-hypotheses): send fewer sentences or a "
+            "narrower beam"
+        )
+    return Request(text, options, prefixes, constraints)
+
+
+def _json(body: bytes) -> dict:
     try:
         data = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -73,10 +107,11 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple
         raise ValueError("the body is JSON nested too deeply") from None
     if not isinstance(data, dict) or "text" not in data:
         raise ValueError('expected a JSON object {"text": ["sentence", ...]}')
-    fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
-    unknown = set(data) - {"text", "prefix"} - set(fields)
-    if unknown:
-        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    return data
+
+
+def _sentences(data: dict, config: ServeConfig) -> tuple[list[str], list[str] | None, list[list[str]] | None]:
+    """The request's "text", "prefix" and "constraints", taken out of `data`."""
     text = data.pop("text")
     if not isinstance(text, list) or not all(isinstance(s, str) for s in text):
         raise ValueError('"text" must be a list of strings')
@@ -91,12 +126,20 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple
         or not all(isinstance(p, str) for p in prefixes)
     ):
         raise ValueError('"prefix" must be a list of strings, one per sentence of "text" ("" for none)')
-    for i, s in enumerate(text + (prefixes or [])):
+    constraints = _constraints(data.pop("constraints", None), len(text))
+    for what, s in (
+        [*((f"sentence {i}", s) for i, s in enumerate(text))]
+        + [*((f"prefix {i}", p) for i, p in enumerate(prefixes or []))]
+        + [(f"a constraint of sentence {i}", p) for i, c in enumerate(constraints or []) for p in c]
+    ):
         if len(s) > config.max_chars:
-            what = "sentence" if i < len(text) else "prefix"
-            raise ValueError(
-                f"{what} {i % len(text)} has {len(s)} characters; the limit is {config.max_chars}"
-            )
+            raise ValueError(f"{what} has {len(s)} characters; the limit is {config.max_chars}")
+    return text, prefixes, constraints
+
+
+def _options(data: dict, defaults: DecodeOptions, fields: dict) -> DecodeOptions:
+    """`defaults` with the request's decoding fields, each type-checked and then checked by
+    DecodeOptions' own rules, named as the request spells them."""
     for name, value in data.items():
         kind = fields[name].type
         if not isinstance(value, _json_types(kind)) or isinstance(value, bool) != ("bool" in kind):
@@ -104,22 +147,27 @@ def parse(body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple
         if "float" in kind and isinstance(value, int):
             data[name] = float(value)
     try:
-        options = dataclasses.replace(defaults, **data)
-    except NmtError as e:  # the options' own checks, their names as the request spells them
+        return dataclasses.replace(defaults, **data)
+    except NmtError as e:
         raise ValueError(re.sub(r"--([a-z0-9-]+)", lambda m: f'"{m[1].replace("-", "_")}"', str(e))) from None
-    if options.tag and options.tag not in tags:
+
+
+def _constraints(given, sentences: int) -> list[list[str]] | None:
+    """The request's "constraints": per sentence, a list of the phrases its translation must
+    contain ([] for none)."""
+    if given is None:
+        return None
+    if (
+        not isinstance(given, list)
+        or len(given) != sentences
+        or not all(isinstance(c, list) and all(isinstance(p, str) for p in c) for c in given)
+    ):
         raise ValueError(
-            f'"tag" {options.tag!r} is not a tag of this model: ' + (", ".join(tags) or "it has none")
+            '"constraints" must be a list of lists of strings, one list per sentence of "text" ([] for none)'
         )
-    if options.rows > MAX_BEAM:
-        raise ValueError(f'"{"nbest" if options.sample else "beam"}" must be at most {MAX_BEAM}')
-    if len(text) * options.rows > config.max_hypotheses:
-        raise OverflowError(
-            f"{len(text)} sentences at beam {options.rows} are {len(text) * options.rows} hypotheses; "
-            f"the limit is {config.max_hypotheses} (--max-hypotheses): send fewer sentences or a "
-            "narrower beam"
-        )
-    return Request(text, options, prefixes)
+    if max(map(len, given)) > MAX_CONSTRAINTS:
+        raise ValueError(f"a sentence has more than {MAX_CONSTRAINTS} constraints")
+    return given
 
 
 # A field's type: the JSON values it takes (a float takes 1 as 1.0), and what to call them.
@@ -156,12 +204,12 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             response.force_close()
             return response
         try:
-            asked = parse(body, config, translator.config.decode, translator.tags)
+            asked = parse(body, config, translator.config.decode, translator.tags, translator.engine)
         except OverflowError as e:
             return error(web, 413, str(e))
         except ValueError as e:
             return error(web, 400, str(e))
-        done = request.app[batcher_key].submit(asked.text, asked.options, asked.prefixes)
+        done = request.app[batcher_key].submit(asked.text, asked.options, asked.prefixes, asked.constraints)
         if done is None:
             return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
         try:

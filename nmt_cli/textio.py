@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import itertools
+import queue
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -13,6 +15,9 @@ from typing import BinaryIO, TypeVar
 from nmt_cli.errors import NmtError
 
 T = TypeVar("T")
+# How long input may pause before what has arrived is handed on: short for a person at a pipe,
+# long beside the microseconds between the lines of a file.
+PAUSE = 0.02  # seconds
 
 
 @dataclass
@@ -61,3 +66,39 @@ def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
     items = iter(items)
     while chunk := list(itertools.islice(items, size)):
         yield chunk
+
+
+_END = object()
+
+
+def arrivals(source: BinaryIO, most: int) -> Iterator[list[bytes]]:
+    """The lines of `source` in lists of at most `most`: each list is what arrived before input
+    paused for PAUSE seconds (or `most` lines). A thread reads ahead, at most `most` lines."""
+    lines: queue.Queue = queue.Queue(maxsize=most)
+
+    def read() -> None:
+        try:
+            for raw in source:
+                lines.put(raw)
+            lines.put(_END)
+        except BaseException as e:  # noqa: B036 - handed to the reading side, raised there
+            lines.put(e)
+
+    threading.Thread(target=read, daemon=True, name="nmt-read").start()
+    done = False
+    while not done:
+        got = [lines.get()]  # wait as long as it takes for the first line
+        while len(got) < most:
+            try:
+                got.append(lines.get(timeout=PAUSE))
+            except queue.Empty:
+                break
+            if got[-1] is _END or isinstance(got[-1], BaseException):
+                break
+        if got[-1] is _END or isinstance(got[-1], BaseException):
+            last = got.pop()
+            if isinstance(last, BaseException):
+                raise last
+            done = True
+        if got:
+            yield got

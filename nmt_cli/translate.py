@@ -14,46 +14,41 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, TextIO
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
-from nmt_cli.engine.hypothesis import Hypothesis, length_penalty
+from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
-from nmt_cli.textio import Damage, decode_line
+from nmt_cli.textio import Damage, arrivals, decode_line
 
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
-# How long input may pause before what has arrived is translated: short for a person at a pipe,
-# long beside the microseconds between the lines of a file.
-PAUSE = 0.02  # seconds
 
 
 class Backend(Protocol):
-    """What searches for translations: nmt's own engine or CTranslate2. nmt's also aligns
-    (backend_nmt.Backend.align), which --alignments needs."""
+    """What searches for translations: nmt's own engine or CTranslate2."""
 
-    def search(
-        self,
-        batches: list[list[list[int]]],
-        options: DecodeOptions,
-        keys: list[list[int]],
-        prefixes: list[list[list[int]]] | None = None,
-    ) -> Iterator[list[list[Hypothesis]]]:
-        """The `options.nbest` best hypotheses of each sentence of each batch (source ids
-        without EOS), best first, batch by batch in order. `keys`: each sentence's line number
-        (what seeds its draws under --sample); `prefixes`: the ids each hypothesis begins with."""
+    def search(self, batches: list[list[Source]], options: DecodeOptions) -> Iterator[list[list[Hypothesis]]]:
+        """The `options.nbest` best hypotheses of each sentence of each batch, best first, batch
+        by batch in order; each beginning with its prefix and holding its constraints."""
         ...
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS, its EOS counted) given its
         source, batch by batch in order."""
+        ...
+
+    def align(
+        self, batches: list[list[list[int]]], targets: list[list[list[int]]]
+    ) -> Iterator[list[list[tuple[int, int]]]]:
+        """Each target's (source position, target position) pairs: each target token (ids
+        without EOS) with the source token the last decoder layer's attention to the source
+        (heads averaged) weighs most when it is predicted, batch by batch in order."""
         ...
 
 
@@ -129,8 +124,6 @@ class Translator:
         self.src_lang, self.tgt_lang = model.src, model.tgt
         self.where, self.tags = model.where, model.tags
         self.check_tag(config.decode.tag)
-        if config.decode.alignments and self.engine == "ctranslate2":
-            raise NmtError("--alignments come from nmt's engine: drop --engine ctranslate2 and --int8")
         # room for the EOS in every model; a target also has its BOS before it
         self.max_src = min(m.config.max_positions for m in model.parts) - 1
         self.max_tgt = self.max_src - 1
@@ -159,10 +152,11 @@ class Translator:
                 self.counts.truncated += 1
         return ids
 
-    def batches(self, ids: list[list[int]], empty: bool = False) -> Iterable[list[int]]:
-        """Indices of non-empty sentences (`empty`: of all), longest first, in batches of
-        bounded size."""
-        order = sorted((i for i, x in enumerate(ids) if x or empty), key=lambda i: -len(ids[i]))
+    def batches(self, ids: list[list[int]], among: Iterable[int] | None = None) -> Iterable[list[int]]:
+        """Indices of the sentences `among` (default: the non-empty ones), longest first, in
+        batches of bounded size."""
+        among = (i for i, x in enumerate(ids) if x) if among is None else among
+        order = sorted(among, key=lambda i: -len(ids[i]))
         batch: list[int] = []
         for i in order:
             longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
@@ -181,23 +175,27 @@ class Translator:
         options: DecodeOptions | None = None,
         keys: list[int] | None = None,
         prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
     ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
         the config's for this call; `keys` seed --sample's draws, one per line (default: the
-        lines' numbers in the input); `prefixes`: the text each translation begins with."""
+        lines' numbers in the input); `prefixes`: the text each translation begins with;
+        `constraints`: the phrases each must contain."""
         options = options or self.config.decode
         self.check_tag(options.tag)
+        if constraints is not None and any(constraints):
+            self.check_constraints(options)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
         ids = self.encode(lines, options.tag)
-        starts = self.encode_targets(prefixes) if prefixes is not None else None
+        starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
+        phrases = [self.encode_targets([p for p in c if p]) for c in constraints or [[] for _ in lines]]
+        sources = [Source(x, key, start, c) for x, key, start, c in zip(ids, keys, starts, phrases)]
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
-        batches = list(self.batches(ids))
-        found = self.backend.search(
-            [[ids[i] for i in b] for b in batches],
-            options,
-            [[keys[i] for i in b] for b in batches],
-            [[starts[i] for i in b] for b in batches] if starts is not None else None,
-        )
+        # constrained lines batch apart, so that the others are searched exactly as without them
+        bound = [i for i, x in enumerate(ids) if x and phrases[i]]
+        free = [i for i, x in enumerate(ids) if x and not phrases[i]]
+        batches = [*self.batches(ids, free), *self.batches(ids, bound)]
+        found = self.backend.search([[sources[i] for i in b] for b in batches], options)
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h
@@ -205,10 +203,14 @@ class Translator:
             self.align(ids, out, options.tag)
         return out
 
+    def check_constraints(self, options: DecodeOptions) -> None:
+        if self.engine == "ctranslate2":
+            raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
+        if options.sample:
+            raise NmtError("--constraints are met by beam search: drop --sample")
+
     def align(self, ids: list[list[int]], hyps: list[list[Hypothesis]], tag: str) -> None:
         """Set each hypothesis's word alignment (of the source `ids`)."""
-        if not hasattr(self.backend, "align"):
-            raise NmtError("--alignments come from nmt's engine: drop --engine ctranslate2 and --int8")
         rows = [(i, h) for i, hs in enumerate(hyps) if ids[i] for h in hs]
         size = self.config.batch_size
         groups = [rows[k : k + size] for k in range(0, len(rows), size)]
@@ -241,7 +243,7 @@ class Translator:
         (forced decoding), scored as the search scores its hypotheses."""
         src_ids, tgt_ids = self.encode(sources, self.config.decode.tag), self.encode_targets(targets)
         out: list[PairScore] = [PairScore(0.0, 0, 0.0)] * len(sources)
-        batches = list(self.batches(src_ids, empty=True))
+        batches = list(self.batches(src_ids, range(len(src_ids))))
         found = self.backend.score(
             [[src_ids[i] for i in b] for b in batches], [[tgt_ids[i] for i in b] for b in batches]
         )
@@ -257,10 +259,12 @@ class Translator:
         flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
         return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
 
-    def output(self, lines: list[str], prefixes: list[str] | None = None) -> list[str]:
+    def output(
+        self, lines: list[str], prefixes: list[str] | None = None, constraints: list[list[str]] | None = None
+    ) -> list[str]:
         """`nmt translate`'s output lines for `lines`: one per line; with scores (--scores, or
         nbest > 1) `nbest` per line, as 'line<TAB>score<TAB>text' (the line numbered from 0)."""
-        hyps = self.hypotheses(lines, prefixes=prefixes)
+        hyps = self.hypotheses(lines, prefixes=prefixes, constraints=constraints)
         texts = self.texts(hyps)
         o = self.config.decode
         if o.alignments:  # the alignment after the text, tab-separated
@@ -295,23 +299,36 @@ class Translator:
             found, TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})
         )
 
-    def translate(self, lines: list[str], prefixes: list[str] | None = None, **options) -> list[str]:
-        """The best translation of each line (beginning with its prefix, if given). `options`
-        (beam=5, sample=True, ...) replace the defaults for this call."""
-        return [t[0].text for t in self.translations(lines, prefixes, **options)]
+    def translate(
+        self,
+        lines: list[str],
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+        **options,
+    ) -> list[str]:
+        """The best translation of each line (beginning with its prefix, holding its
+        constraints, if given). `options` (beam=5, sample=True, ...) replace the defaults for
+        this call."""
+        return [t[0].text for t in self.translations(lines, prefixes, constraints, **options)]
 
     def translations(
-        self, lines: list[str], prefixes: list[str] | None = None, **options
+        self,
+        lines: list[str],
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+        **options,
     ) -> list[list[Translation]]:
         """The `nbest` best translations of each line (or draws, with sample=True), best first,
-        each with its score; each beginning with its line of `prefixes`, if given."""
+        each with its score; each beginning with its line of `prefixes` and containing every
+        phrase of its list in `constraints`, if given."""
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(DecodeOptions)})
         if unknown:
             raise NmtError(f"unknown decoding options {unknown}: take `nmt translate`'s, as beam=5")
         decode = dataclasses.replace(self.config.decode, **options)
-        if prefixes is not None and len(prefixes) != len(lines):
-            raise NmtError(f"{len(lines)} lines but {len(prefixes)} prefixes: give one prefix per line")
-        hyps = self.hypotheses(lines, decode, keys=list(range(len(lines))), prefixes=prefixes)
+        for given, what in ((prefixes, "prefix"), (constraints, "list of constraints")):
+            if given is not None and len(given) != len(lines):
+                raise NmtError(f"{len(lines)} lines but {len(given)} of {what}: give one {what} per line")
+        hyps = self.hypotheses(lines, decode, list(range(len(lines))), prefixes, constraints)
         texts = self.texts(hyps)
         return [[Translation(t, h.score, h.alignment) for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
 
@@ -328,66 +345,42 @@ class Translator:
         sink: TextIO,
         advance: Callable[[int], None],
         prefixes: BinaryIO | None = None,
+        constraints: BinaryIO | None = None,
     ) -> Counts:
         """Translate `source` line by line into `sink`, in input order, as input arrives; each
-        translation beginning with the line of `prefixes` of the same number, if given."""
+        translation beginning with the line of `prefixes` of the same number and containing
+        the tab-separated phrases of the line of `constraints`, where given."""
         for chunk in arrivals(source, self.config.chunk):
             first = self.counts.lines
             lines = [decode_line(raw, first + i + 1, self.counts.damage) for i, raw in enumerate(chunk)]
-            starts = None
-            if prefixes is not None:
-                starts = [
-                    decode_line(raw, first + i + 1, self.counts.damage)
-                    for i, raw in enumerate(itertools.islice(prefixes, len(chunk)))
-                ]
-                if len(starts) < len(chunk):
-                    raise NmtError(
-                        f"--prefix ends at line {first + len(starts)}, before the input: give one "
-                        "line per input line"
-                    )
-            for text in self.output(lines, starts):
+            starts = self._aligned(prefixes, "--prefix", len(chunk))
+            phrases = self._aligned(constraints, "--constraints", len(chunk))
+            if phrases is not None:
+                phrases = [[p for p in line.split("\t") if p.strip()] for line in phrases]
+            for text in self.output(lines, starts, phrases):
                 sink.write(text + "\n")
             sink.flush()
             self.counts.lines += len(chunk)
             advance(len(chunk))
-        if prefixes is not None and next(iter(prefixes), None) is not None:
-            raise NmtError(
-                f"--prefix has more lines than the input's {self.counts.lines}: give one line per input line"
-            )
+        for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):
+            if file is not None and next(iter(file), None) is not None:
+                raise NmtError(
+                    f"{name} has more lines than the input's {self.counts.lines}: give one line per "
+                    "input line"
+                )
         return self.counts
 
-
-_END = object()
-
-
-def arrivals(source: BinaryIO, most: int) -> Iterator[list[bytes]]:
-    """The lines of `source` in lists of at most `most`: each list is what arrived before input
-    paused for PAUSE seconds (or `most` lines). A thread reads ahead, at most `most` lines."""
-    lines: queue.Queue = queue.Queue(maxsize=most)
-
-    def read() -> None:
-        try:
-            for raw in source:
-                lines.put(raw)
-            lines.put(_END)
-        except BaseException as e:  # noqa: B036 - handed to the reading side, raised there
-            lines.put(e)
-
-    threading.Thread(target=read, daemon=True, name="nmt-read").start()
-    done = False
-    while not done:
-        got = [lines.get()]  # wait as long as it takes for the first line
-        while len(got) < most:
-            try:
-                got.append(lines.get(timeout=PAUSE))
-            except queue.Empty:
-                break
-            if got[-1] is _END or isinstance(got[-1], BaseException):
-                break
-        if got[-1] is _END or isinstance(got[-1], BaseException):
-            last = got.pop()
-            if isinstance(last, BaseException):
-                raise last
-            done = True
-        if got:
-            yield got
+    def _aligned(self, file: BinaryIO | None, name: str, n: int) -> list[str] | None:
+        """The next `n` lines of a file aligned with the input (None without one)."""
+        if file is None:
+            return None
+        first = self.counts.lines
+        got = [
+            decode_line(raw, first + i + 1, self.counts.damage)
+            for i, raw in enumerate(itertools.islice(file, n))
+        ]
+        if len(got) < n:
+            raise NmtError(
+                f"{name} ends at line {first + len(got)}, before the input: give one line per input line"
+            )
+        return got

@@ -1,5 +1,6 @@
-"""Decoding beyond the beam: sampling, scores beside every translation, and scoring given pairs
-(forced decoding), in nmt's engine and CTranslate2's, on a small trained Multi30k model."""
+"""Decoding beyond the beam: sampling, scores beside every translation, scoring given pairs
+(forced decoding), prefixes, constraints, tags and alignments, in nmt's engine and CTranslate2's,
+on a small trained Multi30k model."""
 
 import dataclasses
 import re
@@ -200,6 +201,60 @@ def test_prefix_from_the_command_line(trained_longer, sources, prefixes, tmp_pat
 
 
 @pytest.fixture(scope="module")
+def constraints(trained_longer, sources) -> list[list[str]]:
+    """Terminology from each source's reference: its longest word, on every other line also its
+    last two words as one phrase; every fourth line none."""
+    refs = RunDir(trained_longer).text("valid", "de", raw=True).read_text().splitlines()[: len(sources)]
+    out = []
+    for i, ref in enumerate(refs):
+        words = re.findall(r"\w+", ref)
+        phrases = [max(words, key=len)] + ([" ".join(words[-2:])] if i % 2 else [])
+        out.append([] if i % 4 == 0 else phrases)
+    return out
+
+
+def test_every_translation_holds_its_constraints(trained_longer, sources, prefixes, constraints):
+    model = Translator.load(trained_longer)
+    plain = model.translate(sources)
+    for options in ({}, {"beam": 1}, {"beam": 5, "nbest": 2}):
+        found = model.translations(sources, constraints=constraints, **options)
+        for phrases, alone, hyps in zip(constraints, plain, found):
+            assert all(p in hyps[0].text for p in phrases), (options, phrases, hyps[0].text)
+            if not phrases and not options:  # a line without constraints translates as before
+                assert hyps[0].text == alone
+    assert (
+        sum(t != p for t, p in zip(model.translate(sources, constraints=constraints), plain))
+        > len(sources) // 2
+    )
+    both = model.translate(sources, prefixes, constraints)
+    for text, prefix, phrases in zip(both, prefixes, constraints):
+        assert text.startswith(prefix) and all(p in text for p in phrases), (prefix, phrases, text)
+
+
+def test_constraints_from_the_command_line(trained_longer, sources, constraints, tmp_path, nmt):
+    path = tmp_path / "constraints"
+    path.write_text("".join("\t".join(c) + "\n" for c in constraints[:6]))
+    stdin = "\n".join(sources[:6]).encode() + b"\n"
+    out = nmt("translate", "--run-dir", trained_longer, "--constraints", path, stdin=stdin)
+    assert out.out.splitlines() == Translator.load(trained_longer).translate(
+        sources[:6], constraints=constraints[:6]
+    )
+    short = nmt("translate", "--run-dir", trained_longer, "--constraints", path, stdin=stdin * 2)
+    assert "--constraints ends at line 6, before the input" in one_error_line(short)
+    for refused, message in (
+        (["--engine", "ctranslate2"], "--constraints need nmt's engine"),
+        (["--sample"], "--constraints are met by beam search: drop --sample"),
+    ):
+        assert message in one_error_line(
+            nmt("translate", "--run-dir", trained_longer, "--constraints", path, *refused, stdin=stdin)
+        )
+    with pytest.raises(NmtError, match="--constraints need nmt's engine"):
+        Translator.load(trained_longer, engine="ctranslate2").translate(
+            sources[:2], constraints=[["Hund"], []]
+        )
+
+
+@pytest.fixture(scope="module")
 def tagged_model(tagged_bpe, tmp_path_factory) -> Path:
     """A TINY model trained briefly on a clean corpus and one tagged '<bt>', and its package."""
     root = tmp_path_factory.mktemp("tagged-model")
@@ -267,8 +322,9 @@ def copy_model(multi30k_dir, tmp_path_factory) -> Path:
     return run
 
 
-def test_the_alignment_of_a_copy_is_the_diagonal(copy_model):
-    model = Translator.load(copy_model, alignments=True)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_alignment_of_a_copy_is_the_diagonal(copy_model, engine):
+    model = Translator.load(copy_model, alignments=True, engine=engine)
     sources = (copy_model / "text" / "valid.raw.en").read_text().splitlines()[:60]
     found = [t[0] for t in model.translations(sources)]
     copied = [(s, t) for s, t in zip(sources, found) if t.text == s]
@@ -282,14 +338,21 @@ def test_the_alignment_of_a_copy_is_the_diagonal(copy_model):
     )
 
 
-def test_alignments_print_after_each_translation_and_only_from_nmts_engine(copy_model, nmt):
+def test_both_engines_align_alike(trained_longer, sources):
+    """On a model whose heads differ (the copy model's agree): the export must average all of
+    the last layer's heads, as nmt's engine does."""
+    ours = Translator.load(trained_longer, alignments=True).translations(sources)
+    theirs = Translator.load(trained_longer, alignments=True, engine="ctranslate2").translations(sources)
+    same = [(a[0].alignment, b[0].alignment) for a, b in zip(ours, theirs) if a[0].text == b[0].text]
+    assert len(same) >= len(sources) - 1 and all(a == b for a, b in same)
+
+
+def test_alignments_print_after_each_translation_alike_in_both_engines(copy_model, nmt):
     stdin = b"A man rides a bike .\nTwo dogs play .\n\n"
     out = nmt("translate", "--run-dir", copy_model, "--alignments", stdin=stdin).out.splitlines()
     assert len(out) == 3 and out[2] == "\t"
     assert all(re.fullmatch(r"[^\t]+\t(\d+-\d+)( \d+-\d+)*", line) for line in out[:2]), out
     scored = nmt("translate", "--run-dir", copy_model, "--alignments", "--nbest", "2", stdin=stdin)
     assert all(len(line.split("\t")) == 4 for line in scored.out.splitlines())
-    refused = nmt(
-        "translate", "--run-dir", copy_model, "--alignments", "--engine", "ctranslate2", stdin=stdin
-    )
-    assert "--alignments come from nmt's engine" in one_error_line(refused)
+    theirs = nmt("translate", "--run-dir", copy_model, "--alignments", "--engine", "ctranslate2", stdin=stdin)
+    assert theirs.out.splitlines() == out

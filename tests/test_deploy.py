@@ -380,6 +380,10 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         status, body, _ = server.post({"text": sources[:2], "alignments": True})
         assert status == 200 and [t["text"] for t in body["translations"]] == expected[:2]
         assert all(re.fullmatch(r"\d+-\d+( \d+-\d+)*", t["alignment"]) for t in body["translations"])
+        phrases = [["Hund"], [], ["roten Ball", "Wiese"]]
+        status, body, _ = server.post({"text": sources[:3], "constraints": phrases})
+        assert status == 200 and body["translations"][1] == expected[1]
+        assert all(p in t for t, ps in zip(body["translations"], phrases) for p in ps), body
         # Draws depend on the request alone, not on the requests decoded in the same batch.
         sampled = TranslateConfig(decode=DecodeOptions(sample=True, seed=4, nbest=2))
         drawn = Translator(from_dir(package), sampled)
@@ -557,7 +561,7 @@ class StandIn:
         self.batches: list = []
         self.release = threading.Event()
 
-    def hypotheses(self, sentences, options, keys=None, prefixes=None):
+    def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None):
         self.batches.append(list(sentences))
         if "slow" in sentences:
             self.release.wait(DEADLINE)

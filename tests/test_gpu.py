@@ -166,7 +166,7 @@ def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
 def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
     from nmt_cli.backend_nmt import load_model
     from nmt_cli.config import DecodeOptions
-    from nmt_cli.engine import beam
+    from nmt_cli.engine import decoding
     from nmt_cli.models import from_run
     from nmt_cli.rundir import RunDir
 
@@ -175,13 +175,13 @@ def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
     src = torch.randint(4, 1000, (16, 12), device="cuda")
     src[:, -1] = 3  # EOS
     steps = count_decoding_steps(model)
-    beam.translate(model, src, DecodeOptions(beam=4))  # warm-up
+    decoding.translate(model, src, DecodeOptions(beam=4))  # warm-up
     steps["n"] = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            beam.translate(model, src, DecodeOptions(beam=4))
+            decoding.translate(model, src, DecodeOptions(beam=4))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]

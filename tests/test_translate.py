@@ -194,16 +194,17 @@ def test_sentences_that_finish_at_different_steps_of_one_batch(trained_longer, n
 
 
 def test_ensembles_translate_and_score(trained, tmp_path, nmt):
-    """--model twice decodes the two models together (beam.translate on both, tested in
+    """--model twice decodes the two models together (decoding.translate on both, tested in
     tests/unit), from checkpoints or packages alike; mixed vocabularies or languages are one
     error line."""
     import sentencepiece as spm
     import torch
 
     from nmt_cli.config import DecodeOptions, TranslateConfig
-    from nmt_cli.engine import beam
+    from nmt_cli.engine import decoding
     from nmt_cli.models import locate
     from nmt_cli.translate import Translator
+    from nmt_cli.vocab import EOS
 
     first, last = sorted((trained / "checkpoints").glob("*.pt"))[-2:]
     lines = ["A dog runs on the grass.", "", "Two men play football in a park."]
@@ -218,8 +219,8 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
         if not line:
             expected.append("")
             continue
-        src = torch.tensor([sp.encode(line) + [beam.EOS]])
-        expected.append(sp.decode(beam.translate(models, src, DecodeOptions(max_len_b=6))[0][0].tokens))
+        src = torch.tensor([sp.encode(line) + [EOS]])
+        expected.append(sp.decode(decoding.translate(models, src, DecodeOptions(max_len_b=6))[0][0].tokens))
     assert both.out.split("\n")[:-1] == expected
     alone = nmt("translate", "--model", last, *FAST, stdin=stdin)
     twice = nmt("translate", "--model", last, "--model", last, *FAST, stdin=stdin)

@@ -40,6 +40,13 @@ def translate(
             help="Each translation begins with the line of this file of the same number (target text)."
         ),
     ] = None,
+    constraints: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Each translation contains the phrases (target text, tab-separated) of the line of "
+            "this file of the same number; an empty line: none. nmt's engine, beam search.",
+        ),
+    ] = None,
     max_tokens: Annotated[int, about(TranslateConfig, "max_tokens")] = 4096,
     batch_size: Annotated[int, about(TranslateConfig, "batch_size")] = 32,
     device: DeviceOption = "auto",
@@ -56,9 +63,13 @@ def translate(
 
     config = config_of(TranslateConfig, ctx)
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
-    if prefix is not None and not prefix.is_file():
-        raise NmtError(f"--prefix {prefix} not found")
-    score.stream(translator, sys.stdin.buffer, sys.stdout, "translate", prefixes=prefix)
+    for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
+        if path is not None and not path.is_file():
+            raise NmtError(f"{name} {path} not found")
+    if constraints is not None:
+        translator.check_constraints(config.decode)
+    stdin, stdout = sys.stdin.buffer, sys.stdout
+    score.stream(translator, stdin, stdout, "translate", prefixes=prefix, constraints=constraints)
 
 
 @app.command()

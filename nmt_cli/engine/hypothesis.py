@@ -3,11 +3,21 @@ CTranslate2's (backend_ct2.py); plain Python, so that decoding a CTranslate2 exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Source:
+    """A sentence to translate, as ids without EOS, with what binds its translation."""
+
+    ids: list[int]
+    key: int = 0  # its line number: what seeds its draws under --sample
+    prefix: list[int] = field(default_factory=list)  # the ids its translation begins with
+    constraints: list[list[int]] = field(default_factory=list)  # phrases (ids) it must contain
 
 
 @dataclass

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from nmt_cli.config import DecodeOptions
-from nmt_cli.engine import beam
+from nmt_cli.engine import decoding
 from nmt_cli.engine.data import Split, on_device, pad_sources
 from nmt_cli.engine.distributed import Group
 from nmt_cli.engine.step import batch_loss
@@ -44,7 +44,7 @@ def greedy_ids(
         rows = order[start : start + batch_size]
         src = torch.from_numpy(pad_sources([data.src[int(i)] for i in rows])).to(device)
         with autocast():
-            hyps = beam.translate(model, src, GREEDY)
+            hyps = decoding.translate(model, src, GREEDY)
         mine.update({int(i): h[0].tokens for i, h in zip(rows, hyps)})
     shares = group.gather_objects(mine)
     if not group.is_main:

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from nmt_cli.config import DecodeOptions, ModelConfig
-from nmt_cli.engine.beam import _decoder, beam_step, choose, greedy, length_penalty, search, translate
+from nmt_cli.engine.beam import beam_step, choose, length_penalty, search
+from nmt_cli.engine.decoding import _decoder, translate
 from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.sampling import greedy
 from nmt_cli.vocab import BOS, EOS, PAD
 
 A, B = 4, 5
@@ -264,7 +266,7 @@ def test_an_ensemble_averages_the_log_probabilities_of_its_models():
 
 
 def test_draws_follow_the_distribution_as_top_k_top_p_and_temperature_shape_it():
-    from nmt_cli.engine.beam import draw
+    from nmt_cli.engine.sampling import draw
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 40_000

@@ -57,7 +57,7 @@ def test_initialisation_and_tying():
 
 
 def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
-    from nmt_cli.engine import beam
+    from nmt_cli.engine import decoding
     from nmt_cli.engine.packing import PackedLinear, pack_for_cpu
 
     m = tiny()
@@ -66,7 +66,7 @@ def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
     with torch.no_grad():
         states = m(src, tgt)
         logits = m.logits(states)
-    hyps = beam.translate(m, src, DecodeOptions(beam=3, max_len_b=10, nbest=2))
+    hyps = decoding.translate(m, src, DecodeOptions(beam=3, max_len_b=10, nbest=2))
     monkeypatch.setattr("nmt_cli.engine.packing.PACK_MIN", 0)  # pack even this model's weights
     packed = pack_for_cpu(m)
     assert packed is m and not any(p.requires_grad for p in m.parameters())
@@ -77,7 +77,7 @@ def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(m(src, tgt), states, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m.logits(states), logits, rtol=1e-5, atol=1e-5)
-    for a, b in zip(beam.translate(m, src, DecodeOptions(beam=3, max_len_b=10, nbest=2)), hyps):
+    for a, b in zip(decoding.translate(m, src, DecodeOptions(beam=3, max_len_b=10, nbest=2)), hyps):
         assert [h.tokens for h in a] == [h.tokens for h in b]
         assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-5)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nmt_cli.config import DecodeOptions, ServeConfig
-from nmt_cli.serve import MAX_BEAM, parse
+from nmt_cli.serve import MAX_BEAM, MAX_CONSTRAINTS, parse
 
 DEFAULTS = DecodeOptions(beam=5)
 
@@ -30,6 +30,15 @@ def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
     assert options == dataclasses.replace(DEFAULTS, nbest=2, alpha=1.0)
     assert isinstance(options.alpha, float)
     assert parse(request(prefix=["Ein"]), ServeConfig(), DEFAULTS).prefixes == ["Ein"]
+    assert parse(request(constraints=[["Hund", "rote Ball"]]), ServeConfig(), DEFAULTS).constraints == [
+        ["Hund", "rote Ball"]
+    ]
+
+
+def test_a_ctranslate2_server_refuses_constraints():
+    with pytest.raises(ValueError, match="this server decodes with ctranslate2"):
+        parse(request(constraints=[["Hund"]]), ServeConfig(), DEFAULTS, engine="ctranslate2")
+    assert parse(request(constraints=[[]]), ServeConfig(), DEFAULTS, engine="ctranslate2").constraints == [[]]
 
 
 @pytest.mark.parametrize(
@@ -46,6 +55,21 @@ def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
         ({"prefix": "Ein"}, '"prefix" must be a list of strings, one per sentence'),
         ({"prefix": ["Ein", "Zwei"]}, '"prefix" must be a list of strings, one per sentence'),
         ({"prefix": ["x" * 3000]}, "prefix 0 has 3000 characters"),
+        (
+            {"constraints": ["Hund"]},
+            '"constraints" must be a list of lists of strings, one list per sentence',
+        ),
+        (
+            {"constraints": [[], []]},
+            '"constraints" must be a list of lists of strings, one list per sentence',
+        ),
+        ({"constraints": [[1]]}, '"constraints" must be a list of lists of strings'),
+        ({"constraints": [["x" * 3000]]}, "a constraint of sentence 0 has 3000 characters"),
+        ({"constraints": [["Hund"] * (MAX_CONSTRAINTS + 1)]}, f"more than {MAX_CONSTRAINTS} constraints"),
+        (
+            {"constraints": [["Hund"]], "sample": True, "nbest": 1},
+            '"constraints" are met by nmt\'s beam search: drop "sample"',
+        ),
     ],
 )
 def test_a_bad_option_is_refused_naming_it(fields, message):

@@ -1,0 +1,132 @@
+"""Translation by nmt's engine: a model (or an ensemble) and a padded batch of source ids wired to
+the search the options ask for: beam search (beam.py), with lexical constraints (constrained.py),
+greedy or sampling (sampling.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nmt_cli.config import DecodeOptions
+from nmt_cli.engine import beam, constrained, sampling
+from nmt_cli.engine.cache import DecoderCache
+from nmt_cli.engine.hypothesis import Hypothesis, max_lengths
+from nmt_cli.engine.model import Transformer
+from nmt_cli.vocab import BOS, PAD
+
+
+@torch.no_grad()
+def translate(
+    model: Transformer | Sequence[Transformer],
+    src: Tensor,
+    options: DecodeOptions = DecodeOptions(),
+    use_cache: bool = True,
+    keys: Sequence[int] | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+) -> list[list[Hypothesis]]:
+    """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
+    `keys`: the sentences' line numbers, which seed --sample's draws (default: 0, 1, ...).
+    `prefixes`: the ids each translation must begin with (none: []); `constraints`: the phrases
+    (ids) each must contain (none: []), found by beam search only.
+
+    Several models (an ensemble sharing one vocabulary) search together: each keeps its own
+    encoder output and cache, and a step's log-probs are the mean of theirs."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    src_lengths = (src != PAD).sum(1).tolist()
+    ceiling = min(m.config.max_positions for m in models) - 1
+    o = options
+    max_lens = max_lengths([n - 1 for n in src_lengths], o.max_len_a, o.max_len_b, ceiling)
+    forced = None
+    if prefixes is not None and any(prefixes):
+        max_lens = [max(n, min(len(p) + 1, ceiling)) for n, p in zip(max_lens, prefixes)]
+        forced = _prefix_tensor(prefixes, src.device)
+    if constraints is not None and any(constraints):
+        if o.sample:
+            raise ValueError("constraints are met by beam search, not by sampling")
+        starts = prefixes or [[]] * len(max_lens)
+        needs = [len(p) + constrained.room(c) for p, c in zip(starts, constraints)]
+        max_lens = [max(n, min(need, ceiling)) for n, need in zip(max_lens, needs)]
+        step, reorder = _together([_decoder(m, src, o.beam, max(max_lens) + 1, use_cache) for m in models])
+        return constrained.search(
+            step, reorder, max_lens, o.beam, o.alpha, o.nbest, constraints, src.device, forced
+        )
+    keys = range(len(max_lens)) if keys is None else keys
+    if o.sample:  # each draw a row of its own, as a sentence of its own
+        src = src.repeat_interleave(o.nbest, 0)
+        max_lens = [n for n in max_lens for _ in range(o.nbest)]
+        forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
+    k = 1 if o.sample else o.beam
+    step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
+    if o.sample:
+        seeds = [sampling.seed_of(o.seed, key, j) for key in keys for j in range(o.nbest)]
+        drawn = sampling.sample(step, reorder, max_lens, o, seeds, src.device, forced)
+        groups = [drawn[i : i + o.nbest] for i in range(0, len(drawn), o.nbest)]
+        return [sorted(g, key=lambda h: -h.score) for g in groups]
+    if o.beam == 1 and o.nbest == 1:
+        return sampling.greedy(step, reorder, max_lens, o.alpha, src.device, forced)
+    return beam.search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device, forced)
+
+
+def _prefix_tensor(prefixes: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:
+    """(n, P): each sentence's prefix ids, -1 after them."""
+    out = np.full((len(prefixes), max(len(p) for p in prefixes)), -1, dtype=np.int64)
+    for row, p in enumerate(prefixes):
+        out[row, : len(p)] = p
+    return torch.from_numpy(out).to(device)
+
+
+def _together(
+    parts: list[tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]],
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
+    """One `step` and `reorder` for several models' (an ensemble): the mean of their log-probs."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def step(tokens: Tensor) -> Tensor:
+        return torch.stack([own(tokens) for own, _ in parts]).mean(0)
+
+    def reorder(indices: Tensor) -> None:
+        for _, own in parts:
+            own(indices)
+
+    return step, reorder
+
+
+def _decoder(
+    model: Transformer, src: Tensor, k: int, max_len: int, use_cache: bool
+) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
+    """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`."""
+    model.eval()
+    memory, src_mask = model.encode(src)
+    if use_cache:
+        cache = DecoderCache(model.memory_keys_values(memory), src_mask, k, max_len)
+
+        def step(tokens: Tensor) -> Tensor:
+            h = model.decode(tokens, cache.memory_kv, cache.src_mask, cache)
+            return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
+
+        return step, cache.reorder
+    # The reference: rerun the decoder's self-attention on the whole prefix every step (the
+    # encoder side, memory and its keys/values, is computed once all the same).
+    state = {
+        "kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
+        "mask": src_mask.repeat_interleave(k, 0),
+        "prefix": torch.full((src.shape[0] * k, 0), BOS, dtype=torch.long, device=src.device),
+    }
+
+    def step_uncached(tokens: Tensor) -> Tensor:
+        state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
+        h = model.decode(state["prefix"], state["kv"], state["mask"])
+        return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
+
+    def reorder(indices: Tensor) -> None:
+        state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices)) for a, b in state["kv"]]
+        state["mask"] = state["mask"].index_select(0, indices)
+        state["prefix"] = state["prefix"].index_select(0, indices)
+
+    return step_uncached, reorder
