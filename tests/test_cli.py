@@ -65,7 +65,7 @@ FILLED = {
     ),
     "translate": (
         [("TranslateConfig", {}, {"decode", "chunk"}), ("DecodeOptions", {}, set())],
-        {"run_dir", "model", "prefix"},
+        {"run_dir", "model", "prefix", "constraints"},
     ),
     "score": (
         [
