@@ -99,7 +99,7 @@ def decoding_options(*leave_out: str, only: tuple[str, ...] = ()) -> Callable[[C
 
 def config_of(cls, ctx: typer.Context):
     """The config `cls` of a command's options: those named as its fields (one definition of
-    what each means, in config.py); paths become strings, as the configs keep them."""
+    what each means, in config/); paths become strings, as the configs keep them."""
     import dataclasses
 
     given = {f.name: ctx.params[f.name] for f in dataclasses.fields(cls) if f.name in ctx.params}

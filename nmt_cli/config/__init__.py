@@ -1,0 +1,33 @@
+"""One frozen dataclass per command, built once at the CLI boundary and saved in the run directory,
+each option's --help text in its field (`knob`). Gathered here from where each lives:
+`data.py` (prep, bpe), `train.py` (the model's shape and presets, train, the launcher), `use.py`
+(decoding options, translate, serve), `common.py` (knob, the JSON round trip, device and
+precision).
+
+`to_json`/`from_json` round-trip a config; unknown keys are rejected so a typo in a saved or
+hand-edited config is an error, not a silently ignored setting.
+"""
+
+from nmt_cli.config.common import PRECISIONS, from_json, knob, resolve_device_name, resolve_precision, to_json
+from nmt_cli.config.data import BpeConfig, PrepConfig
+from nmt_cli.config.train import PRESETS, LaunchConfig, ModelConfig, TrainConfig
+from nmt_cli.config.use import ENGINES, DecodeOptions, ServeConfig, TranslateConfig
+
+__all__ = [
+    "ENGINES",
+    "PRECISIONS",
+    "PRESETS",
+    "BpeConfig",
+    "DecodeOptions",
+    "LaunchConfig",
+    "ModelConfig",
+    "PrepConfig",
+    "ServeConfig",
+    "TrainConfig",
+    "TranslateConfig",
+    "from_json",
+    "knob",
+    "resolve_device_name",
+    "resolve_precision",
+    "to_json",
+]

@@ -1,0 +1,64 @@
+"""What every config shares: fields that are also command-line options, the JSON round trip, and
+the device and number format a command resolves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TypeVar
+
+from nmt_cli.errors import NmtError
+
+
+def knob(default: Any, help: str) -> Any:
+    """A config field that is also a command-line option: `help` is its --help text, written
+    only here (the CLI reads it: cli/options.about)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def resolve_device_name(name: str, gpu: bool) -> str:
+    """--device where `gpu` says whether a CUDA GPU is visible: auto is the GPU if there is one.
+    Torch-free, so that CTranslate2 (which counts GPUs itself) shares it with nmt's engine."""
+    if name == "auto":
+        return "cuda" if gpu else "cpu"
+    if name.startswith("cuda") and not gpu:
+        raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    return name
+
+
+def resolve_precision(
+    precision: str, device_type: str, cpu_bf16: bool = False, decoding: bool = False
+) -> str:
+    """--precision on a device of `device_type` ("cpu", "cuda"). auto: on a GPU bf16 for training
+    and fp32 for decoding, where bf16 scored level with fp32 on the validation set but decoded
+    several times slower (benchmarks/decode_precision.py); on a CPU bf16 when `cpu_bf16` (it
+    has bf16 arithmetic and the caller gains from it), else fp32."""
+    if precision == "auto":
+        if device_type == "cuda":
+            return "fp32" if decoding else "bf16"
+        return "bf16" if cpu_bf16 else "fp32"
+    if precision == "fp16" and device_type != "cuda":
+        raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
+    return precision
+
+
+C = TypeVar("C")
+
+
+def to_json(config: Any) -> str:
+    return json.dumps(dataclasses.asdict(config), indent=2) + "\n"
+
+
+def from_json(cls: type[C], text: str, source: str = "config") -> C:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise NmtError(f"{source} is not valid JSON: {e}") from None
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise NmtError(f"{source} has unknown keys {unknown} for {cls.__name__}")
+    return cls(**data)

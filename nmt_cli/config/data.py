@@ -1,0 +1,122 @@
+"""The configs of the data commands: `nmt prep` and `nmt bpe`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from nmt_cli.config.common import knob
+from nmt_cli.errors import NmtError
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    recipe: str  # one of recipes.RECIPES, which checks the rest against it (recipes.resolved)
+    src: str = knob("en", "Source language.")
+    tgt: str = knob("de", "Target language.")
+    mirror: str | None = knob(
+        None,
+        "Take the recipe's files from this local folder instead of the network (same names, same checksums).",
+    )
+    max_words: int = knob(250, "Drop training pairs with a side longer than this many words.")
+    max_ratio: float | None = knob(
+        None, "Drop training pairs whose word-count ratio exceeds this (default: the recipe's)."
+    )
+    # custom recipe: the user's files (plain or .gz); several training corpora, one pair each
+    train_src: tuple[str, ...] = knob(
+        (), "custom: training source (plain or .gz); again for each further corpus."
+    )
+    train_tgt: tuple[str, ...] = knob((), "custom: training target, one per --train-src.")
+    tags: tuple[str, ...] = knob(
+        (),
+        "custom: per training corpus, a token put before its source lines, e.g. '<bt>' for "
+        "back-translations ('' for none).",
+    )
+    weights: tuple[float, ...] = knob(
+        (), "custom: per training corpus, times an epoch takes each pair on average (1)."
+    )
+    valid_src: str | None = knob(
+        None, "custom: validation source (default: every 100th training pair, up to 2000)."
+    )
+    valid_tgt: str | None = knob(None, "custom: validation target.")
+    test_src: str | None = knob(None, "custom: test source.")
+    test_tgt: str | None = knob(None, "custom: test target.")
+
+    def __post_init__(self) -> None:
+        for name in ("train_src", "train_tgt", "tags", "weights"):  # a list from JSON, one path before
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
+        if self.src == self.tgt:
+            raise NmtError(f"--src and --tgt are both {self.src!r}: give two languages")
+        if self.max_words < 1 or (self.max_ratio is not None and self.max_ratio < 1):
+            raise NmtError("--max-words must be at least 1 and --max-ratio at least 1.0")
+        if self.recipe == "custom" and not (self.train_src and self.train_tgt):
+            raise NmtError("`nmt prep custom` needs --train-src and --train-tgt")
+        if self.recipe != "custom" and (self.train_src or self.train_tgt or self.tags or self.weights):
+            raise NmtError("--train-src, --train-tgt, --tag and --weight are for `nmt prep custom`")
+        self._check_corpora()
+        for side in ("valid", "test"):
+            a, b = getattr(self, f"{side}_src"), getattr(self, f"{side}_tgt")
+            if bool(a) != bool(b):
+                raise NmtError(f"give both --{side}-src and --{side}-tgt, or neither")
+
+    def _check_corpora(self) -> None:
+        n = len(self.train_src)
+        if len(self.train_tgt) != n:
+            raise NmtError(
+                f"{n} --train-src but {len(self.train_tgt)} --train-tgt: give one of each per corpus"
+            )
+        for name, values in (("--tag", self.tags), ("--weight", self.weights)):
+            if values and len(values) != n:
+                raise NmtError(f"{len(values)} {name} for {n} training corpora: give none, or one per corpus")
+        for tag in self.tags:
+            if tag and (len(tag.split()) != 1 or tag != tag.strip()):
+                raise NmtError(
+                    f"--tag {tag!r} must be one token without spaces (e.g. '<bt>'), or '' for none"
+                )
+        if any(not 0 < w < 1000 for w in self.weights):
+            raise NmtError(
+                "--weight must be above 0 (1: each pair once an epoch; 0.5: half of them; 2: twice)"
+            )
+
+    def corpus_tag(self, i: int) -> str:
+        return self.tags[i] if self.tags else ""
+
+    def corpus_weight(self, i: int) -> float:
+        return float(self.weights[i]) if self.weights else 1.0
+
+
+@dataclass(frozen=True)
+class BpeConfig:
+    vocab_size: int = knob(
+        0, "Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, else 32000)."
+    )
+    from_model: str | None = knob(
+        None,
+        "Encode with this model's sentencepiece model (a run directory, a package, or a .model "
+        "file) instead of learning one.",
+    )
+    sample_lines: int = knob(500_000, "Sentences (both sides) sampled to learn BPE from.")
+    seed: int = knob(1, "Seed of the sample.")
+    # Casing is folded inside the sentencepiece model, so translation time folds it too.
+    lowercase: bool = knob(
+        False,
+        "Lowercase everything the model encodes, so its translations are lowercase too (for "
+        "setups scored lowercased, as Multi30k papers).",
+    )
+    threads: int = knob(max(1, os.cpu_count() or 1), "Threads for learning and encoding.")
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 0 or (0 < self.vocab_size < 300):
+            raise NmtError(
+                f"--vocab-size {self.vocab_size} is too small: the byte fallback "
+                "alone takes 256 pieces; use at least 300 (8000-40000 is usual)"
+            )
+        if self.from_model and self.vocab_size:
+            raise NmtError("--from takes the vocabulary of that model: drop --vocab-size")
+        if self.from_model and self.lowercase:
+            raise NmtError("--from takes that model's normalisation, its casing included: drop --lowercase")
+        if self.sample_lines < 1000:
+            raise NmtError("--sample-lines must be at least 1000")
+        if self.threads < 1:
+            raise NmtError("--threads must be at least 1")

@@ -1,0 +1,189 @@
+"""The configs of making a model: its shape (and the size presets), `nmt train`'s settings, and
+how `nmt train` launches its workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nmt_cli.config.common import PRECISIONS, knob
+from nmt_cli.errors import NmtError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_model: int = 512
+    ffn: int = 2048
+    heads: int = 8
+    dropout: float = 0.1  # on residual branches and embeddings
+    attention_dropout: float = 0.1  # on attention probabilities
+    relu_dropout: float = 0.1  # after the FFN ReLU
+    post_norm: bool = False
+    max_positions: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+
+
+# fmt: off
+PRESETS: dict[str, dict] = {
+    # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
+    # `nmt quickstart`: Wu et al. 2021's Transformer-Tiny shape, narrower but deeper than `tiny`.
+    # A small corpus wants few parameters; Wu et al.'s dropout 0.3 is for training to
+    # convergence, while in a 2-core CPU hour 0.2 led 0.3 on validation at equal time.
+    "tiny": dict(num_encoder_layers=3, num_decoder_layers=3, d_model=256, ffn=1024, heads=4,
+                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
+    "small": dict(num_encoder_layers=4, num_decoder_layers=4, d_model=128, ffn=256, heads=4,
+                  dropout=0.2, attention_dropout=0.1, relu_dropout=0.1),
+    "base": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=512, ffn=2048, heads=8,
+                 dropout=0.1, attention_dropout=0.1, relu_dropout=0.1),
+    "big": dict(num_encoder_layers=6, num_decoder_layers=6, d_model=1024, ffn=4096, heads=16,
+                dropout=0.3, attention_dropout=0.1, relu_dropout=0.1),
+}
+# fmt: on
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    size: str = knob("base", "Model preset: tiny, small (CPU), base, big.")
+    # None: the preset's value
+    num_encoder_layers: int | None = knob(None, "Override the preset.")
+    num_decoder_layers: int | None = knob(None, "Override the preset.")
+    d_model: int | None = knob(None, "Override the preset.")
+    ffn: int | None = knob(None, "Override the preset.")
+    heads: int | None = knob(None, "Override the preset.")
+    dropout: float | None = knob(None, "Residual/embedding dropout.")
+    attention_dropout: float | None = knob(None, "On attention weights.")
+    relu_dropout: float | None = knob(None, "After the FFN ReLU.")
+    post_norm: bool = knob(False, "The paper's post-norm sub-layers.")
+    max_tokens: int = knob(4096, "Tokens per batch (either side, per rank).")
+    update_freq: int = knob(1, "Batches accumulated into one update.")
+    lr_scale: float = knob(1.0, "Multiplies the paper's schedule.")
+    warmup: int = knob(4000, "Warm-up steps of the schedule.")
+    beta1: float = 0.9  # the paper's, not an option
+    beta2: float = knob(0.98, "Adam beta2 (t2t later used 0.997).")
+    adam_eps: float = 1e-9  # the paper's, not an option
+    label_smoothing: float = knob(0.1, "Label smoothing.")
+    # Provilkov et al. 2020; 0: the fixed encoding of `nmt bpe`
+    bpe_dropout: float = knob(
+        0.0, "BPE-dropout: re-encode the training side every epoch, each merge dropped with P."
+    )
+    clip_norm: float = knob(0.0, "Gradient norm clipping (0: off).")
+    max_steps: int = knob(100_000, "Stop after this many updates (0: no limit).")
+    max_epochs: int = knob(0, "Stop after this many epochs (0: no limit).")
+    max_time: float = knob(0.0, "Stop after this many minutes (0: no limit).")
+    precision: str = knob(
+        "auto", "auto (bf16 on a GPU and on a CPU with bf16 arithmetic, else fp32), fp32, bf16, fp16 (GPU)."
+    )
+    eval_every: int = knob(1000, "Validate every N updates.")
+    eval_bleu: bool = knob(False, "Also log greedy BLEU on the validation set.")
+    patience: int = knob(0, "Stop after N validations without improvement (0: off).")
+    save_every: int = knob(1000, "Checkpoint every N updates.")
+    keep_last: int = knob(20, "Checkpoints kept.")  # enough to average the last 20 (big)
+    init_from: str | None = knob(
+        None,
+        "Start from this model's weights (a run directory, a checkpoint or a package from `nmt "
+        "export`) with a fresh optimizer and schedule; its BPE must be this run's (`nmt bpe --from`).",
+    )
+    init_optimizer: bool = knob(False, "With --init-from: keep its Adam moments (a training checkpoint's).")
+    init_schedule: bool = knob(
+        False,
+        "With --init-from: go on from its step, and so its learning-rate schedule (--max-steps "
+        "counts its steps too).",
+    )
+    keep_best: int = knob(0, "Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
+    best_metric: str = knob("nll", "nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
+    seed: int = knob(1, "Seed of initialisation, dropout and batch order.")
+    tensorboard: bool = knob(
+        False, "Also write the figures as TensorBoard events in RUN/tensorboard ('.[tensorboard]')."
+    )
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
+    compile: bool = knob(False, "torch.compile the model.")
+    threads: int = knob(0, "CPU threads (0: torch's default).")
+    max_bad_steps: int = knob(20, "Stop after this many non-finite updates in a row.")
+
+    def __post_init__(self) -> None:
+        if self.size not in PRESETS:
+            raise NmtError(f"unknown --size {self.size!r}: choose one of {', '.join(PRESETS)}")
+        if self.precision not in PRECISIONS:
+            raise NmtError(f"unknown --precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        for name in (
+            "max_tokens",
+            "update_freq",
+            "warmup",
+            "eval_every",
+            "save_every",
+            "keep_last",
+            "max_bad_steps",
+        ):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("max_steps", "max_epochs", "max_time", "patience", "clip_norm", "threads"):
+            if getattr(self, name) < 0:
+                raise NmtError(f"--{name.replace('_', '-')} must not be negative")
+        for name in ("dropout", "attention_dropout", "relu_dropout", "label_smoothing", "bpe_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise NmtError(f"--{name.replace('_', '-')} must be in [0, 1)")
+        if self.lr_scale <= 0:
+            raise NmtError("--lr-scale must be positive")
+        if self.keep_best < 0:
+            raise NmtError("--keep-best must not be negative")
+        if (self.init_optimizer or self.init_schedule) and not self.init_from:
+            raise NmtError(
+                "--init-optimizer and --init-schedule keep what --init-from's checkpoint had: "
+                "give --init-from"
+            )
+        if self.best_metric not in ("nll", "bleu"):
+            raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
+        if self.best_metric == "bleu" and not self.eval_bleu:
+            raise NmtError("--best-metric bleu needs --eval-bleu (validation BLEU)")
+        if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):
+            raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        self.model_config(vocab_size=1)  # the shape, checked before any work starts
+
+    def model_config(self, vocab_size: int, max_positions: int = 1024):
+        shape = dict(PRESETS[self.size])
+        for name in shape:
+            if getattr(self, name, None) is not None:
+                shape[name] = getattr(self, name)
+        try:
+            return ModelConfig(
+                vocab_size=vocab_size, post_norm=self.post_norm, max_positions=max_positions, **shape
+            )
+        except ValueError as e:
+            raise NmtError(f"bad model shape: {e}") from None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How `nmt train` starts its workers (not saved: the run is the same however it is launched)."""
+
+    gpus: int = knob(0, "GPUs on this node: one NCCL worker each, through torch's elastic launcher.")
+    procs: int = knob(1, "CPU worker processes (gloo), e.g. --procs 2 --device cpu.")
+    nnodes: int = knob(1, "Nodes taking part (run the same command on each).")
+    node_rank: int = knob(0, "This node's rank among --nnodes.")
+    rdzv_endpoint: str = knob("", "HOST:PORT of node 0, for --nnodes > 1.")
+    max_restarts: int = knob(0, "Restart failed workers up to N times; they resume from the last checkpoint.")
+    # A `big` checkpoint on a network file system, or a validation in progress, takes a while.
+    stop_grace: int = knob(
+        120,
+        "Seconds the workers get to save a checkpoint and exit after the launcher is signalled "
+        "(SIGTERM, Ctrl-C) before they are killed.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.gpus < 0 or self.procs < 1 or self.nnodes < 1 or self.max_restarts < 0 or self.stop_grace < 0:
+            raise NmtError(
+                "--gpus, --max-restarts, --stop-grace must not be negative; --procs and --nnodes "
+                "must be at least 1"
+            )
+        if self.gpus and self.procs > 1:
+            raise NmtError("give --gpus N (one worker per GPU) or --procs N (CPU workers), not both")
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.gpus) or self.procs > 1 or self.nnodes > 1

@@ -1,0 +1,148 @@
+"""The configs of using a model: how a search decodes (`DecodeOptions`), `nmt translate`'s
+settings and `nmt serve`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nmt_cli.config.common import PRECISIONS, knob
+from nmt_cli.errors import NmtError
+
+ENGINES = ("auto", "nmt", "ctranslate2")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How a search decodes: one object carried from the CLI, the server and the Python entry
+    points through either backend to the search. A new decoding option is a field here, its use
+    in the search (engine/decoding.py picks the search) and its mapping (or refusal) in
+    backend_ct2.py."""
+
+    beam: int = knob(4, "Beam size (1: greedy).")
+    alpha: float = knob(0.6, "Length penalty ((5+|Y|)/6)^alpha (GNMT).")
+    max_len_a: float = knob(1.0, "Output length <= a * source length + b: a.")
+    max_len_b: int = knob(50, "Output length <= a * source length + b: b.")
+    nbest: int = knob(1, "Hypotheses per sentence, best first, each with its score.")
+    scores: bool = knob(False, "Each translation with its score, also the 1-best (see --nbest).")
+    # Sampling (Edunov et al. 2018's back-translation, diverse outputs): nbest draws per sentence.
+    sample: bool = knob(
+        False,
+        "Draw each next token at random instead of searching (back-translation, diverse outputs); "
+        "--nbest draws per line, --beam does not apply.",
+    )
+    topk: int = knob(0, "With --sample: draw among the K most likely tokens (0: all of them).")
+    topp: float = knob(
+        1.0, "With --sample: draw among the fewest most likely tokens whose probabilities reach P (nucleus)."
+    )
+    temperature: float = knob(
+        1.0, "With --sample: divide the log-probabilities by T (below 1: nearer greedy)."
+    )
+    seed: int = knob(
+        1, "With --sample: the same seed draws the same translations, however lines are batched."
+    )
+    alignments: bool = knob(
+        False,
+        "Each translation's word alignment after it: Pharaoh 'i-j' pairs (source word i, target "
+        "word j, from 0), from the last decoder layer's attention to the source.",
+    )
+    tag: str = knob(
+        "", "Put this corpus tag before every source line, as training did (`nmt prep custom --tag`)."
+    )
+
+    @property
+    def rows(self) -> int:
+        """Hypotheses a sentence keeps alive at once: the work it asks for."""
+        return self.nbest if self.sample else self.beam
+
+    def __post_init__(self) -> None:
+        for name in ("beam", "nbest"):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name} must be at least 1")
+        if self.nbest > self.beam and not self.sample:
+            raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
+        if not self.sample and (self.topk, self.topp, self.temperature) != (0, 1.0, 1.0):
+            raise NmtError("--topk, --topp and --temperature shape --sample's draws: add --sample")
+        if self.topk < 0 or not 0 < self.topp <= 1 or not self.temperature > 0:
+            raise NmtError("--topk must not be negative, --topp must be in (0, 1], --temperature above 0")
+        for name in ("alpha", "max_len_a", "max_len_b"):
+            if getattr(self, name) < 0:
+                raise NmtError(f"--{name.replace('_', '-')} must not be negative")
+        if self.tag and self.tag.split() != [self.tag]:
+            raise NmtError(
+                f"--tag {self.tag!r} must be one token without spaces, as `nmt prep --tag` took it"
+            )
+
+
+@dataclass(frozen=True)
+class TranslateConfig:
+    checkpoint: str | None = knob(
+        None, "Model file (default: the averaged model, else the latest checkpoint)."
+    )
+    decode: DecodeOptions = DecodeOptions()
+    max_tokens: int = knob(4096, "Padded source tokens per batch.")
+    batch_size: int = knob(32, "Sentences per batch.")
+    chunk: int = 10_000  # lines read (and held) at a time
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
+    precision: str = knob("auto", "auto (fp32), fp32, bf16, fp16 (GPU).")
+    int8: bool = knob(False, "int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
+    engine: str = knob(
+        "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
+    )
+    threads: int = knob(0, "CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "batch_size", "chunk"):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.precision not in PRECISIONS:
+            raise NmtError(f"unknown --precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.int8 and self.precision not in ("auto", "fp32"):
+            raise NmtError("--int8 quantises an fp32 model: drop --precision or use fp32")
+        if self.engine not in ENGINES:
+            raise NmtError(f"unknown --engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.int8 and self.engine == "nmt":
+            raise NmtError("--int8 runs on CTranslate2: drop --engine nmt")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = knob("127.0.0.1", "Address to listen on.")
+    port: int = knob(8080, "TCP port (0: any free one, printed).")
+    max_wait_ms: float = knob(5.0, "How long a request may wait for others to share its batch.")
+    max_batch: int = knob(64, "Sentences decoded together at most.")
+    batching: bool = knob(True, "Decode concurrent requests together.")
+    max_queue: int = knob(1024, "Sentences waiting at most; beyond, 503.")
+    max_sentences: int = knob(256, "Sentences per request; beyond, 413.")
+    max_hypotheses: int = knob(2048, "Sentences x beam per request (the work it asks for); beyond, 413.")
+    max_chars: int = 2000  # per sentence; beyond, 400
+    max_body: int = 1 << 20  # bytes per request; beyond, 413
+    shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
+    request_timeout: float = knob(
+        60.0, "Seconds a request may wait and decode; beyond, 504 and it leaves the queue."
+    )
+    read_timeout: float = knob(
+        30.0, "Seconds to receive a request's body; beyond, 408 (a client that stalls)."
+    )
+    header_timeout: float = knob(
+        10.0,
+        "Seconds a connection may stay without a request (its head must arrive whole within "
+        "them); beyond, it is closed.",
+    )
+    max_connections: int = knob(1000, "Connections open at once; beyond, a new one gets 503 and is closed.")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_batch",
+            "max_queue",
+            "max_sentences",
+            "max_hypotheses",
+            "max_chars",
+            "max_body",
+            "max_connections",
+        ):
+            if getattr(self, name) < 1:
+                raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_wait_ms < 0 or not 0 <= self.port < 65536:
+            raise NmtError("--max-wait-ms must not be negative, and --port within 0-65535")
+        if min(self.request_timeout, self.read_timeout, self.header_timeout) <= 0:
+            raise NmtError("--request-timeout, --read-timeout and --header-timeout must be positive")
