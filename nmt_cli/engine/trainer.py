@@ -8,7 +8,6 @@ moment and restarted ends with the same weights as one that never stopped (CPU, 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import signal
@@ -21,7 +20,7 @@ from typing import Protocol
 import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
-from nmt_cli.engine import checkpoint, distributed, validation
+from nmt_cli.engine import distributed, saving, validation
 from nmt_cli.engine.data import Batch, Epochs, Split, on_device, padding_share
 from nmt_cli.engine.device import (
     cpu_has_bf16,
@@ -32,10 +31,9 @@ from nmt_cli.engine.device import (
 )
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
-from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State, gather_rng, restore_rng
+from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State
 from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
-from nmt_cli.files import now
 from nmt_cli.shards import Shard
 
 # Updates between two reads of the training figures. A read waits for the device to finish
@@ -139,88 +137,12 @@ class Trainer:
                 "ranks): use fewer processes or a smaller --max-tokens"
             )
 
-    # -- checkpoints
-    def record(self, **extra) -> dict:
-        """The JSON record of a model saved now: what it is, and `extra`."""
-        return {
-            "format": 1,
-            "saved": now(),
-            "step": self.state.step,
-            "model": dataclasses.asdict(self.model_config),
-            "train": dataclasses.asdict(self.config),
-            "src": self.src_lang,
-            "tgt": self.tgt_lang,
-            **extra,
-        }
-
+    # -- checkpoints (engine/saving.py)
     def save(self) -> None:
-        """Every rank calls this at the same step (its RNG state is gathered); rank 0 writes."""
-        rng = gather_rng(self.dist, self.device)
-        self.saved_at = self.state.step
-        if not self.dist.is_main:
-            return
-        tensors = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
-            **rng,
-        }
-        # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
-        # however many times it was interrupted and resumed.
-        state = dataclasses.replace(self.state, seconds=self.elapsed())
-        meta = self.record(state=dataclasses.asdict(state), world=self.dist.world)
-        path = checkpoint.path_for(self.out.checkpoints, self.state.step)
-        try:
-            checkpoint.save_tensors(path, tensors, meta)
-        except OSError as e:
-            raise NmtError(
-                f"could not write checkpoint {path} ({e.strerror or e}); the previous "
-                "checkpoints are intact: free space or fix the disk, then rerun to "
-                "resume"
-            ) from None
-        checkpoint.prune(self.out.checkpoints, self.config.keep_last)
+        saving.save(self)
 
     def resume(self) -> bool:
-        found = checkpoint.load_agreed(self.out.checkpoints, self.reporter.say, self.dist.gather_objects)
-        if found is None:
-            if self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
-                self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
-                self.set_optimizer_options()
-            return False
-        tensors, meta = found
-        if meta["model"] != dataclasses.asdict(self.model_config):
-            raise NmtError(
-                f"the checkpoints in {self.out.checkpoints} are of another model shape "
-                f"({meta['model']}); use another --run-dir or the same shape options"
-            )
-        self.model.load_state_dict(tensors["model"])
-        self.optimizer.load_state_dict(tensors["optimizer"])
-        self.set_optimizer_options()
-        if self.scaler.is_enabled() and tensors.get("scaler"):
-            self.scaler.load_state_dict(tensors["scaler"])
-        if meta.get("world", 1) == self.dist.world:  # each rank continues its own dropout stream
-            restore_rng(tensors, self.dist.rank, self.device)
-        else:
-            self.reporter.say(
-                f"the checkpoint was written by {meta.get('world', 1)} ranks, "
-                f"this run has {self.dist.world}: this epoch's data order and the "
-                "dropout streams differ from an uninterrupted run"
-            )
-            torch.manual_seed(self.config.seed + 7919 * self.dist.rank + meta["step"])
-        self.state = State(**meta["state"])
-        self.saved_at = self.state.step
-        if self.dist.is_main:
-            self.out.truncate_metrics(self.state.step)
-        self.reporter.say(f"resuming from step {self.state.step} (epoch {self.state.epoch + 1})")
-        return True
-
-    def set_optimizer_options(self) -> None:
-        """Adam's settings from this run's config: a loaded optimizer state (a resume,
-        --init-optimizer) brings the settings it was saved with, and the moments are what it is
-        kept for."""
-        for group in self.optimizer.param_groups:
-            group["betas"] = (self.config.beta1, self.config.beta2)
-            group["eps"] = self.config.adam_eps
+        return saving.resume(self)
 
     # -- metrics
     def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
@@ -341,27 +263,9 @@ class Trainer:
         else:
             self.state.bad_evals += 1
         if self.config.keep_best and self.dist.is_main:
-            self.keep_if_best(score, metrics)
+            saving.keep_if_best(self, score, metrics)
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
-
-    def keep_if_best(self, score: float, metrics: dict) -> None:
-        """Rank 0: the model, if it is among the --keep-best best so far, into checkpoints/best."""
-        meta = self.record(
-            best={
-                "metric": self.config.best_metric,
-                "score": score,
-                **{k: float(v) for k, v in metrics.items()},
-            }
-        )
-        checkpoint.keep_best(
-            self.out.best,
-            self.config.keep_best,
-            score,
-            self.state.step,
-            lambda: {"model": self.model.state_dict()},
-            meta,
-        )
 
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
