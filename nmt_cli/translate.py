@@ -188,7 +188,8 @@ class Translator:
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
         ids = self.encode(lines, options.tag)
         starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
-        phrases = [self.encode_targets([p for p in c if p]) for c in constraints or [[] for _ in lines]]
+        # a phrase that cleaning leaves empty asks for nothing
+        phrases = [[x for x in self.encode_targets(c) if x] for c in constraints or [[] for _ in lines]]
         sources = [Source(x, key, start, c) for x, key, start, c in zip(ids, keys, starts, phrases)]
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         # constrained lines batch apart, so that the others are searched exactly as without them

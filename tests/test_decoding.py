@@ -226,6 +226,7 @@ def test_every_translation_holds_its_constraints(trained_longer, sources, prefix
         sum(t != p for t, p in zip(model.translate(sources, constraints=constraints), plain))
         > len(sources) // 2
     )
+    assert model.translate(sources[:2], constraints=[[" "], ["", "  "]]) == plain[:2]  # nothing asked
     both = model.translate(sources, prefixes, constraints)
     for text, prefix, phrases in zip(both, prefixes, constraints):
         assert text.startswith(prefix) and all(p in text for p in phrases), (prefix, phrases, text)

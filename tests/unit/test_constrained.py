@@ -33,11 +33,10 @@ def holds(tokens: list[int], phrase: list[int]) -> bool:
 PHRASES = [[[20, 21], [30]], [[15]], [[33, 34, 35], [22, 23]]]
 
 
-@pytest.mark.parametrize("beam_size,nbest", [(1, 1), (4, 1), (4, 2)])
-def test_every_hypothesis_holds_its_phrases(beam_size, nbest):
-    found = translate(
-        model(), SRC, DecodeOptions(beam=beam_size, max_len_b=12, nbest=nbest), constraints=PHRASES
-    )
+@pytest.mark.parametrize("beam_size,nbest,models", [(1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 1, 2)])
+def test_every_hypothesis_holds_its_phrases(beam_size, nbest, models):
+    m = model() if models == 1 else [model(), model()]  # an ensemble searches as one
+    found = translate(m, SRC, DecodeOptions(beam=beam_size, max_len_b=12, nbest=nbest), constraints=PHRASES)
     for phrases, hyps in zip(PHRASES, found):
         assert len(hyps) == nbest
         held = [all(holds(h.tokens, p) for p in phrases) for h in hyps]
