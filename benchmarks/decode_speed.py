@@ -159,12 +159,11 @@ def trained(
         for r in range(rounds):
             for code, root, flags in codes if r % 2 == 0 else codes[::-1]:
                 timed = _translate(run, src, root, code, flags)
+                out_lines = timed.pop("lines")
                 if "--constraints" in flags:
                     wanted = phrases[int(code.split()[0])]
-                    timed["constraints_held"] = sum(
-                        all(t in line for t in ts) for ts, line in zip(wanted, timed.pop("lines"))
-                    ) / len(wanted)
-                timed.pop("lines")
+                    held = sum(all(t in line for t in ts) for ts, line in zip(wanted, out_lines))
+                    timed["constraints_held"] = held / len(wanted)
                 rows.append({"set": name, "code": code, "round": r, **timed})
                 print(json.dumps(rows[-1]), flush=True)
         codes = [c for c in codes if "--constraints" not in c[2]]
