@@ -9,14 +9,23 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "nmt_cli"
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (imports for annotations only,
+    which never run)."""
+    yield tree
+    for child in ast.iter_child_nodes(tree):
+        if not (isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING"):
+            yield from _runtime_nodes(child)
+
+
 def _imports() -> dict[str, set[str]]:
-    """Each module's imports of other nmt_cli modules, at any depth of its code."""
+    """Each module's imports of other nmt_cli modules, at any depth of its code that runs."""
     graph = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         name = name.removesuffix(".__init__")
         found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in _runtime_nodes(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nmt_cli"):
                 for alias in node.names:  # `from nmt_cli import ui` names a module
                     sub = f"{node.module}.{alias.name}"
