@@ -1,9 +1,10 @@
 """Benchmarks of a deployed model: fidelity and speed of the CTranslate2 engine, the latency of
 streaming translate. Each part prints JSON lines and a markdown row.
 
-    python benchmarks/deploy.py fidelity RUN [--split test]
-        RUN's model through nmt (fp32) and CTranslate2 exports (float32, int8): lines equal to
-        nmt's, BLEU and chrF of each.
+    python benchmarks/deploy.py fidelity RUN [--split test] [--precisions bf16 fp16] [--device D]
+        RUN's model through nmt (fp32, and each of --precisions) and CTranslate2 exports
+        (float32, int8; --no-ct2: none): lines equal to nmt fp32's, BLEU, chrF and seconds end
+        to end of each (the choice of the default decoding precision: --split valid).
     python benchmarks/deploy.py speed RUN [--shape base] [--repeats 2]
         `nmt translate` end to end (process start, load, translate, write) on RUN's 1000 test
         sentences: nmt fp32 against CTranslate2 exports (float32, int8) and `--int8`, alternating;
@@ -85,16 +86,17 @@ def fidelity(args, work: Path) -> None:
     from nmt_cli.metrics import score
 
     src, ref = split_files(args.run, args.split)
-    models = exports(args.run, work)
+    models = exports(args.run, work, ct2=not args.no_ct2)
     refs = ref.read_text(encoding="utf-8").splitlines()
-    outs = {}
-    for name, flags in (
-        ("nmt fp32", ["--model", str(models["package"])]),
-        ("CTranslate2 float32", ["--model", str(models["float32"])]),
-        ("CTranslate2 int8", ["--model", str(models["int8"])]),
-    ):
+    package = ["--model", str(models["package"])]
+    systems = [("nmt fp32", package)] + [(f"nmt {p}", [*package, "--precision", p]) for p in args.precisions]
+    if not args.no_ct2:
+        systems += [(f"CTranslate2 {q}", ["--model", str(models[q])]) for q in ("float32", "int8")]
+    outs, rows = {}, []
+    for name, flags in systems:
         hyp = work / f"{name.replace(' ', '_')}.hyp"
-        nmt("translate", *flags, "--threads", str(args.threads), stdin=src, stdout=hyp)
+        common = ["--threads", str(args.threads), "--device", args.device]
+        seconds = nmt("translate", *flags, *common, stdin=src, stdout=hyp)
         outs[name] = hyp.read_text(encoding="utf-8").splitlines()
         bleu, chrf = score(outs[name], refs, ["bleu", "chrf"])
         same = sum(a == b for a, b in zip(outs[name], outs["nmt fp32"]))
@@ -106,14 +108,19 @@ def fidelity(args, work: Path) -> None:
             "bleu": round(bleu.score, 2),
             "chrf": round(chrf.score, 2),
             "bleu_signature": bleu.signature,
+            "seconds": round(seconds, 2),
+            "device": args.device,
             "cpu": cpu_name(),
         }
+        rows.append(row)
         print(json.dumps(row), flush=True)
         print(
             f"| {name} | {same} / {len(refs)} ({100 * same / len(refs):.1f}%) | "
-            f"{row['bleu']:.2f} | {row['chrf']:.2f} |",
+            f"{row['bleu']:.2f} | {row['chrf']:.2f} | {seconds:.1f} s |",
             flush=True,
         )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
 
 
 def random_model(run: Path, shape: str, out: Path) -> None:
@@ -255,6 +262,10 @@ def main() -> None:
     ap.add_argument("--old", default="8390ef8", help="latency: the revision to compare with")
     ap.add_argument("--lines", type=int, default=10_000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precisions", nargs="*", default=[], help="fidelity: nmt in these too (bf16, fp16)")
+    ap.add_argument("--device", default="auto", help="fidelity: where `nmt translate` decodes")
+    ap.add_argument("--no-ct2", action="store_true", help="fidelity: nmt alone, no CTranslate2 exports")
+    ap.add_argument("--out", type=Path, help="fidelity: the rows as JSON")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-deploy-"))
     try:

@@ -2,7 +2,7 @@
 # The GPU check: everything a GPU machine must prove, one PASS/FAIL line per check, then figures.
 #
 #   bash benchmarks/gpu_check.sh 1    # train base in bf16/fp16/fp32, resume, average; decode
-#                                     # validation in each precision (with a profile), test2016
+#                                     # validation in each precision, test2016
 #                                     # in fp32 on the GPU and on the CPU     (~8 min on an H100)
 #   bash benchmarks/gpu_check.sh 2    # --compile, --gpus 1 (launcher + NCCL), torchrun, and
 #                                     # tests/test_gpu.py                     (~6 min)
@@ -95,10 +95,9 @@ want resume && check resume bash -c "python3 -m nmt_cli train --run-dir '$WORK/t
 want fp16 && train_check fp16 300 --device cuda --precision fp16
 want fp32 && train_check fp32 300 --device cuda --precision fp32
 want average && check average python3 -m nmt_cli average --run-dir "$WORK/train" --last 5
-# The choice of the default decoding precision is made on the validation set; the profile shows
-# where a slow precision loses its time.
-want precision && check precision python3 benchmarks/decode_precision.py "$WORK/train" \
-    --split valid --device cuda --profile 64 --out "$OUT/decode_precision.json"
+# The choice of the default decoding precision is made on the validation set.
+want precision && check precision python3 benchmarks/deploy.py fidelity "$WORK/train" \
+    --split valid --device cuda --precisions bf16 fp16 --no-ct2 --out "$OUT/decode_precision.json"
 if want score; then  # the averaged bf16-trained model on test2016: GPU fp32 and the CPU, line by line
     for p in fp32 cpu; do
         device=cuda; [ $p = cpu ] && device=cpu

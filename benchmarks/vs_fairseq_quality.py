@@ -5,6 +5,7 @@ bootstrap.
 
     bash benchmarks/peers/install_fairseq.sh          # once: fairseq in ../peers/fairseq
     python benchmarks/vs_fairseq_quality.py [--minutes 60] [--out benchmarks/out/vs_fairseq]
+    python benchmarks/vs_fairseq_quality.py --pool OUT OUT [OUT ...]   # draws of several --seed
         [--nmt-precision auto|fp32|bf16] [--seed 1]
 
 1. `nmt prep multi30k-en-de` and `nmt bpe --vocab-size 8000` (joint sentencepiece). fairseq gets
@@ -235,6 +236,107 @@ def compare(ours: list[str], theirs: list[str], refs: list[str]) -> dict:
     }
 
 
+# -- --pool: several draws together
+SETTINGS = ("defaults", "chosen on valid")  # vs_fairseq.json's rows
+METRICS = ("moses_lc", "bleu", "chrf")
+
+
+def penalties(draw: dict, setting: str) -> dict:
+    return DEFAULTS if setting == "defaults" else draw["chosen"]
+
+
+def hyps(out: Path, name: str, who: str, penalty: float) -> list[str]:
+    return (out / "hyps" / f"{name}.{who}.{penalty:g}.de").read_text(encoding="utf-8").splitlines()
+
+
+def refs(out: Path, name: str) -> list[str]:
+    path = out / "nmt" / "text" / f"{SPLITS[name]}.raw.de"
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def paired(ours: list[str], theirs: list[str], ref: list[str], names: tuple[str, str]) -> dict:
+    """Scores of both and p of `ours` against `theirs` in the three measures."""
+    from nmt_cli import score
+
+    cased = score.report(ours, ref, (names[0], "ref"), ["bleu", "chrf"], baseline=(names[1], theirs))
+    lc = score.report(ours, ref, (names[0], "ref"), ["bleu"], moses_lc_lang="de", baseline=(names[1], theirs))
+    rows = {
+        "moses_lc": lc["compare"]["bleu"],
+        "bleu": cased["compare"]["bleu"],
+        "chrf": cased["compare"]["chrf"],
+    }
+    return {m: {"a": r["system"], "b": r["baseline"], "p": r["p_value"]} for m, r in rows.items()}
+
+
+def gaps(r: dict) -> str:
+    return " / ".join(f"{r[m]['a'] - r[m]['b']:+.2f}" for m in METRICS)
+
+
+def ps(r: dict) -> str:
+    return " / ".join(f"{r[m]['p']:.3f}" for m in METRICS)
+
+
+def pool(outs: list[Path]) -> None:
+    """Several draws (this script's --out folders, one per --seed) side by side and pooled:
+    each draw's gap and p as it recorded them; every draw's translations of a set one after
+    another against the references repeated as often, with the paired bootstrap, so each
+    toolkit is scored on all its trainings at once; and each toolkit's draws against each other
+    on validation, the noise a gap must beat. Nothing is decoded or trained again."""
+    if len(outs) < 2:
+        sys.exit("give --pool two or more draws (this script's --out folders)")
+    draws = {out: json.loads((out / "vs_fairseq.json").read_text()) for out in outs}
+    for out, draw in draws.items():
+        u = draw["updates"]
+        print(
+            f"- {out}: seed {draw.get('seed', 1)}, nmt {u['nmt']} updates ({draw['precision']['nmt']}), "
+            f"fairseq {u['fairseq']}; chosen alpha {draw['chosen']['nmt']:g}, "
+            f"lenpen {draw['chosen']['fairseq']:g}"
+        )
+    target_met = {}
+    for setting in SETTINGS:
+        print(f"\n{setting}: nmt - fairseq, moses-lc / cased BLEU / chrF (p)\n")
+        print(
+            "| set | "
+            + " | ".join(f"seed {d.get('seed', 1)}" for d in draws.values())
+            + " | pooled | pooled p |"
+        )
+        print("| --- |" + " --- |" * (len(draws) + 2))
+        for name in SPLITS:
+            per_draw = []
+            for draw in draws.values():
+                r = draw[setting][name]
+                per_draw.append(
+                    " / ".join(f"{r['nmt'][m] - r['fairseq'][m]:+.2f}" for m in METRICS)
+                    + " (" + " / ".join(f"{r['p'][m]:.3f}" for m in METRICS) + ")"
+                )  # fmt: skip
+            ours, theirs, ref = [], [], []
+            for out, draw in draws.items():
+                pen = penalties(draw, setting)
+                ours += hyps(out, name, "nmt", pen["nmt"])
+                theirs += hyps(out, name, "fairseq", pen["fairseq"])
+                ref += refs(out, name)
+            pooled = paired(ours, theirs, ref, ("nmt", "fairseq"))
+            print(f"| {name} | " + " | ".join(per_draw) + f" | {gaps(pooled)} | {ps(pooled)} |")
+            if name != "valid":
+                # The issue's bar: ahead by 1 BLEU (both measures) and 1 chrF, each with p < 0.05.
+                target_met[(setting, name)] = all(
+                    pooled[m]["a"] - pooled[m]["b"] >= 1 and pooled[m]["p"] < 0.05 for m in METRICS
+                )
+    print("\nEach toolkit's draws against each other on the validation set (defaults), A / B (p):\n")
+    print("| toolkit | draws | moses-lc | cased BLEU | chrF |\n| --- | --- | --- | --- | --- |")
+    outs = list(draws)
+    ref = refs(outs[0], "valid")
+    for who in ("nmt", "fairseq"):
+        first = hyps(outs[0], "valid", who, DEFAULTS[who])
+        for later in outs[1:]:
+            r = paired(first, hyps(later, "valid", who, DEFAULTS[who]), ref, (str(outs[0]), str(later)))
+            cells = " | ".join(f"{r[m]['a']:.2f} / {r[m]['b']:.2f} ({r[m]['p']:.3f})" for m in METRICS)
+            print(f"| {who} | {outs[0].name} / {later.name} | {cells} |")
+    print("\nTarget (pooled: nmt ahead by >= 1 in moses-lc, cased BLEU and chrF, each p < 0.05):")
+    for (setting, name), met in target_met.items():
+        print(f"- {setting}, {name}: {'met' if met else 'not met'}")
+
+
 def main() -> None:
     from nmt_cli.config import resolve_precision
     from nmt_cli.engine.device import cpu_has_bf16
@@ -245,7 +347,12 @@ def main() -> None:
     ap.add_argument("--nmt-precision", default="auto", choices=("auto", "fp32", "bf16"))
     # One training per toolkit is one draw: a seed alone moves validation BLEU by up to 1.4.
     ap.add_argument("--seed", type=int, default=RECIPE["seed"], help="both toolkits' training seed")
+    ap.add_argument(
+        "--pool", type=Path, nargs="+", metavar="OUT", help="instead: pool the draws of these --out folders"
+    )
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
     if not FAIRSEQ_PYTHON.exists():
         sys.exit(f"no fairseq at {FAIRSEQ_PYTHON}: run `bash benchmarks/peers/install_fairseq.sh` first")
     if args.out.exists():

@@ -34,7 +34,7 @@ def resolve_precision(
 ) -> str:
     """--precision on a device of `device_type` ("cpu", "cuda"). auto: on a GPU bf16 for training
     and fp32 for decoding, where bf16 scored level with fp32 on the validation set but decoded
-    several times slower (benchmarks/decode_precision.py); on a CPU bf16 when `cpu_bf16` (it
+    several times slower (benchmarks/deploy.py fidelity --precisions); on a CPU bf16 when `cpu_bf16` (it
     has bf16 arithmetic and the caller gains from it), else fp32."""
     if precision == "auto":
         if device_type == "cuda":
