@@ -7,7 +7,8 @@ takes a hypothesis on through a constraint; the beam is then shared out among th
 robin (the best of the most advanced bank, the best of the next, ..., then the second best of
 each), so that hypotheses that met more constraints are not crowded out by likelier ones that
 met fewer. A hypothesis may end only once it has met all its constraints; the search gives each
-sentence room for them, so one that has met them all is always found.
+sentence room for them, and the most advanced bank's best goes on every step, so one that has
+met them all is found whenever they fit within the model's positions.
 """
 
 from __future__ import annotations

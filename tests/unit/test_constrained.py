@@ -4,26 +4,14 @@ among banks round robin."""
 
 import pytest
 import torch
+from test_beam import SRC, model  # the random model and sources of beam search's own tests
 
-from nmt_cli.config import DecodeOptions, ModelConfig
+from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import constrained
 from nmt_cli.engine.constrained import Progress, allocate
 from nmt_cli.engine.decoding import _decoder, translate
 from nmt_cli.engine.hypothesis import max_lengths
-from nmt_cli.engine.model import Transformer
-from nmt_cli.vocab import EOS, PAD
-
-
-def model() -> Transformer:
-    torch.manual_seed(0)
-    return Transformer(
-        ModelConfig(vocab_size=40, num_encoder_layers=2, num_decoder_layers=2, d_model=32, ffn=64, heads=4)
-    ).eval()
-
-
-SRC = torch.tensor(
-    [[5, 6, 7, 8, 9, 10, EOS], [11, 12, EOS, PAD, PAD, PAD, PAD], [13, 14, 15, 16, EOS, PAD, PAD]]
-)
+from nmt_cli.vocab import PAD
 
 
 def holds(tokens: list[int], phrase: list[int]) -> bool:
