@@ -114,9 +114,12 @@ class Residual(nn.Module):
         self.dropout, self.post_norm = dropout, post_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
-        if self.post_norm:
-            return self.norm(x + dropout(sublayer(x), self.dropout, self.training))
-        return x + dropout(sublayer(self.norm(x)), self.dropout, self.training)
+        y = dropout(sublayer(self.inner(x)), self.dropout, self.training)
+        return self.norm(x + y) if self.post_norm else x + y
+
+    def inner(self, x: Tensor) -> Tensor:
+        """What the sublayer is given: x itself in post-norm, LayerNorm(x) in pre-norm."""
+        return x if self.post_norm else self.norm(x)
 
 
 class EncoderLayer(nn.Module):
@@ -150,12 +153,6 @@ class DecoderLayer(nn.Module):
         cache: DecoderCache | None = None,
         layer: int = 0,
     ) -> Tensor:
-        def self_attention(h: Tensor) -> Tensor:
-            if cache is None:  # training: every position at once, each sees only its past
-                return self.self_attn(h, self.self_attn.keys_values(h), causal=True)
-            k, v = cache.append(layer, *self.self_attn.keys_values(h))
-            return self.self_attn(h, (k, v))  # the new position sees every cached one
-
         def cross_attention(h: Tensor) -> Tensor:
             if cache is None or cache.beam == 1:
                 return self.cross_attn(h, memory_kv, src_mask)
@@ -165,9 +162,21 @@ class DecoderLayer(nn.Module):
             y = self.cross_attn(h.view(b, cache.beam, -1), memory_kv, src_mask)
             return y.view(b * cache.beam, 1, -1)
 
-        x = self.res1(x, self_attention)
+        x = self.res1(x, lambda h: self.attend_self(h, cache, layer))
         x = self.res2(x, cross_attention)
         return self.res3(x, self.ffn)
+
+    def attend_self(self, h: Tensor, cache: DecoderCache | None = None, layer: int = 0) -> Tensor:
+        if cache is None:  # training: every position at once, each sees only its past
+            return self.self_attn(h, self.self_attn.keys_values(h), causal=True)
+        k, v = cache.append(layer, *self.self_attn.keys_values(h))
+        return self.self_attn(h, (k, v))  # the new position sees every cached one
+
+    def cross_weights(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor) -> Tensor:
+        """The encoder-decoder attention probabilities (B, H, T, S) of teacher-forced `x`: those
+        `forward` mixes the memory with."""
+        x = self.res1(x, self.attend_self)
+        return self.cross_attn.weights(self.res2.inner(x), memory_kv, src_mask)
 
 
 class Transformer(nn.Module):
@@ -250,11 +259,7 @@ class Transformer(nn.Module):
         x, last = self.embed_tokens(tgt_in), layer % len(self.decoder)
         for i in range(last):
             x = self.decoder[i](x, kv[i], src_mask)
-        d = self.decoder[last]
-        x = d.res1(x, lambda h: d.self_attn(h, d.self_attn.keys_values(h), causal=True))
-        return d.cross_attn.weights(x if self.config.post_norm else d.res2.norm(x), kv[last], src_mask).mean(
-            1
-        )
+        return self.decoder[last].cross_weights(x, kv[last], src_mask).mean(1)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
