@@ -77,14 +77,12 @@ class Backend:
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
         batches meet its threads in the same order; the sentences' keys cannot seed them.
-        CTranslate2 has no lexical constraints: sentences with some are refused.
+        CTranslate2 has no lexical constraints: translate.Translator refuses them before.
         """
         a, b = options.max_len_a, options.max_len_b
         if options.sample and not self._seeded:
             self._ct2.set_random_seed(options.seed)
             self._seeded = True
-        if any(s.constraints for batch in sentences for s in batch):
-            raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
         batches = [[s.ids for s in batch] for batch in sentences]
         starts_of = [[s.prefix for s in b] if any(s.prefix for s in b) else None for b in sentences]
         pending = [

@@ -50,7 +50,7 @@ class Backend:
         """The `options.nbest` best of each sentence of each batch, batch by batch."""
 
         def one(batch: list[Source]) -> list[list[Hypothesis]]:
-            src = torch.from_numpy(pad_sources([s.ids for s in batch])).to(self.device)
+            src = self._sources([s.ids for s in batch])
             bound = any(s.prefix for s in batch), any(s.constraints for s in batch)
             return decoding.translate(
                 self.models,
@@ -68,7 +68,7 @@ class Backend:
         source, batch by batch."""
 
         def one(batch: list[list[int]], batch_targets: list[list[int]]) -> list[float]:
-            src = torch.from_numpy(pad_sources(batch)).to(self.device)
+            src = self._sources(batch)
             return forced.log_probs(self.models, src, batch_targets)
 
         return self._each(one, batches, targets)
@@ -79,10 +79,14 @@ class Backend:
         """Each target's (source position, target position) pairs (forced.aligned), batch by batch."""
 
         def one(batch: list[list[int]], batch_targets: list[list[int]]) -> list[list[tuple[int, int]]]:
-            src = torch.from_numpy(pad_sources(batch)).to(self.device)
+            src = self._sources(batch)
             return forced.aligned(self.models, src, batch_targets)
 
         return self._each(one, batches, targets)
+
+    def _sources(self, batch: list[list[int]]) -> torch.Tensor:
+        """Source ids (without EOS) as a padded batch with EOS, on the device."""
+        return torch.from_numpy(pad_sources(batch)).to(self.device)
 
     def _each(self, one: Callable, *batches: list) -> Iterator:
         """`one` on each batch, answers in order. On a CPU, up to `threads` batches at once, one

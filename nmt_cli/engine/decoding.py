@@ -45,16 +45,13 @@ def translate(
     if prefixes is not None and any(prefixes):
         max_lens = [max(n, min(len(p) + 1, ceiling)) for n, p in zip(max_lens, prefixes)]
         forced = _prefix_tensor(prefixes, src.device)
-    if constraints is not None and any(constraints):
+    bound = constraints is not None and any(constraints)
+    if bound:
         if o.sample:
             raise ValueError("constraints are met by beam search, not by sampling")
         starts = prefixes or [[]] * len(max_lens)
         needs = [len(p) + constrained.room(c) for p, c in zip(starts, constraints)]
         max_lens = [max(n, min(need, ceiling)) for n, need in zip(max_lens, needs)]
-        step, reorder = _together([_decoder(m, src, o.beam, max(max_lens) + 1, use_cache) for m in models])
-        return constrained.search(
-            step, reorder, max_lens, o.beam, o.alpha, o.nbest, constraints, src.device, forced
-        )
     keys = range(len(max_lens)) if keys is None else keys
     if o.sample:  # each draw a row of its own, as a sentence of its own
         src = src.repeat_interleave(o.nbest, 0)
@@ -62,6 +59,10 @@ def translate(
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
+    if bound:
+        return constrained.search(
+            step, reorder, max_lens, k, o.alpha, o.nbest, constraints, src.device, forced
+        )
     if o.sample:
         seeds = [sampling.seed_of(o.seed, key, j) for key in keys for j in range(o.nbest)]
         drawn = sampling.sample(step, reorder, max_lens, o, seeds, src.device, forced)
