@@ -1,37 +1,101 @@
-"""Label-smoothed cross-entropy (section 5.4), with a backward written out by hand."""
+"""Label-smoothed cross-entropy (section 5.4), with a backward written out by hand.
+
+The loss of a row of scores x against target t, with the smoothing mass epsilon spread over the
+V words, is (1 - epsilon) * (lse(x) - x_t) + epsilon * (lse(x) - mean(x)), lse the log-sum-exp.
+So the forward needs three numbers a row and the backward only the scores and lse: neither ever
+holds the (N, V) log-probabilities. Both run over slices of rows, in float32 within a slice, so
+that no float32 (N, V) copy of bf16 scores exists either. On a GPU each slice's passes are one
+compiled kernel (they would otherwise read and write the slice five times from memory); on a
+CPU a slice fits the cache, which the eager passes then share.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+# Elements of one slice: a few MB on a CPU (its caches), a quarter GB on a GPU.
+CPU_SLICE, GPU_SLICE = 2**19, 2**26
+
+
+def _row_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """lse(x) and lse(x) - mean(x) of each row, in float32: what the compiler fuses into one pass."""
+    x = x.float()
+    lse = torch.logsumexp(x, -1)
+    return lse, lse - x.mean(-1)
+
+
+def _row_grad(x, lse, target, g, hit, out) -> None:
+    """Writes into `out` the gradient of rows x: g[0] * softmax(x) - g[1] everywhere, `hit`
+    less at each row's target (as the compiler fuses it: one read of x, one write)."""
+    p = torch.exp(x.float() - lse[:, None]) * g[0] - g[1]
+    at_target = torch.arange(x.shape[-1], device=x.device) == target[:, None]
+    out.copy_(torch.where(at_target, p - hit, p))
+
+
+def _row_sums_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_row_sums in passes that torch runs as single kernels: one log_softmax, one mean."""
+    lp = F.log_softmax(x.float(), -1)
+    return x[:, 0].float() - lp[:, 0], -lp.mean(-1)
+
+
+def _row_grad_eager(x, lse, target, g, hit, out) -> None:
+    """_row_grad in place: into `out` itself where it is float32, else into one float32 slice."""
+    p = out if out.dtype == torch.float32 else torch.empty(x.shape, device=x.device)
+    torch.sub(x, lse[:, None], out=p)
+    p.exp_().mul_(g[0]).sub_(g[1])
+    p[torch.arange(len(target), device=x.device), target] -= hit
+    if p is not out:
+        out.copy_(p)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _kernels(device: torch.device):
+    """The two slice functions: compiled once per process on a GPU, eager elsewhere."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return _row_sums_eager, _row_grad_eager
+    if not _compiled:
+        _compiled["sums"] = torch.compile(_row_sums, dynamic=True)
+        _compiled["grad"] = torch.compile(_row_grad, dynamic=True)
+    return _compiled["sums"], _compiled["grad"]
+
+
+def _slices(rows: int, width: int, device: torch.device):
+    step = max(1, (GPU_SLICE if device.type == "cuda" else CPU_SLICE) // max(width, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
-    """Label-smoothed cross-entropy with a hand-written backward: the gradient is
-    softmax - (1 - epsilon) * onehot - epsilon / V, computed in place from the saved
-    log-probabilities. Autograd's version materialises three more (N, V) tensors."""
-
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, epsilon: float):
-        lprobs = F.log_softmax(logits.float(), dim=-1)  # (N, V)
-        nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)  # (N,)
-        uniform = -lprobs.sum(dim=-1) / lprobs.shape[-1]  # (N,)
-        ctx.save_for_backward(lprobs, target)
-        ctx.epsilon, ctx.dtype = epsilon, logits.dtype
+        sums, _ = _kernels(logits.device)
+        n = logits.shape[0]
+        lse = logits.new_empty(n, dtype=torch.float32)
+        uniform = logits.new_empty(n, dtype=torch.float32)  # -mean log-probability
+        for rows in _slices(n, logits.shape[-1], logits.device):
+            lse[rows], uniform[rows] = sums(logits[rows])
+        nll = lse - logits.gather(-1, target[:, None]).squeeze(-1).float()  # (N,)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.epsilon = epsilon
         return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, grad_nll: torch.Tensor | None):
-        lprobs, target = ctx.saved_tensors
-        eps, v = ctx.epsilon, lprobs.shape[-1]
+        logits, target, lse = ctx.saved_tensors
+        _, grad_of = _kernels(logits.device)
+        eps, v = ctx.epsilon, logits.shape[-1]
         g_loss = grad_loss.float()
         g_nll = grad_nll.float() if grad_nll is not None else torch.zeros_like(g_loss)
-        grad = lprobs.exp_().mul_(g_loss + g_nll).sub_(g_loss * eps / v)  # softmax, in place
-        grad.scatter_add_(
-            -1, target[:, None], (-(g_loss * (1.0 - eps) + g_nll)).expand(len(target), 1).contiguous()
-        )
-        return grad.to(ctx.dtype), None, None
+        # d/dx of (1-eps)*nll + eps*uniform, scaled by g_loss, plus nll's, scaled by g_nll.
+        g = torch.stack([g_loss + g_nll, g_loss * eps / v])
+        hit = g_loss * (1.0 - eps) + g_nll
+        grad = torch.empty_like(logits)
+        for rows in _slices(logits.shape[0], v, logits.device):
+            grad_of(logits[rows], lse[rows], target[rows], g, hit, grad[rows])
+        return grad, None, None
 
 
 def label_smoothed_loss(

@@ -43,3 +43,48 @@ def test_label_smoothed_loss_gradient_matches_autograd(epsilon):
     (got,) = torch.autograd.grad(3 * loss + 2 * nll_sum, logits)
     assert torch.allclose(loss, reference.detach(), atol=1e-4)
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_in_slices_equals_it_whole(monkeypatch, dtype):
+    """Rows in many slices (and the last one short) give the loss and gradient of one slice,
+    and bf16 scores get a bf16 gradient computed in float32."""
+    from nmt_cli.engine import loss as module
+
+    torch.manual_seed(1)
+    logits = (3 * torch.randn(37, 50)).to(dtype).requires_grad_()
+    target = torch.randint(0, 50, (37,))
+    results = []
+    for rows_per_slice in (1000, 8):
+        monkeypatch.setattr(module, "CPU_SLICE", rows_per_slice * 50)
+        loss, nll = label_smoothed_loss(logits, target, 0.1)
+        (grad,) = torch.autograd.grad(2 * loss + nll, logits)
+        results.append((loss, nll, grad))
+    (whole, whole_nll, whole_grad), (sliced, sliced_nll, sliced_grad) = results
+    assert sliced_grad.dtype == dtype
+    assert torch.allclose(whole, sliced, atol=1e-4) and torch.allclose(whole_nll, sliced_nll, atol=1e-4)
+    assert torch.equal(whole_grad, sliced_grad)
+    lprobs = torch.log_softmax(logits.detach().float(), -1)
+    reference = -(lprobs.gather(-1, target[:, None]).sum())
+    assert torch.allclose(whole_nll, reference, rtol=1e-5)
+
+
+def test_the_compiled_slice_kernels_equal_the_eager_ones():
+    """What a GPU runs (the slice functions compiled) against what the CPU runs, on the CPU."""
+    from nmt_cli.engine import loss as module
+
+    torch.manual_seed(2)
+    x = (3 * torch.randn(23, 40)).bfloat16()
+    target = torch.randint(0, 40, (23,))
+    sums = torch.compile(module._row_sums, dynamic=True)
+    grad_of = torch.compile(module._row_grad, dynamic=True)
+    lse, uniform = sums(x)
+    lse_eager, uniform_eager = module._row_sums_eager(x)
+    assert torch.allclose(lse, lse_eager, atol=1e-5) and torch.allclose(uniform, uniform_eager, atol=1e-5)
+    g, hit = torch.tensor([1.5, 0.01]), torch.tensor(0.9)
+    out = torch.full((30, 40), float("nan"), dtype=torch.bfloat16)
+    expected = out.clone()
+    grad_of(x, lse, target, g, hit, out[:23])
+    module._row_grad_eager(x, lse, target, g, hit, expected[:23])
+    assert torch.allclose(out[:23].float(), expected[:23].float(), atol=1e-2)
+    assert out[23:].isnan().all()  # only the rows given were written
