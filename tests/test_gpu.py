@@ -89,6 +89,27 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
         assert all(math.isfinite(r[0]) and r[2] > 0 for r in rows)
 
 
+def test_bf16_attention_takes_the_memory_efficient_kernel():
+    """Training and decoding in bf16 attend with the kernel nmt chose (engine/device.py), not
+    cuDNN's (a plan built per shape) or flash (slower for this model's heads)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nmt_cli.config import ModelConfig
+    from nmt_cli.engine.device import resolve_device
+    from nmt_cli.engine.model import Transformer
+
+    device = resolve_device("cuda")
+    c = ModelConfig(vocab_size=100, num_encoder_layers=1, num_decoder_layers=1, d_model=64, ffn=128, heads=4)
+    model = Transformer(c).to(device)
+    src = torch.randint(4, 100, (8, 12), device=device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.autocast("cuda", dtype=torch.bfloat16):
+        model(src, src, padded=False).float().sum().backward()
+        model(src, src).float().sum().backward()
+    ops = {e.name for e in prof.events() if "attention" in e.name and e.name.startswith("aten::_")}
+    assert any("efficient" in op for op in ops), ops
+    assert not any("cudnn" in op or "flash" in op for op in ops), ops
+
+
 def test_the_gpus_launcher_writes_checkpoints(run_copy, nmt):
     """`--gpus 1`: the elastic launcher and a real NCCL process group, through a checkpoint
     (whose RNG states are gathered) and a resume."""

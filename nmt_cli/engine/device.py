@@ -13,7 +13,28 @@ from nmt_cli.config import resolve_device_name
 
 
 def resolve_device(name: str) -> torch.device:
-    return torch.device(resolve_device_name(name, torch.cuda.is_available()))
+    device = torch.device(resolve_device_name(name, torch.cuda.is_available()))
+    prefer_attention_kernels(device)
+    return device
+
+
+def prefer_attention_kernels(device: torch.device) -> None:
+    """On a GPU, have scaled_dot_product_attention take the memory-efficient kernel (math where
+    it cannot), not cuDNN's or flash attention, for the whole process.
+
+    For bf16 and fp16 torch prefers cuDNN attention on Hopper GPUs, and cuDNN builds an
+    execution plan for every new shape: the first pass over a run's batch shapes, and decoding
+    (whose key length grows every step), paid it again and again. Flash attention needs no plan
+    but was slower than the memory-efficient kernel for each of this model's attention calls
+    (64-channel heads, short sentences) in training and decoding: benchmarks/gpu_perf.py measures
+    all of them, docs/benchmarks.md has the figures. Every engine entry point resolves its device
+    through resolve_device, so training and decoding both get this."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_flash_sdp(False)
+        if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+        torch.backends.cuda.enable_math_sdp(True)
 
 
 def dtype_of(precision: str) -> torch.dtype | None:
