@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU performance script: what limits training and decoding on one GPU, in one call.
+#
+#   bash benchmarks/gpu_perf.sh             # on a GPU machine: run it with a 540 s limit
+#   bash benchmarks/gpu_perf.sh --dry-run   # every step on the CPU at tiny sizes (a few minutes)
+#
+# benchmarks/gpu_perf.py does the measuring (its docstring lists the sections, the most valuable
+# first, each skipped when the time left would not hold it); this script prepares Multi30k for
+# its last section (the trainer's loop) in the background while the others run. Like
+# gpu_check.sh it needs no install and no network: sacremoses from .whl/ and Multi30k from
+# $NMT_MIRROR, .gpu/data/multi30k or ../shared/data/multi30k (`bash benchmarks/gpu_carry.sh`
+# fills .whl/ and .gpu/). Figures: $OUT/gpu_perf.jsonl (one JSON line each), the log beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/benchmarks/out/gpu_perf}
+WORK=${NMT_GPU_WORK:-/tmp/nmt_gpu_perf}
+DRY=()
+[ "${1:-}" = --dry-run ] && DRY=(--dry-run)
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1
+# Compiled kernels (the fused loss, --compile) are cached here for the runs of this call.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor}
+
+if ! python3 -c "import sacremoses" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$WORK/site" .whl/*.whl || exit 1
+    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+MIRROR=
+for m in "${NMT_MIRROR:-}" "$ROOT/.gpu/data/multi30k" "$ROOT/../shared/data/multi30k"; do
+    if [ -n "$m" ] && [ -f "$m/train.en.gz" ]; then MIRROR=$m; break; fi
+done
+
+DATA=$WORK/data
+rm -rf "$DATA"
+if [ -n "$MIRROR" ]; then
+    (nice -n 19 python3 -m nmt_cli prep multi30k-en-de --run-dir "$DATA" --mirror "$MIRROR" \
+        && nice -n 19 python3 -m nmt_cli bpe --run-dir "$DATA" --vocab-size 8000 \
+        && touch "$DATA/.ready") >"$OUT/prep.log" 2>&1 &
+else
+    echo "no Multi30k (set NMT_MIRROR or run benchmarks/gpu_carry.sh): the loop section is skipped"
+fi
+
+python3 benchmarks/gpu_perf.py "${DRY[@]}" --out "$OUT" --budget "${BUDGET:-470}" --data "$DATA" \
+    2>&1 | tee "$OUT/gpu_perf.log"
+code=${PIPESTATUS[0]}
+wait
+exit "$code"
