@@ -18,6 +18,33 @@ if os.environ.get("NMT_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_report_header(config) -> list[str]:
+    """Every log names its machine: the CPU's kind, as torch's kernels see it (a forced
+    ATEN_CPU_CAPABILITY too), the threads, and what `--precision auto` picks for training."""
+    import torch
+
+    from nmt_cli.engine.device import cpu_has_bf16
+
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    kind = next(
+        (k for k, f in (("amx", "amx_bf16"), ("bf16", "avx512_bf16"), ("avx512", "avx512f")) if f in flags),
+        "avx2",
+    )
+    forced = {
+        v: os.environ[v]
+        for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "CT2_FORCE_CPU_ISA")
+        if v in os.environ
+    }
+    return [
+        f"cpu: {kind}; torch kernels: {torch.backends.cpu.get_cpu_capability()}"
+        + (f" (forced: {forced})" if forced else ""),
+        f"threads: {torch.get_num_threads()}; --precision auto trains in "
+        f"{'bf16' if cpu_has_bf16() else 'fp32'} (the fixtures in fp32 on every CPU)",
+    ]
+
+
 SHARED_DATA = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data"))
 MULTI30K = SHARED_DATA / "multi30k"
 WMT14 = SHARED_DATA / "wmt14"
@@ -198,8 +225,12 @@ def run_copy(multi30k_bpe, tmp_path) -> Path:
     return dest
 
 
-# A model small enough that a training step takes milliseconds.
+# A model small enough that a training step takes milliseconds. In fp32 on every CPU: `auto`
+# trains in bf16 where the CPU has bf16 arithmetic, which would make the fixtures a different
+# model on each kind of CPU (a test about precision names its own after these).
 TINY = [
+    "--precision",
+    "fp32",
     "--size",
     "tiny",
     "--d-model",
@@ -243,6 +274,7 @@ def tiny_trainer(run_dir, **options):
     from nmt_cli.engine import state
     from nmt_cli.rundir import RunDir
 
+    options = {"precision": "fp32", **options}  # as TINY: the same model on every CPU
     config = TrainConfig(
         size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1,
         max_tokens=256, device="cpu", **options,
