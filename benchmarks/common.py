@@ -27,6 +27,20 @@ SHAPES = {
 }
 
 
+def model_config(shape: dict):
+    """The ModelConfig of one of SHAPES (or a shape written alike)."""
+    from nmt_cli.config import ModelConfig
+
+    return ModelConfig(
+        vocab_size=shape["vocab"],
+        num_encoder_layers=shape["layers"],
+        num_decoder_layers=shape["layers"],
+        d_model=shape["d"],
+        ffn=shape["ffn"],
+        heads=shape["heads"],
+    )
+
+
 def batch(vocab: int, sentences: int = 128, length: int = 32, seed: int = 0):
     """4096 source + 4096 target tokens without padding: (src, tgt_in, tgt_out), ids >= 4."""
     import torch

@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, cpu_name  # noqa: E402
+from common import SHAPES, cpu_name, model_config  # noqa: E402
 
-from nmt_cli.config import DecodeOptions, ModelConfig  # noqa: E402
+from nmt_cli.config import DecodeOptions  # noqa: E402
 from nmt_cli.engine import decoding  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.packing import pack_for_cpu  # noqa: E402
@@ -70,22 +70,8 @@ def sources(name: str, n: int) -> list[list[int]]:
 def nmt_decode(
     shape_name: str, ids: list[list[int]], cache: bool, dtype, length: int, label: str = ""
 ) -> dict:
-    shape = SHAPES[shape_name]
     torch.manual_seed(0)
-    model = (
-        Transformer(
-            ModelConfig(
-                vocab_size=shape["vocab"],
-                num_encoder_layers=shape["layers"],
-                num_decoder_layers=shape["layers"],
-                d_model=shape["d"],
-                ffn=shape["ffn"],
-                heads=shape["heads"],
-            )
-        )
-        .eval()
-        .to(dtype)
-    )
+    model = Transformer(model_config(SHAPES[shape_name])).eval().to(dtype)
     pack_for_cpu(model)  # as `nmt translate` decodes on the CPU (fp32 only: bf16 stays as is)
     tokens = 0
     for i in [-1] + list(range(0, len(ids), 32)):  # -1: an untimed warm-up

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, train_flops  # noqa: E402
+from common import SHAPES, model_config, train_flops  # noqa: E402
 
-from nmt_cli.config import DecodeOptions, ModelConfig  # noqa: E402
+from nmt_cli.config import DecodeOptions  # noqa: E402
 from nmt_cli.engine import decoding, distributed, step  # noqa: E402
 from nmt_cli.engine.data import Batch, to_device  # noqa: E402
 from nmt_cli.engine.device import prefer_attention_kernels  # noqa: E402
@@ -110,17 +110,8 @@ class Bench:
         return DRY["tiny"] if self.dry else SHAPES[name]
 
     def model(self, name: str) -> Transformer:
-        s = self.shape(name)
         torch.manual_seed(0)
-        c = ModelConfig(
-            vocab_size=s["vocab"],
-            num_encoder_layers=s["layers"],
-            num_decoder_layers=s["layers"],
-            d_model=s["d"],
-            ffn=s["ffn"],
-            heads=s["heads"],
-        )
-        return Transformer(c).to(self.device)
+        return Transformer(model_config(self.shape(name))).to(self.device)
 
 
 def attention_kernels(policy: str) -> None:
@@ -263,7 +254,8 @@ def step_row(b: Bench, name: str, seconds: float, batch: Batch, **labels) -> dic
     flops = train_flops(s, tokens, batch.tokens, batch.src.shape[1], batch.tgt_in.shape[1])
     tflops = flops / seconds / 1e12
     row = {"shape": name, **labels, "ms": round(seconds * 1e3, 2), "tgt_tok_s": round(batch.tokens / seconds)}
-    row |= {"model_tflops": round(tflops, 1), "share_of_ceiling": round(tflops / b.ceiling, 3)}
+    share = round(tflops / b.ceiling, 3) if b.ceiling else None  # the machine section measures it
+    row |= {"model_tflops": round(tflops, 1), "share_of_ceiling": share}
     if b.device.type == "cuda":
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         torch.cuda.reset_peak_memory_stats()
@@ -430,7 +422,6 @@ def section_loop(b: Bench, data: Path | None) -> None:
         return b.emit("loop", skipped="no prepared data")
     import tempfile
 
-    sys.argv = sys.argv[:1]
     from train_throughput import copy_to_train_in, trained_tokens_per_s
 
     from nmt_cli import training

@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, batch, cpu_name, matmul_ceiling, time_steps, train_flops  # noqa: E402
+from common import SHAPES, batch, cpu_name, matmul_ceiling, model_config, time_steps, train_flops  # noqa: E402
 
-from nmt_cli.config import ModelConfig  # noqa: E402
 from nmt_cli.engine import distributed  # noqa: E402
 from nmt_cli.engine.data import Batch, to_device  # noqa: E402
 from nmt_cli.engine.device import keep_large_blocks_in_heap  # noqa: E402
@@ -47,17 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def model_of(shape_name: str, device: torch.device) -> Transformer:
-    shape = SHAPES[shape_name]
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=shape["vocab"],
-        num_encoder_layers=shape["layers"],
-        num_decoder_layers=shape["layers"],
-        d_model=shape["d"],
-        ffn=shape["ffn"],
-        heads=shape["heads"],
-    )
-    return Transformer(config).to(device)
+    return Transformer(model_config(SHAPES[shape_name])).to(device)
 
 
 def device_batch(vocab: int, device: torch.device, sentences: int = 128) -> Batch:
