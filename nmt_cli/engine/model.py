@@ -218,8 +218,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor, padded: bool = True) -> tuple[Tensor, Tensor | None]:
         """(B, S) source ids -> (B, S, D) memory and the (B, 1, 1, S) mask of real tokens; no mask
-        when the caller knows the batch has no padding, so that attention may take a kernel that
-        takes none (flash attention)."""
+        when the caller knows the batch has no padding, so that attention skips masking."""
         src_mask = (src != PAD)[:, None, None, :] if padded else None
         x = self.embed_tokens(src)
         for layer in self.encoder:
