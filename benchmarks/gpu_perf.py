@@ -298,6 +298,7 @@ def section_step(b: Bench) -> None:
     for name in ("base", "big"):
         model = b.model(name)
         runs: dict[tuple, list[float]] = {v: [] for v in variants}
+        peaks: dict[tuple, float] = {}  # GiB at the peak of each variant's (last) round
         for _ in range(b.rounds):
             for loss, mask, kernels in variants:
                 if b.left() < 20:
@@ -306,11 +307,17 @@ def section_step(b: Bench) -> None:
                 attention_kernels(kernels)
                 one, batch = make_step(b, model, model, False, sentences)
                 batch.src_padded = mask  # the mask over a batch without padding: the landed path
+                if b.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 runs[(loss, mask, kernels)].append(b.timed(one, 3, 10))
+                if b.device.type == "cuda":
+                    peaks[(loss, mask, kernels)] = torch.cuda.max_memory_allocated() / 2**30
         for (loss, mask, kernels), times in runs.items():
             if times:
                 labels = dict(loss=loss, mask=mask, attention=kernels)
                 row = step_row(b, name, statistics.median(times), batch, **labels)
+                if (loss, mask, kernels) in peaks:
+                    row["peak_gib"] = round(peaks[(loss, mask, kernels)], 2)
                 b.emit("step", **row, rounds_ms=[round(t * 1e3, 2) for t in times])
         if name == "base":
             top_kernels(b, one, "base step, fused loss, no mask, nmt's attention kernels")
@@ -366,8 +373,9 @@ def section_decode(b: Bench) -> None:
 
 
 def section_cold(b: Bench) -> None:
-    """A pass over 24 batch shapes never seen, then the same pass again, cuDNN attention off,
-    then on (cold to its per-shape plans): the first epoch of a real run meets every shape."""
+    """A pass over 24 batch shapes never seen, then the same pass again, with nmt's attention
+    kernels, then torch's (cuDNN's cold to their per-shape plans): the first epoch of a real run
+    meets every shape."""
     import numpy as np
 
     rng = np.random.default_rng(1)
@@ -414,66 +422,20 @@ def section_compile(b: Bench) -> None:
 
 
 def section_loop(b: Bench, data: Path | None) -> None:
-    """The trainer's loop against the bare step on the same real batches, both warm, both the
-    median of 10-update windows; the bare step's first (cold) pass beside them."""
+    """The trainer's loop against the bare step on the same real batches (train_throughput's
+    measurement), at each of --loop-tokens."""
     while data is not None and not (data / ".ready").exists() and b.left() > 90:
         time.sleep(2)  # gpu_perf.sh prepares it in the background
     if data is None or not (data / "data").exists():
         return b.emit("loop", skipped="no prepared data")
-    import tempfile
+    from train_throughput import loop_against_bare
 
-    from train_throughput import copy_to_train_in, trained_tokens_per_s
-
-    from nmt_cli import training
-    from nmt_cli.config import TrainConfig
-    from nmt_cli.engine import state
-    from nmt_cli.engine.data import on_device
-    from nmt_cli.rundir import RunDir
-
-    steps = 30 if b.dry else 200
-    size = "tiny" if b.dry else "base"
     for max_tokens in [1024] if b.dry else b.loop_tokens:
         if b.left() < 60:
             return b.emit("loop", skipped="budget")
-        config = TrainConfig(
-            size=size,
-            max_tokens=max_tokens,
-            device=str(b.device),
-            precision="bf16",
-            max_steps=steps,
-            eval_every=10**6,
-            save_every=10**6,
-            warmup=100,
-        )
-        with tempfile.TemporaryDirectory() as tmp:
-            run = copy_to_train_in(data, tmp)
-            t = training.build_trainer(config, RunDir(run), state.Quiet())
-            updates = list(on_device(t.epochs.fixed, [[x] for x in t.epochs.batches(0)[:steps]], t.device))
-            kw = dict(label_smoothing=0.1, clip_norm=0.0, lr=1e-4, autocast=t.autocast, group=t.dist)
-            windows = []  # (pass, tokens, seconds) of 10 updates
-            for p in range(3):  # pass 0 is cold: the first epoch of a run
-                for i in range(0, len(updates) - 9, 10):
-                    b.sync()
-                    start = time.perf_counter()
-                    for batches in updates[i : i + 10]:
-                        step.train_step(t.model, t.forward, t.optimizer, t.scaler, batches, **kw)
-                    b.sync()
-                    tokens = sum(x[0].tokens for x in updates[i : i + 10])
-                    windows.append((p, tokens, time.perf_counter() - start))
-            cold = sum(w[1] for w in windows if w[0] == 0) / sum(w[2] for w in windows if w[0] == 0)
-            bare = statistics.median(w[1] / w[2] for w in windows if w[0] > 0)
-            del t, updates
-            looped = trained_tokens_per_s(training.build_trainer(config, RunDir(run), state.Quiet()), run)
-        b.emit(
-            "loop",
-            size=size,
-            max_tokens=max_tokens,
-            bare_cold_first_pass_tok_s=round(cold),
-            bare_warm_tok_s=round(bare),
-            loop_tok_s=round(looped),
-            loop_over_bare=round(looped / bare, 3),
-            warm_over_cold=round(bare / cold, 2),
-        )
+        size, steps = ("tiny", 30) if b.dry else ("base", 200)
+        row = loop_against_bare(data, size, max_tokens, str(b.device), "bf16", steps)
+        b.emit("loop", **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
 
 
 SECTIONS = ["machine", "attention", "step", "decode", "cold", "loop", "compile"]
