@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_perf.sh             # on a GPU machine: run it with a 540 s limit
 #   bash benchmarks/gpu_perf.sh --dry-run   # every step on the CPU at tiny sizes (a few minutes)
+#   bash benchmarks/gpu_perf.sh --sections machine step --rounds 2   # gpu_perf.py's options
 #
 # benchmarks/gpu_perf.py does the measuring (its docstring lists the sections, the most valuable
 # first, each skipped when the time left would not hold it); this script prepares Multi30k for
@@ -15,8 +16,6 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/benchmarks/out/gpu_perf}
 WORK=${NMT_GPU_WORK:-/tmp/nmt_gpu_perf}
-DRY=()
-[ "${1:-}" = --dry-run ] && DRY=(--dry-run)
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 # Compiled kernels (the fused loss, --compile) are cached here for the runs of this call.
@@ -43,7 +42,7 @@ else
     echo "no Multi30k (set NMT_MIRROR or run benchmarks/gpu_carry.sh): the loop section is skipped"
 fi
 
-python3 benchmarks/gpu_perf.py "${DRY[@]}" --out "$OUT" --budget "${BUDGET:-470}" --data "$DATA" \
+python3 benchmarks/gpu_perf.py --out "$OUT" --budget "${BUDGET:-470}" --data "$DATA" "$@" \
     2>&1 | tee "$OUT/gpu_perf.log"
 code=${PIPESTATUS[0]}
 wait
