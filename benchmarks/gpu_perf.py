@@ -7,10 +7,10 @@ Sections, the most valuable first (a section that would not fit the time left is
 skipped): the machine (versions, the bf16 matmul and copy ceilings, which kernel each attention
 call of the model picks, as torch chooses and as nmt does); each attention call's time under each
 SDPA backend; the training step of `base` and `big` (bf16, 512 x 32 tokens a side) with the
-landed loss and the fused one, with and without the source mask, with torch's attention kernels
-or nmt's; decoding (beam 4 and greedy) in fp32, bf16 and fp16; a cold pass over many batch
-shapes against a warm one; the trainer's loop against the bare step on real batches (`--data`: a prepared
-and binarized Multi30k run); the step compiled. One JSON line per figure in DIR/gpu_perf.jsonl.
+landed loss and the fused one, with torch's attention kernels or nmt's; decoding (beam 4 and
+greedy) in fp32, bf16 and fp16; a cold pass over many batch shapes against a warm one; the
+trainer's loop against the bare step on real batches (`--data`: a prepared and binarized
+Multi30k run); the step compiled. One JSON line per figure in DIR/gpu_perf.jsonl.
 """
 
 from __future__ import annotations
@@ -285,42 +285,38 @@ def top_kernels(b: Bench, fn, label: str, n: int = 12) -> None:
 
 
 def section_step(b: Bench) -> None:
-    """The step's levers against the landed path, in alternate rounds: the loss (landed, fused),
-    the source mask (built, or left out for a batch without padding) and the attention kernels
-    (torch's choice, or nmt's)."""
+    """The step's levers against the landed path, in alternate rounds: the loss (landed, fused)
+    and the attention kernels (torch's choice, or nmt's)."""
     sentences = 16 if b.dry else 512
-    variants = [  # (loss, source mask built, attention kernels chosen by)
-        ("landed", True, "torch"),
-        ("landed", True, "nmt"),
-        ("fused", True, "nmt"),
-        ("fused", False, "nmt"),
+    variants = [  # (loss, attention kernels chosen by)
+        ("landed", "torch"),
+        ("landed", "nmt"),
+        ("fused", "nmt"),
     ]
     for name in ("base", "big"):
         model = b.model(name)
         runs: dict[tuple, list[float]] = {v: [] for v in variants}
         peaks: dict[tuple, float] = {}  # GiB at the peak of each variant's (last) round
         for _ in range(b.rounds):
-            for loss, mask, kernels in variants:
+            for loss, kernels in variants:
                 if b.left() < 20:
                     return b.emit("step", skipped="budget")
                 step.label_smoothed_loss = LOSSES[loss]
                 attention_kernels(kernels)
                 one, batch = make_step(b, model, model, False, sentences)
-                batch.src_padded = mask  # the mask over a batch without padding: the landed path
                 if b.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                runs[(loss, mask, kernels)].append(b.timed(one, 3, 10))
+                runs[(loss, kernels)].append(b.timed(one, 3, 10))
                 if b.device.type == "cuda":
-                    peaks[(loss, mask, kernels)] = torch.cuda.max_memory_allocated() / 2**30
-        for (loss, mask, kernels), times in runs.items():
+                    peaks[(loss, kernels)] = torch.cuda.max_memory_allocated() / 2**30
+        for (loss, kernels), times in runs.items():
             if times:
-                labels = dict(loss=loss, mask=mask, attention=kernels)
-                row = step_row(b, name, statistics.median(times), batch, **labels)
-                if (loss, mask, kernels) in peaks:
-                    row["peak_gib"] = round(peaks[(loss, mask, kernels)], 2)
+                row = step_row(b, name, statistics.median(times), batch, loss=loss, attention=kernels)
+                if (loss, kernels) in peaks:
+                    row["peak_gib"] = round(peaks[(loss, kernels)], 2)
                 b.emit("step", **row, rounds_ms=[round(t * 1e3, 2) for t in times])
         if name == "base":
-            top_kernels(b, one, "base step, fused loss, no mask, nmt's attention kernels")
+            top_kernels(b, one, "base step, fused loss, nmt's attention kernels")
         del model
     step.label_smoothed_loss = LOSSES["fused"]
 

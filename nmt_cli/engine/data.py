@@ -111,7 +111,6 @@ class Batch:
     positions: torch.Tensor  # (N,) where the real target tokens are in the flat (B*T)
     targets: torch.Tensor  # (N,) those tokens
     tokens: int  # N
-    src_padded: bool = True  # False when every source has the batch's length
 
 
 def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.device) -> Batch:
@@ -124,7 +123,7 @@ def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.d
     if device.type == "cuda":
         tensors = [t.pin_memory() for t in tensors]
     src_t, tgt_in_t, positions_t, targets_t = (t.to(device, non_blocking=True) for t in tensors)
-    return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions), bool((src == PAD).any()))
+    return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
 
 
 def on_device(

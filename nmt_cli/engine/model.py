@@ -130,7 +130,7 @@ class EncoderLayer(nn.Module):
         self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
         self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
 
-    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         x = self.res1(x, lambda h: self.self_attn(h, self.self_attn.keys_values(h), src_mask))
         return self.res2(x, self.ffn)
 
@@ -149,7 +149,7 @@ class DecoderLayer(nn.Module):
         self,
         x: Tensor,
         memory_kv: tuple[Tensor, Tensor],
-        src_mask: Tensor | None,
+        src_mask: Tensor,
         cache: DecoderCache | None = None,
         layer: int = 0,
     ) -> Tensor:
@@ -216,10 +216,9 @@ class Transformer(nn.Module):
         x = x + self.positions[offset : offset + n].to(x.dtype)
         return dropout(x, self.config.dropout, self.training)
 
-    def encode(self, src: Tensor, padded: bool = True) -> tuple[Tensor, Tensor | None]:
-        """(B, S) source ids -> (B, S, D) memory and the (B, 1, 1, S) mask of real tokens; no mask
-        when the caller knows the batch has no padding, so that attention skips masking."""
-        src_mask = (src != PAD)[:, None, None, :] if padded else None
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, S) source ids -> (B, S, D) memory and the (B, 1, 1, S) mask of real tokens."""
+        src_mask = (src != PAD)[:, None, None, :]
         x = self.embed_tokens(src)
         for layer in self.encoder:
             x = layer(x, src_mask)
@@ -262,8 +261,7 @@ class Transformer(nn.Module):
             x = self.decoder[i](x, kv[i], src_mask)
         return self.decoder[last].cross_weights(x, kv[last], src_mask).mean(1)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, padded: bool = True) -> Tensor:
-        """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets
-        (`padded` False: the sources have no padding)."""
-        memory, src_mask = self.encode(src, padded)
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
+        memory, src_mask = self.encode(src)
         return self.decode(tgt_in, self.memory_keys_values(memory), src_mask)

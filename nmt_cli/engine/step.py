@@ -19,7 +19,7 @@ def batch_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed smoothed loss and summed NLL of one batch's target tokens."""
     with autocast():
-        hidden = forward(batch.src, batch.tgt_in, batch.src_padded)
+        hidden = forward(batch.src, batch.tgt_in)
         # Padding never reaches the output layer; its positions were found on the host.
         logits = model.logits(hidden.flatten(0, 1).index_select(0, batch.positions))
     return label_smoothed_loss(logits, batch.targets, label_smoothing)

@@ -309,26 +309,6 @@ def test_residual_dropout_is_on_the_sublayer_output(post_norm):
         assert torch.all((dropped.abs() < 1e-5) | ((dropped - 2.0).abs() < 1e-5))
 
 
-def test_a_batch_without_padding_needs_no_source_mask():
-    m = tiny()
-    src = torch.tensor([[5, 6, 7, 3], [9, 8, 7, 3]])
-    tgt = torch.tensor([[BOS, 8, 9], [BOS, 4, 4]])
-    assert torch.allclose(m(src, tgt, padded=False), m(src, tgt), atol=1e-6)
-    memory, mask = m.encode(src, padded=False)
-    assert mask is None
-
-
-def test_batches_say_whether_their_sources_are_padded():
-    import numpy as np
-
-    from nmt_cli.engine.data import to_device
-
-    tgt = np.array([[BOS, 8], [BOS, 9]]), np.array([[8, 3], [9, 3]])
-    full = to_device((np.array([[5, 6, 3], [7, 8, 3]]), *tgt), torch.device("cpu"))
-    padded = to_device((np.array([[5, 6, 3], [7, 3, PAD]]), *tgt), torch.device("cpu"))
-    assert not full.src_padded and padded.src_padded
-
-
 def test_a_gpu_keeps_attention_off_cudnn_and_flash_kernels():
     """The attention policy (flags only: no GPU needed); the CPU's own kernels are left alone."""
     from nmt_cli.engine.device import prefer_attention_kernels
