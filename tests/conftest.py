@@ -252,11 +252,11 @@ TINY = [
 LONGER = [*TINY, "--d-model", "64", "--ffn", "128", "--max-tokens", "512"]
 
 
-def train_command(run_dir, steps) -> list[str]:
+def train_command(run_dir, steps, *extra) -> list[str]:
     """Train TINY for `steps`, a checkpoint at every one: for the resume tests."""
     return nmt_command(
         "train", "--run-dir", run_dir, *TINY, "--max-steps", steps, "--save-every", 1,
-        "--eval-every", 5, "--seed", 3,
+        "--eval-every", 5, "--seed", 3, *extra,
     )  # fmt: skip
 
 

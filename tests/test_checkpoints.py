@@ -22,13 +22,15 @@ from nmt_cli.files import sha256_file
 from nmt_cli.rundir import RunDir
 
 
-def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
-
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, precision):
+    """In fp32 and in bf16 autocast (emulated where the CPU has no bf16 arithmetic)."""
+    command = lambda run: train_command(run, 16, "--precision", precision)  # noqa: E731
     other = tmp_path / "uninterrupted"
     shutil.copytree(run_copy, other)
-    subprocess.run(train_command(other, 16), check=True, capture_output=True)
+    subprocess.run(command(other), check=True, capture_output=True)
 
-    proc = subprocess.Popen(train_command(run_copy, 16), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(run_copy), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = run_copy / "checkpoints" / "checkpoint_00000007.json"
     deadline = time.monotonic() + 120
     while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -36,7 +38,7 @@ def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(checkpoint.listed(run_copy / "checkpoints")) < 16  # it really was cut short
-    subprocess.run(train_command(run_copy, 16), check=True, capture_output=True)
+    subprocess.run(command(run_copy), check=True, capture_output=True)
 
     a, meta_a = final_weights(other)
     b, meta_b = final_weights(run_copy)

@@ -97,8 +97,11 @@ def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp
     assert meta["step"] == 810 and meta["state"]["epoch"] == 0  # new data: its first epoch
     # Adam went on from the checkpoint's moments: its step count too.
     assert {float(s["step"]) for s in after["optimizer"]["state"].values()} == {810.0}
-    moved = after["optimizer"]["state"][0]["exp_avg_sq"] - before["optimizer"]["state"][0]["exp_avg_sq"]
-    assert moved.abs().max() < before["optimizer"]["state"][0]["exp_avg_sq"].abs().max()
+    # Ten updates scale the second moments kept by beta2^10 and add squared gradients, so no
+    # element falls below beta2^10 of where it was (fresh moments would hold the gradients alone).
+    beta2 = after["optimizer"]["param_groups"][0]["betas"][1]
+    v_before, v_after = (t["optimizer"]["state"][0]["exp_avg_sq"] for t in (before, after))
+    assert (v_after >= beta2**10 * v_before * (1 - 1e-5)).all()
     assert "with its optimizer state, at its step 800" in (run / "log.txt").read_text()
     # The checkpoint is read (and its sha256 verified) once for the weights and the optimizer.
     reads = []
