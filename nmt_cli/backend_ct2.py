@@ -80,6 +80,7 @@ class Backend:
         CTranslate2 has no lexical constraints: translate.Translator refuses them before.
         """
         a, b = options.max_len_a, options.max_len_b
+        ceiling = min(self.ceiling, options.max_len or self.ceiling)
         if options.sample and not self._seeded:
             self._ct2.set_random_seed(options.seed)
             self._seeded = True
@@ -90,15 +91,21 @@ class Backend:
                 self._as_pieces(batch),
                 target_prefix=self._as_pieces(starts) if starts else None,
                 length_penalty=0.0,
+                # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without
+                # one, so one step fewer gives the same tokens
                 max_decoding_length=max(
-                    max_lengths([len(x) for x in batch], a, b, self.ceiling)
-                    + [min(len(p) + 1, self.ceiling) for p in starts or []]
+                    1,
+                    max(
+                        max_lengths([len(x) for x in batch], a, b, ceiling)
+                        + [min(len(p) + 1, ceiling) for p in starts or []]
+                    )
+                    - 1,
                 ),
                 max_input_length=0,
                 return_scores=True,
                 return_end_token=True,
                 asynchronous=True,
-                **_search_settings(options),
+                **_search_settings(options, len(self.pieces)),
             )
             for batch, starts in zip(batches, starts_of)
         ]
@@ -174,16 +181,17 @@ class Backend:
         return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw
 
 
-def _search_settings(options: DecodeOptions) -> dict:
+def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:
     """`options` as translate_batch's arguments: nmt's beam (every hypothesis, unpenalised), or
-    its sampling."""
+    its sampling (a top-k past the vocabulary is all of it, as in nmt's engine; CTranslate2
+    refuses it)."""
     if not options.sample:
         return {"beam_size": options.beam, "num_hypotheses": options.beam}
     return {
         "beam_size": 1,
         # top-k 1 is greedy, for which CTranslate2 returns one hypothesis only
         "num_hypotheses": 1 if options.topk == 1 else options.nbest,
-        "sampling_topk": options.topk,
+        "sampling_topk": min(options.topk, vocab_size),
         "sampling_topp": options.topp,
         "sampling_temperature": options.temperature,
     }

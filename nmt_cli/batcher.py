@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.translate import Translator
 
@@ -38,6 +40,7 @@ class Batcher:
         self.pending = 0  # sentences queued or being decoded
         self.arrived = asyncio.Event()
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
+        self.running = False  # the decoding loop takes work: submit refuses it otherwise
 
     def submit(
         self,
@@ -46,7 +49,10 @@ class Batcher:
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
     ) -> asyncio.Future | None:
-        """The future of the job's answer, or None when the queue is full."""
+        """The future of the job's answer, or None when the queue is full; RuntimeError when the
+        decoding loop has stopped (nothing would ever answer it)."""
+        if not self.running:
+            raise RuntimeError("the decoding loop has stopped")
         if self.pending + len(sentences) > self.config.max_queue:
             return None
         job = Job(sentences, options, prefixes, constraints, asyncio.get_running_loop().create_future())
@@ -100,6 +106,15 @@ class Batcher:
         )
 
     async def run(self) -> None:
+        """Decode batches for ever. An error in one batch fails that batch's requests, never the
+        loop: a loop that ended would leave every later request unanswered."""
+        self.running = True
+        try:
+            await self._loop()
+        finally:
+            self.running = False
+
+    async def _loop(self) -> None:
         while True:
             while not self.jobs:
                 self.arrived.clear()
@@ -116,6 +131,10 @@ class Batcher:
             pieces = self._take()
             try:
                 await self._serve(pieces)
+            except Exception as e:  # noqa: BLE001 - a fault of ours: those requests get a 500
+                ui.say("nmt serve: a batch failed: " + "".join(traceback.format_exception_only(e)).strip())
+                for job, _, _ in pieces:
+                    _settle(job, error=e)
             finally:
                 self.pending -= sum(hi - lo for _, lo, hi in pieces)
 
@@ -142,7 +161,7 @@ class Batcher:
                     await self._serve([piece])
             else:
                 job = pieces[0][0]
-                job.done.set_exception(e)
+                _settle(job, error=e)  # unless its client left or its deadline passed meanwhile
                 if job in self.jobs:  # its other pieces are not decoded
                     self.jobs.remove(job)
                     self.pending -= len(job.sentences) - job.taken
@@ -151,13 +170,24 @@ class Batcher:
         for job, lo, hi in pieces:
             end = start + hi - lo
             job.answers += _answer(texts[start:end], hyps[start:end], job.options)
-            if len(job.answers) == len(job.sentences) and not job.done.done():
-                job.done.set_result(job.answers)
+            if len(job.answers) == len(job.sentences):
+                _settle(job, answers=job.answers)
             start = end
 
     def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes, constraints):
         hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints)
         return self.translator.texts(hyps), hyps
+
+
+def _settle(job: Job, answers: list | None = None, error: BaseException | None = None) -> None:
+    """Answer `job`, unless it is answered already: its client left or its deadline passed (its
+    future cancelled), or an earlier piece of it failed."""
+    if job.done.done():
+        return
+    if error is not None:
+        job.done.set_exception(error)
+    else:
+        job.done.set_result(answers)
 
 
 def _joined(parts: list[tuple[list | None, int, int]], none) -> list | None:

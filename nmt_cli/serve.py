@@ -8,7 +8,9 @@ Requests that arrive within `max_wait_ms` of each other are decoded together (dy
 batching), up to `max_batch` sentences at the default beam, by one decoding thread; the event
 loop only parses, checks and answers. A large request is decoded in pieces, and each batch
 serves first the requests served least so far, so a short request waits for at most about one
-batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most.
+batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most,
+and for `max_output_len` tokens per sentence at most. Every decoding option is checked against
+its range (config.use.RANGES) as on the command line; NaN and infinities are refused.
 Past `max_queue` waiting sentences a request gets 503 with Retry-After.
 Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
 A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import json
 import re
 import signal
+from collections.abc import Callable
 
 from nmt_cli import ui
 from nmt_cli.batcher import Batcher
@@ -85,6 +89,12 @@ def parse(
             '"constraints" are met by nmt\'s beam search: '
             + ('drop "sample"' if engine == "nmt" else f"this server decodes with {engine}")
         )
+    if config.max_output_len:
+        if options.max_len > config.max_output_len:
+            raise ValueError(
+                f'"max_len" must be at most {config.max_output_len} on this server (--max-output-len)'
+            )
+        options = dataclasses.replace(options, max_len=options.max_len or config.max_output_len)
     if options.rows > MAX_BEAM:
         raise ValueError(f'"{"nbest" if options.sample else "beam"}" must be at most {MAX_BEAM}')
     if len(text) * options.rows > config.max_hypotheses:
@@ -209,12 +219,18 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             return error(web, 413, str(e))
         except ValueError as e:
             return error(web, 400, str(e))
-        done = request.app[batcher_key].submit(asked.text, asked.options, asked.prefixes, asked.constraints)
+        try:
+            done = request.app[batcher_key].submit(
+                asked.text, asked.options, asked.prefixes, asked.constraints
+            )
+        except RuntimeError as e:  # the decoding loop has stopped: nothing would answer
+            return error(web, 503, str(e))
         if done is None:
             return error(web, 503, "the queue is full: retry shortly", **{"Retry-After": "1"})
         try:
             translations = await asyncio.wait_for(asyncio.shield(done), config.request_timeout)
-            return web.json_response({"translations": translations})
+            # strict JSON: a NaN or an infinity would be an answer that strict parsers reject
+            return web.json_response({"translations": translations}, dumps=_strict_json)
         except asyncio.TimeoutError:  # past its deadline: it leaves the queue, the client is told
             request.app[batcher_key].withdraw(done)
             return error(web, 504, f"not answered within {config.request_timeout:g} s (--request-timeout)")
@@ -222,14 +238,26 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             request.app[batcher_key].withdraw(done)
             raise
         except Exception as e:  # noqa: BLE001 - a decoding failure: the service lives on
-            return error(web, 500, f"{type(e).__name__}: {e}")
+            # the client learns that it failed; what failed (paths, internals) stays in the log
+            ui.say(f"nmt serve: a request failed: {type(e).__name__}: {e}")
+            return error(web, 500, "decoding this request failed; the server's log says why")
 
     return translate
 
 
+def _strict_json(data) -> str:
+    return json.dumps(data, allow_nan=False)
+
+
 def make_app(
-    translator: Translator, model: Model, config: ServeConfig, connections: Connections | None = None
+    translator: Translator,
+    model: Model,
+    config: ServeConfig,
+    connections: Connections | None = None,
+    on_loop_end: Callable[[asyncio.Task], None] | None = None,
 ):
+    """The service's aiohttp app; `on_loop_end(task)` is called if the decoding loop ever ends
+    while the app runs (the server then exits, not lingers unable to answer)."""
     web = require()
     app = web.Application(client_max_size=config.max_body)
     batcher_key = web.AppKey("batcher", Batcher)
@@ -242,7 +270,6 @@ def make_app(
         return web.json_response(
             {
                 "status": "ok" if alive else "the decoding loop has stopped",
-                "model": str(model.where),
                 "engine": translator.engine,
                 "queued": request.app[batcher_key].pending,
             },
@@ -264,7 +291,11 @@ def make_app(
     async def batching(app):
         batcher = app[batcher_key] = Batcher(translator, config)
         task = app[loop_key] = asyncio.get_running_loop().create_task(batcher.run())
+        if on_loop_end is not None:
+            task.add_done_callback(on_loop_end)
         yield
+        if on_loop_end is not None:
+            task.remove_done_callback(on_loop_end)
         task.cancel()
         batcher.decoder.shutdown(wait=True)
 
@@ -290,9 +321,17 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
     web = require()
     translator = Translator(model, translate_config)
     connections = Connections(connection_limit(config.max_connections), config.header_timeout)
-    app = make_app(translator, model, config, connections)
+    ended: list[str] = []  # why the decoding loop ended, if it did
 
     async def main() -> None:
+        stop = asyncio.Event()
+
+        def loop_ended(task: asyncio.Task) -> None:
+            failure = None if task.cancelled() else task.exception()
+            ended.append(f"{type(failure).__name__}: {failure}" if failure else "it was cancelled")
+            stop.set()
+
+        app = make_app(translator, model, config, connections, on_loop_end=loop_ended)
         # handler_cancellation: a request whose client disconnects is cancelled, so that it
         # leaves the decoding queue (aiohttp's default since 3.9 lets it run on). lingering_time:
         # after answering a request whose body was not read whole, aiohttp reads on for this long
@@ -317,7 +356,11 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
         watch = loop.create_task(connections.watch())
         host, port = server.sockets[0].getsockname()[:2]
         ui.say(f"serving {model.where} ({translator.engine}) on http://{host}:{port}")
-        stop = asyncio.Event()
+        if not _loopback(config.host):
+            ui.say(
+                f"warning: --host {config.host} takes requests from other machines; nmt serve has no "
+                "authentication or TLS: put it behind a proxy that has"
+            )
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
@@ -328,3 +371,14 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
         ui.say("stopped")
 
     asyncio.run(main())
+    if ended:
+        raise NmtError(f"the decoding loop stopped ({ended[0]}): the server exited")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False

@@ -107,6 +107,7 @@ def test_every_config_field_is_its_option_with_the_same_default_and_help():
 
     from nmt_cli import config
     from nmt_cli.cli import app
+    from nmt_cli.config.use import help_of
 
     commands = typer.main.get_command(app).commands
     for command, (configs, own) in FILLED.items():
@@ -122,5 +123,5 @@ def test_every_config_field_is_its_option_with_the_same_default_and_help():
                 covered.add(option.name)
                 default = option.default if option.default is not None or field.default != () else ()
                 assert default == field.default, where
-                assert option.help == field.metadata["help"], where
+                assert option.help == help_of(getattr(config, name), field), where
         assert set(params) == covered, f"{command}: options that fill no config"

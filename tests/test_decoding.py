@@ -3,6 +3,7 @@
 on a small trained Multi30k model."""
 
 import dataclasses
+import math
 import re
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from conftest import TINY, one_error_line, run_ok
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
+from nmt_cli.config.use import RANGES
 from nmt_cli.errors import NmtError
 from nmt_cli.models import locate
 from nmt_cli.rundir import RunDir
@@ -68,10 +70,34 @@ def test_sampling_options_are_checked(trained_longer, nmt):
     for flags, message in (
         (["--topk", "5"], "add --sample"),
         (["--sample", "--topp", "0"], "--topp must be in (0, 1]"),
-        (["--sample", "--temperature", "0"], "--temperature above 0"),
-        (["--sample", "--topk", "-1"], "--topk must not be negative"),
+        (["--sample", "--temperature", "0"], "--temperature must be from 1e-06 to 100, not 0"),
+        (["--sample", "--topk", "-1"], "--topk must be from 0 to 100000, not -1"),
+        (["--alpha", "nan"], "--alpha must be from 0 to 10, not nan"),
+        (["--max-len-a", "inf"], "--max-len-a must be from 0 to 100, not inf"),
     ):
         assert message in one_error_line(nmt("translate", "--run-dir", trained_longer, *flags, stdin=b"x\n"))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_max_len_caps_every_translation(trained_longer, sources, engine):
+    longest = max(len(h[0].tokens) for h in translator(trained_longer, engine).hypotheses(sources))
+    cap = longest // 2  # tokens counting the EOS: the texts keep cap - 1
+    for options in ({}, {"beam": 1}, {"sample": True, "nbest": 2}):
+        found = translator(trained_longer, engine, max_len=cap, **options).hypotheses(sources)
+        assert max(len(h.tokens) for hs in found for h in hs) == cap - 1, options
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_option_at_the_end_of_its_range_decodes(trained_longer, sources, engine):
+    """The ranges' upper ends are answers, not errors or NaN (a top-k past the vocabulary, a
+    seed of 32 bits, the longest length allowed, a penalty of 10)."""
+    widest = {f"{name}": hi for name, (_, hi) in RANGES.items() if name not in ("beam", "nbest", "max_len")}
+    found = translator(trained_longer, engine, sample=True, nbest=2, max_len=40, **widest).hypotheses(
+        sources[:2]
+    )
+    assert all(len(h.tokens) <= 39 and math.isfinite(h.score) for hs in found for h in hs)
+    found = translator(trained_longer, engine, beam=8, alpha=10.0, max_len_a=100.0).hypotheses(sources[:2])
+    assert all(math.isfinite(h.score) for hs in found for h in hs)
 
 
 def test_scores_print_beside_the_1_best_as_the_n_best_prints_them(trained_longer, sources, nmt):

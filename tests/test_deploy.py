@@ -20,6 +20,7 @@ from conftest import one_error_line
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
+from nmt_cli.errors import NmtError
 from nmt_cli.models import from_dir
 from nmt_cli.translate import Translator
 
@@ -374,7 +375,7 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
     try:
         assert server.get("/health") == (
             200,
-            {"status": "ok", "model": str(package), "engine": "nmt", "queued": 0},
+            {"status": "ok", "engine": "nmt", "queued": 0},  # no path: it is the operator's business
         )
         answers: dict[int, tuple] = {}
 
@@ -395,6 +396,11 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         assert status == 200 and len(body["translations"][0]) == 2
         assert body["translations"][0][0]["text"] == expected[0]
         assert body["translations"][1] == [{"text": "", "score": 0.0}] * 2
+        capped = Translator(from_dir(package), TranslateConfig(decode=DecodeOptions(max_len=4)))
+        assert server.post({"text": sources[:4], "max_len": 4})[:2] == (
+            200,
+            {"translations": capped.translate(sources[:4])},
+        )
         status, body, _ = server.post({"text": sources[:2], "scores": True})
         assert status == 200 and [t["text"] for t in body["translations"]] == expected[:2]
         assert all(isinstance(t["score"], float) and t["score"] < 0 for t in body["translations"])
@@ -424,7 +430,7 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
 
 
 def test_the_service_refuses_bad_requests_and_keeps_serving(package):
-    server = Server(package, "--max-queue", "4")
+    server = Server(package, "--max-queue", "4", "--max-output-len", "64")
     try:
         refused = [
             (b"{not json", 400),
@@ -441,6 +447,18 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
             (json.dumps({"text": ["y" * 1000] * 2000}).encode(), 413),  # 2 MB body
             (json.dumps({"text": ["a"] * 100, "beam": 32}).encode(), 413),  # 3200 hypotheses
             (json.dumps({"text": ["a"] * 5}).encode(), 503),  # past --max-queue 4
+            # Numbers past every option's range, NaN and infinities (Python's json reads them all)
+            (b'{"text": ["a"], "alpha": Infinity}', 400),
+            (b'{"text": ["a"], "alpha": NaN}', 400),
+            (b'{"text": ["a"], "alpha": 1e308}', 400),
+            (b'{"text": ["a"], "max_len_a": 1e400}', 400),
+            (b'{"text": ["a"], "max_len_b": 1' + b"0" * 399 + b"}", 400),
+            (b'{"text": ["a"], "max_len_b": 1000000000}', 400),
+            (b'{"text": ["a"], "max_len": 65}', 400),  # past --max-output-len 64
+            (b'{"text": ["a"], "sample": true, "seed": -5}', 400),
+            (b'{"text": ["a"], "sample": true, "topk": 1' + b"0" * 50 + b"}", 400),
+            (b'{"text": ["a"], "sample": true, "temperature": 1e-300}', 400),
+            (b'{"text": ["a"], "sample": true, "temperature": Infinity}', 400),
         ]
         for body, status in refused:
             got, answer, headers = server.post(body)
@@ -594,7 +612,7 @@ class StandIn:
         return [[h[0].upper()] for h in hyps]
 
 
-def _in_process(decoder: StandIn, scenario, **config):
+def _in_process(decoder: StandIn, scenario, on_loop_end=None, **config):
     """Run `scenario(post, get)` against the app over `decoder` on a local port; its result."""
     import asyncio
     from types import SimpleNamespace
@@ -605,7 +623,7 @@ def _in_process(decoder: StandIn, scenario, **config):
     from nmt_cli.config import ServeConfig
     from nmt_cli.serve import make_app
 
-    app = make_app(decoder, SimpleNamespace(where="stand-in"), ServeConfig(**config))
+    app = make_app(decoder, SimpleNamespace(where="stand-in"), ServeConfig(**config), on_loop_end=on_loop_end)
 
     async def run():
         async with TestServer(app) as server, ClientSession() as session:
@@ -626,7 +644,8 @@ def _in_process(decoder: StandIn, scenario, **config):
 
 def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
     """A batch the decoder fails on is decoded again request by request: only the request that
-    fails gets the error. /health answers 503 once the decoding loop has stopped."""
+    fails gets the error, which names nothing of the server's. Once the decoding loop has
+    stopped, /health answers 503, a request 503 at once, and the server is told (it exits)."""
     import asyncio
 
     async def scenario(post, get):
@@ -634,15 +653,60 @@ def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
         alive = await get("/health")
         next(t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Batcher.run").cancel()
         await asyncio.sleep(0)
-        return good, bad, alive, await get("/health")
+        return good, bad, alive, await get("/health"), await post(["late"])
 
-    decoder = StandIn()
-    good, bad, alive, dead = _in_process(decoder, scenario, max_wait_ms=200)
+    decoder, ended = StandIn(), []
+    good, bad, alive, dead, late = _in_process(decoder, scenario, on_loop_end=ended.append, max_wait_ms=200)
     assert decoder.batches[0] == ["a", "b", "boom"]  # one batch, which failed
     assert good == (200, {"translations": ["A", "B"]})
-    assert bad == (500, {"error": "ValueError: the decoder failed"})
+    assert bad == (500, {"error": "decoding this request failed; the server's log says why"})
     assert (alive[0], alive[1]["status"]) == (200, "ok")
     assert (dead[0], dead[1]["status"]) == (503, "the decoding loop has stopped")
+    assert late == (503, {"error": "the decoding loop has stopped"})
+    assert len(ended) == 1 and ended[0].cancelled()
+
+
+def test_a_batch_that_fails_after_its_client_left_does_not_stop_the_decoding_loop():
+    """A one-request batch that fails after its request got its 504 (the answer's future is
+    cancelled) is nobody's error: the loop goes on serving."""
+    import asyncio
+
+    decoder, ended = StandIn(), []
+
+    async def scenario(post, get):
+        gone = await post(["slow", "boom"])  # held past its deadline, then failing
+        decoder.release.set()
+        while (await get("/health"))[1]["queued"]:
+            await asyncio.sleep(0.01)
+        return gone, await get("/health"), await post(["after"])
+
+    gone, health, after = _in_process(
+        decoder, scenario, on_loop_end=ended.append, request_timeout=0.5, max_wait_ms=0
+    )
+    assert gone[0] == 504
+    assert (health[0], health[1]["status"]) == (200, "ok")
+    assert after == (200, {"translations": ["AFTER"]})
+    assert not ended
+
+
+def test_the_server_exits_when_its_decoding_loop_stops(package, monkeypatch):
+    """No zombie: a server whose decoding loop has ended (here a fault planted in it) stops
+    and says why, instead of answering every request 503 for ever."""
+    from nmt_cli import serve
+    from nmt_cli.batcher import Batcher
+    from nmt_cli.config import ServeConfig
+
+    async def broken(self):
+        raise RuntimeError("a fault in the loop")
+
+    monkeypatch.setattr(Batcher, "run", broken)
+    lingering = threading.Timer(DEADLINE, os.kill, (os.getpid(), signal.SIGTERM))  # a zombie: stopped
+    lingering.start()
+    try:
+        with pytest.raises(NmtError, match=r"loop stopped \(RuntimeError: a fault in the loop\)"):
+            serve.run(from_dir(package), TranslateConfig(), ServeConfig(port=0))
+    finally:
+        lingering.cancel()
 
 
 def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():

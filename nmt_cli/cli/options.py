@@ -32,8 +32,10 @@ def about(config: type, name: str, *names: str, **settings) -> typer.models.Opti
     """The option of `config`'s field `name`, its --help text the field's own (config.knob)."""
     import dataclasses
 
+    from nmt_cli.config.use import help_of
+
     field = {f.name: f for f in dataclasses.fields(config)}[name]
-    return typer.Option(*names, help=field.metadata["help"], **settings)
+    return typer.Option(*names, help=help_of(config, field), **settings)
 
 
 CheckpointOption = Annotated[Optional[Path], about(TranslateConfig, "checkpoint")]

@@ -262,6 +262,7 @@ def serve(
     max_queue: Annotated[int, about(ServeConfig, "max_queue")] = 1024,
     max_sentences: Annotated[int, about(ServeConfig, "max_sentences")] = 256,
     max_hypotheses: Annotated[int, about(ServeConfig, "max_hypotheses")] = 2048,
+    max_output_len: Annotated[int, about(ServeConfig, "max_output_len")] = 0,
     request_timeout: Annotated[float, about(ServeConfig, "request_timeout")] = 60.0,
     read_timeout: Annotated[float, about(ServeConfig, "read_timeout")] = 30.0,
     header_timeout: Annotated[float, about(ServeConfig, "header_timeout")] = 10.0,

@@ -3,12 +3,30 @@ settings and `nmt serve`'s."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from nmt_cli.config.common import PRECISIONS, knob
 from nmt_cli.errors import NmtError
 
 ENGINES = ("auto", "nmt", "ctranslate2")
+
+# Each numeric decoding option's range, checked here once for the command line, the server and
+# the Python API alike (and shown in --help). The upper bounds keep a request's work and its
+# arithmetic finite: an alpha past ~140 overflows the length penalty, a temperature below float32's
+# reach divides by zero, CTranslate2 takes a seed of 32 bits. Written `lo <= x <= hi`, so that NaN
+# is refused too.
+RANGES: dict[str, tuple[float, float]] = {
+    "beam": (1, 1000),
+    "alpha": (0.0, 10.0),
+    "max_len_a": (0.0, 100.0),
+    "max_len_b": (0, 100_000),
+    "max_len": (0, 100_000),
+    "nbest": (1, 1000),
+    "topk": (0, 100_000),
+    "temperature": (1e-6, 100.0),
+    "seed": (0, 2**32 - 1),
+}
 
 
 @dataclass(frozen=True)
@@ -22,6 +40,11 @@ class DecodeOptions:
     alpha: float = knob(0.6, "Length penalty ((5+|Y|)/6)^alpha (GNMT).")
     max_len_a: float = knob(1.0, "Output length <= a * source length + b: a.")
     max_len_b: int = knob(50, "Output length <= a * source length + b: b.")
+    max_len: int = knob(
+        0,
+        "Output length at most this many tokens, counting the EOS, whatever a and b allow "
+        "(0: the model's limit).",
+    )
     nbest: int = knob(1, "Hypotheses per sentence, best first, each with its score.")
     scores: bool = knob(False, "Each translation with its score, also the 1-best (see --nbest).")
     # Sampling (Edunov et al. 2018's back-translation, diverse outputs): nbest draws per sentence.
@@ -55,22 +78,35 @@ class DecodeOptions:
         return self.nbest if self.sample else self.beam
 
     def __post_init__(self) -> None:
-        for name in ("beam", "nbest"):
-            if getattr(self, name) < 1:
-                raise NmtError(f"--{name} must be at least 1")
+        for name, (lo, hi) in RANGES.items():
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                flag = name.replace("_", "-")
+                raise NmtError(f"--{flag} must be from {shown(lo)} to {shown(hi)}, not {shown(value)}")
+        if not 0 < self.topp <= 1:
+            raise NmtError(f"--topp must be in (0, 1], not {self.topp!r}")
         if self.nbest > self.beam and not self.sample:
             raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
         if not self.sample and (self.topk, self.topp, self.temperature) != (0, 1.0, 1.0):
             raise NmtError("--topk, --topp and --temperature shape --sample's draws: add --sample")
-        if self.topk < 0 or not 0 < self.topp <= 1 or not self.temperature > 0:
-            raise NmtError("--topk must not be negative, --topp must be in (0, 1], --temperature above 0")
-        for name in ("alpha", "max_len_a", "max_len_b"):
-            if getattr(self, name) < 0:
-                raise NmtError(f"--{name.replace('_', '-')} must not be negative")
         if self.tag and self.tag.split() != [self.tag]:
             raise NmtError(
                 f"--tag {self.tag!r} must be one token without spaces, as `nmt prep --tag` took it"
             )
+
+
+def shown(x: float) -> str:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return str(x) if abs(x) < 10**12 else f"a number of {len(str(abs(x)))} digits"
+    return f"{x:g}"
+
+
+def help_of(config: type, field: dataclasses.Field) -> str:
+    """A config field's --help text: its knob's, and a decoding option's range."""
+    text = field.metadata["help"]
+    if config is DecodeOptions and field.name in RANGES:
+        text += " [{} to {}]".format(*map(shown, RANGES[field.name]))
+    return text
 
 
 @dataclass(frozen=True)
@@ -114,6 +150,11 @@ class ServeConfig:
     max_queue: int = knob(1024, "Sentences waiting at most; beyond, 503.")
     max_sentences: int = knob(256, "Sentences per request; beyond, 413.")
     max_hypotheses: int = knob(2048, "Sentences x beam per request (the work it asks for); beyond, 413.")
+    max_output_len: int = knob(
+        0,
+        "Output tokens per sentence at most, whatever a request asks: a request's max_len defaults "
+        "to it, one above it gets 400 (0: the model's limit).",
+    )
     max_chars: int = 2000  # per sentence; beyond, 400
     max_body: int = 1 << 20  # bytes per request; beyond, 413
     shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
@@ -142,6 +183,8 @@ class ServeConfig:
         ):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.max_output_len <= RANGES["max_len"][1]:
+            raise NmtError(f"--max-output-len must be from 0 to {RANGES['max_len'][1]}")
         if self.max_wait_ms < 0 or not 0 <= self.port < 65536:
             raise NmtError("--max-wait-ms must not be negative, and --port within 0-65535")
         if min(self.request_timeout, self.read_timeout, self.header_timeout) <= 0:

@@ -4,6 +4,7 @@ greedy or sampling (sampling.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,8 +39,8 @@ def translate(
     encoder output and cache, and a step's log-probs are the mean of theirs."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     src_lengths = (src != PAD).sum(1).tolist()
-    ceiling = min(m.config.max_positions for m in models) - 1
     o = options
+    ceiling = min([m.config.max_positions - 1 for m in models] + [o.max_len or math.inf])
     max_lens = max_lengths([n - 1 for n in src_lengths], o.max_len_a, o.max_len_b, ceiling)
     forced = None
     if prefixes is not None and any(prefixes):

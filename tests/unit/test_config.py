@@ -1,6 +1,7 @@
 import pytest
 
-from nmt_cli.config import resolve_precision
+from nmt_cli.config import DecodeOptions, resolve_precision
+from nmt_cli.config.use import RANGES
 from nmt_cli.errors import NmtError
 
 
@@ -29,3 +30,14 @@ def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
     with pytest.raises(NmtError, match="unknown recipe 'wmt15'"):
         resolved(PrepConfig("wmt15"))
     assert set(RECIPES) == {"wmt14-en-de", "multi30k-en-de", "custom"}
+
+
+@pytest.mark.parametrize("name", sorted(RANGES))
+def test_every_decoding_option_takes_its_range_and_nothing_beyond(name):
+    lo, hi = RANGES[name]
+    sampling = {"sample": True} if name in ("topk", "temperature", "seed", "nbest") else {}
+    for value in (lo, hi):
+        assert getattr(DecodeOptions(**{name: value, **sampling}), name) == value
+    for value in (lo - 1 if lo >= 1 else -1e-9, hi + 1, float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(NmtError, match=f"--{name.replace('_', '-')} must be from"):
+            DecodeOptions(**{name: value, **sampling})

@@ -44,12 +44,21 @@ def test_a_ctranslate2_server_refuses_constraints():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"beam": 0}, '"beam" must be at least 1'),
+        ({"beam": 0}, '"beam" must be from 1 to 1000, not 0'),
         ({"beam": 2, "nbest": 3}, '"nbest" 3 exceeds "beam" 2'),
         ({"beam": True}, '"beam" must be an integer'),
         ({"beam": 2.0}, '"beam" must be an integer'),
         ({"alpha": "1"}, '"alpha" must be a number'),
-        ({"max_len_a": -1}, '"max_len_a" must not be negative'),
+        ({"max_len_a": -1}, '"max_len_a" must be from 0 to 100, not -1'),
+        ({"alpha": float("nan")}, '"alpha" must be from 0 to 10, not nan'),
+        ({"alpha": float("inf")}, '"alpha" must be from 0 to 10, not inf'),
+        ({"alpha": 1e308}, '"alpha" must be from 0 to 10'),
+        ({"max_len_b": 10**399}, '"max_len_b" must be from 0 to 100000, not a number of 400 digits'),
+        ({"max_len": -1}, '"max_len" must be from 0 to 100000'),
+        ({"sample": True, "seed": -5}, '"seed" must be from 0 to 4294967295, not -5'),
+        ({"sample": True, "topk": 10**50}, '"topk" must be from 0 to 100000'),
+        ({"sample": True, "temperature": 1e-300}, '"temperature" must be from 1e-06 to 100'),
+        ({"sample": True, "topp": float("nan")}, '"topp" must be in (0, 1], not nan'),
         ({"beam": MAX_BEAM + 1}, f'"beam" must be at most {MAX_BEAM}'),
         ({"width": 1}, "unknown field(s): width"),
         ({"prefix": "Ein"}, '"prefix" must be a list of strings, one per sentence'),
@@ -76,6 +85,15 @@ def test_a_bad_option_is_refused_naming_it(fields, message):
     with pytest.raises(ValueError) as refused:
         parse(request(**fields), ServeConfig(), DEFAULTS)
     assert message in str(refused.value)
+
+
+def test_the_operator_caps_the_output_length_of_every_request():
+    capped = ServeConfig(max_output_len=40)
+    assert parse(request(), capped, DEFAULTS).options.max_len == 40  # the cap is the default
+    assert parse(request(max_len=12), capped, DEFAULTS).options.max_len == 12
+    with pytest.raises(ValueError, match='"max_len" must be at most 40 on this server'):
+        parse(request(max_len=41), capped, DEFAULTS)
+    assert parse(request(), ServeConfig(), DEFAULTS).options.max_len == 0  # no cap: the model's
 
 
 def test_a_request_takes_only_a_tag_the_model_was_trained_with():
