@@ -45,14 +45,30 @@ MAX_BEAM = 32
 MAX_CONSTRAINTS = 16
 
 
+# The last release that fixed a server-side advisory (docs/reliability.md); pyproject.toml's
+# floor, checked again here because an environment may hold an older aiohttp than pip chose.
+AIOHTTP_FLOOR = (3, 14, 4)
+
+
 def require():
     try:
+        import aiohttp
         from aiohttp import web
     except ImportError:
         raise NmtError(
             "aiohttp is not installed: pip install 'nmt-cli[serve]' (or pip install aiohttp)"
         ) from None
+    if version_tuple(aiohttp.__version__) < AIOHTTP_FLOOR:
+        floor = ".".join(map(str, AIOHTTP_FLOOR))
+        raise NmtError(
+            f"aiohttp {aiohttp.__version__} has known server-side holes: pip install 'aiohttp>={floor}'"
+        )
     return web
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"3.14.4", "2.13.0+cpu", "3.15.0rc1" as (3, 14, 4), (2, 13, 0), (3, 15, 0)."""
+    return tuple(int(re.match(r"\d*", part)[0] or 0) for part in version.split("+")[0].split(".")[:3])
 
 
 def error(web, status: int, message: str, **headers: str):
