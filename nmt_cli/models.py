@@ -138,11 +138,12 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
             "or a directory from `nmt export`)"
         )
     tensors, meta = loaded or checkpoint.load_tensors(path)  # verifies the sha256 once, here
+    config = _declared(meta.get("model"), record_path)
     run.require(run.spm_model, "bpe")
     weights = {k: v.float() for k, v in tensors["model"].items()}
     return Model(
         where=path,
-        config=ModelConfig(**meta["model"]),
+        config=config,
         spm=run.spm_model,
         src=meta.get("src", "en"),
         tgt=meta.get("tgt", "de"),
@@ -178,10 +179,10 @@ def from_dir(path: Path) -> Model:
         raise NmtError(f"{path} is not a model exported by `nmt export` (it has no {SETTINGS})")
     try:
         s = json.loads(settings_path.read_text(encoding="utf-8"))
-        config = ModelConfig(**s["model"])
         fmt, src, tgt, sha = s["format"], s["src"], s["tgt"], s["sha256"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise NmtError(f"{settings_path} is damaged ({type(e).__name__}: {e})") from None
+    config = _declared(s.get("model"), settings_path)
     if s.get("version", 0) > VERSION:
         raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): upgrade nmt")
     spm = Path(path) / SPM
@@ -207,6 +208,19 @@ def from_dir(path: Path) -> Model:
             raise NmtError(f"{path} is incomplete: {needed.name} is missing")
     check_shapes(config, weights_path, settings_path)
     return Model(Path(path), config, spm, src, tgt, sha, load_weights, provenance=provenance)
+
+
+def _declared(settings, source: Path) -> ModelConfig:
+    """The model settings a model file declares, each within its bounds (ModelConfig), before
+    anything is built from them; an NmtError naming the file otherwise."""
+    if not isinstance(settings, dict):
+        raise NmtError(f"{source} is damaged: it declares no model settings")
+    try:
+        return ModelConfig(**settings)
+    except TypeError as e:  # a setting missing or unknown
+        raise NmtError(f"{source} is damaged ({e})") from None
+    except NmtError as e:
+        raise NmtError(f"{source}: {e}") from None
 
 
 def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -> None:

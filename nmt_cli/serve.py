@@ -67,7 +67,7 @@ def require():
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """"3.14.4", "2.13.0+cpu", "3.15.0rc1" as (3, 14, 4), (2, 13, 0), (3, 15, 0)."""
+    """ "3.14.4", "2.13.0+cpu", "3.15.0rc1" as (3, 14, 4), (2, 13, 0), (3, 15, 0)."""
     return tuple(int(re.match(r"\d*", part)[0] or 0) for part in version.split("+")[0].split(".")[:3])
 
 

@@ -21,7 +21,7 @@ from conftest import one_error_line
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.errors import NmtError
-from nmt_cli.models import from_dir
+from nmt_cli.models import from_dir, locate
 from nmt_cli.translate import Translator
 
 DEADLINE = 60  # seconds: every wait on another process ends
@@ -106,13 +106,13 @@ def test_a_package_that_declares_another_shape_than_it_holds_is_refused_before_a
     package, tmp_path, nmt
 ):
     """nmt.json's shape is checked against the weights file's header before a model is built:
-    a hostile package asking for a million-wide model gets one error line, not a 4 GB allocation."""
+    a hostile package asking for a 16,384-wide model gets one error line, not a 4 GB allocation."""
     from nmt_cli.errors import NmtError
 
     hostile = tmp_path / "hostile"
     shutil.copytree(package, hostile)
     settings = json.loads((hostile / "nmt.json").read_text())
-    settings["model"].update(d_model=1_000_000, heads=1)
+    settings["model"].update(d_model=16_384, heads=1)
     (hostile / "nmt.json").write_text(json.dumps(settings))
     with pytest.raises(NmtError, match="declares a model shape that model.safetensors does not hold"):
         from_dir(hostile)
@@ -120,9 +120,46 @@ def test_a_package_that_declares_another_shape_than_it_holds_is_refused_before_a
     assert "declares a model shape" in line
     settings["model"].update(d_model=-4, heads=2)
     (hostile / "nmt.json").write_text(json.dumps(settings))
-    assert "declares an impossible model shape" in one_error_line(
+    assert "model setting d_model must be an integer from 1 to" in one_error_line(
         nmt("translate", "--model", hostile, stdin=b"x\n")
     )
+
+
+def test_every_kind_of_model_file_has_its_settings_bounded(package, exported, trained_longer, tmp_path, nmt):
+    """A setting past its bound (max_positions that would allocate ~100 GB of sinusoids and lift
+    the server's length ceiling, a million layers built one by one, zero heads, a float) is
+    refused naming the file, for a package, a CTranslate2 export and a run's checkpoint alike,
+    before anything is built from it."""
+    checkpoint = sorted((trained_longer / "checkpoints").glob("*.pt"))[-1]
+    copies = {}
+    for kind, source in (("package", package), ("ct2", exported["int8"])):
+        copies[kind] = (tmp_path / kind, tmp_path / kind / "nmt.json")
+        shutil.copytree(source, copies[kind][0])
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    shutil.copy(checkpoint, run / checkpoint.name)
+    shutil.copy(checkpoint.with_suffix(".json"), run / checkpoint.with_suffix(".json").name)
+    copies["checkpoint"] = (run / checkpoint.name, run / checkpoint.with_suffix(".json").name)
+    (tmp_path / "run" / "bpe").mkdir()
+    shutil.copy(trained_longer / "bpe" / "spm.model", tmp_path / "run" / "bpe")
+    for setting, value in (
+        ("max_positions", 20_000_000),
+        ("num_decoder_layers", 1_000_000),
+        ("heads", 0),
+        ("d_model", 64.0),
+    ):
+        for model, declares in copies.values():
+            original = declares.read_text()
+            settings = json.loads(original)
+            settings["model"][setting] = value
+            declares.write_text(json.dumps(settings))
+            with pytest.raises(NmtError, match=f"{declares.name}: model setting {setting} must be"):
+                locate(model)
+            if setting == "max_positions":
+                line = one_error_line(nmt("translate", "--model", model, stdin=b"x\n"))
+                assert f"model setting max_positions must be an integer from 2 to 16384, not {value}" in line
+            declares.write_text(original)
+        assert locate(model).config.max_positions <= 16384  # the untouched copy loads
 
 
 def test_an_export_is_on_disk_before_it_appears(trained, tmp_path, monkeypatch, nmt):

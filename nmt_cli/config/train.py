@@ -24,8 +24,36 @@ class ModelConfig:
     max_positions: int = 1024
 
     def __post_init__(self) -> None:
+        """Every setting within bounds before anything is built from it: a model file may come
+        from anyone, and its settings decide what is allocated (max_positions sinusoids, layers
+        built one by one) and the server's length ceiling."""
+        for name, (lo, hi) in MODEL_BOUNDS.items():
+            value = getattr(self, name)
+            if type(value) is not int or not lo <= value <= hi:
+                raise NmtError(
+                    f"model setting {name} must be an integer from {lo} to {hi}, not {value!r:.40}"
+                )
+        for name in ("dropout", "attention_dropout", "relu_dropout"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not 0 <= value < 1:
+                raise NmtError(f"model setting {name} must be a number in [0, 1), not {value!r:.40}")
+        if not isinstance(self.post_norm, bool):
+            raise NmtError(f"model setting post_norm must be true or false, not {self.post_norm!r:.40}")
         if self.d_model % self.heads:
-            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}")
+            raise NmtError(f"model setting d_model {self.d_model} is not divisible by heads {self.heads}")
+
+
+# What a model may declare: past the largest models in use, short of what one file could make its
+# reader allocate or build for hours.
+MODEL_BOUNDS = {
+    "vocab_size": (1, 1_000_000),
+    "num_encoder_layers": (1, 64),
+    "num_decoder_layers": (1, 64),
+    "d_model": (1, 16_384),
+    "ffn": (1, 65_536),
+    "heads": (1, 256),
+    "max_positions": (2, 16_384),
+}
 
 
 # fmt: off

@@ -1,6 +1,7 @@
 import pytest
 
 from nmt_cli.config import DecodeOptions, resolve_precision
+from nmt_cli.config.train import MODEL_BOUNDS, ModelConfig
 from nmt_cli.config.use import RANGES
 from nmt_cli.errors import NmtError
 
@@ -41,3 +42,14 @@ def test_every_decoding_option_takes_its_range_and_nothing_beyond(name):
     for value in (lo - 1 if lo >= 1 else -1e-9, hi + 1, float("nan"), float("inf"), -float("inf")):
         with pytest.raises(NmtError, match=f"--{name.replace('_', '-')} must be from"):
             DecodeOptions(**{name: value, **sampling})
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_BOUNDS))
+def test_every_model_setting_takes_its_bounds_and_nothing_beyond(name):
+    lo, hi = MODEL_BOUNDS[name]
+    fits = {"heads": 1} if name == "d_model" else {"d_model": 256} if name == "heads" else {}
+    for value in (lo, hi):
+        assert getattr(ModelConfig(**{"vocab_size": 100, **fits, name: value}), name) == value
+    for value in (lo - 1, hi + 1, float(hi), True, "8"):
+        with pytest.raises(NmtError, match=f"model setting {name} must be an integer from {lo} to {hi}"):
+            ModelConfig(**{"vocab_size": 100, **fits, name: value})
