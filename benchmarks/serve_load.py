@@ -74,6 +74,7 @@ class Server:
 
 
 def post(url: str, body: bytes, timeout: float = 300, **headers: str) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **headers}
     request = urllib.request.Request(url + "/translate", data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
@@ -269,6 +270,8 @@ def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
         ("256 sentences at beam 32", 413, "post", wide),
         ("a body of 2 MB", 413, "post", b'{"text": ["' + b"a" * (2 << 20) + b'"]}'),
         ("a gzip body", 415, "gzip", ok),
+        ("Content-Type text/plain", 415, "plain", ok),
+        ("a foreign Host", 403, "host", ok),
         ("GET /translate", 405, "get", "/translate"),
         ("unknown path", 404, "get", "/nothing"),
     ]
@@ -282,7 +285,11 @@ def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
                 elif how == "get":
                     got = urlopen_status(server.url + what)
                 else:
-                    headers = {"Content-Encoding": "gzip"} if how == "gzip" else {}
+                    headers = {
+                        "gzip": {"Content-Encoding": "gzip"},
+                        "plain": {"Content-Type": "text/plain"},  # a browser's CORS-free POST
+                        "host": {"Host": "attacker.example:8080"},  # DNS rebinding
+                    }.get(how, {})
                     got = post(server.url, what, **headers)[0]
             except Exception as e:  # noqa: BLE001 - reported as a failure of the case
                 got = repr(e)

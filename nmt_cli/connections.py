@@ -1,5 +1,6 @@
-"""The connections of `nmt serve`: counted, capped, closed when idle or stalled, and the
-requests aiohttp's HTTP parser refuses answered in JSON."""
+"""The connections of `nmt serve`: counted, capped (in all and per client address), closed when
+idle or stalled, aborted when their client stops reading, and the requests aiohttp's HTTP parser
+refuses answered in JSON."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ class Connections:
     counted from the connection's start or its last answer, and data arriving does not reset
     it. Each connection is aiohttp's own protocol behind a thin proxy that sees it open and close."""
 
-    def __init__(self, limit: int, idle: float):
-        self.limit, self.idle = limit, idle
+    def __init__(self, limit: int, idle: float, write_timeout: float = 30.0, per_client: int = 0):
+        self.limit, self.idle, self.write_timeout, self.per_client = limit, idle, write_timeout, per_client
         self.refusal = _raw_json(503, "Service Unavailable", "too many connections: retry shortly")
+        self.clients: dict = {}  # client address -> its open connections
         self.late = _raw_json(408, "Request Timeout", f"the request's head did not arrive within {idle:g} s")
         self.factory = None  # aiohttp's protocol factory (AppRunner.server), once set up
         self.open: dict = {}  # transport -> its _Connection
@@ -43,12 +45,21 @@ class Connections:
             connection.since, connection.partial = time.monotonic(), False
 
     async def watch(self) -> None:
-        """Close the connections idle too long, checking four times a second (or per `idle`)."""
+        """Close the connections idle too long, and abort those whose client has not read what
+        was written to it for `write_timeout` seconds (a closed connection waits for its answer
+        to drain, so a client that never reads would hold its slot for ever). Four times a
+        second, or per `idle`."""
         while True:
-            await asyncio.sleep(min(0.25, self.idle / 4))
-            late = time.monotonic() - self.idle
+            await asyncio.sleep(min(0.25, self.idle / 4, self.write_timeout / 4))
+            now = time.monotonic()
             for transport, connection in list(self.open.items()):
-                if not connection.busy and connection.since < late:
+                stalled = connection.stalled_since
+                if stalled is not None and stalled < now - self.write_timeout:
+                    transport.abort()
+                elif not connection.busy and connection.since < now - self.idle:
+                    if transport.get_write_buffer_size():  # an answer still unread after `idle`
+                        transport.abort()
+                        continue
                     if connection.partial:
                         transport.write(self.late)
                     transport.close()
@@ -59,14 +70,20 @@ class _Connection(asyncio.Protocol):
         self.connections, self.inner, self.transport = connections, None, None
         self.busy, self.since = 0, time.monotonic()
         self.partial = False  # bytes arrived since the last answer
+        self.stalled_since: float | None = None  # writing paused: the client does not read
+        self.client = None
 
     def connection_made(self, transport) -> None:
-        if len(self.connections.open) >= self.connections.limit:
-            transport.write(self.connections.refusal)
+        c = self.connections
+        peer = transport.get_extra_info("peername")
+        self.client = peer[0] if isinstance(peer, tuple) else peer
+        if len(c.open) >= c.limit or (c.per_client and c.clients.get(self.client, 0) >= c.per_client):
+            transport.write(c.refusal)
             transport.close()
             return
         self.transport = transport
-        self.connections.open[transport] = self
+        c.open[transport] = self
+        c.clients[self.client] = c.clients.get(self.client, 0) + 1
         self.inner = self.connections.factory()
         self.inner.connection_made(transport)
 
@@ -79,15 +96,20 @@ class _Connection(asyncio.Protocol):
         return self.inner.eof_received() if self.inner is not None else None
 
     def connection_lost(self, exc) -> None:
-        self.connections.open.pop(self.transport, None)
+        if self.connections.open.pop(self.transport, None) is not None:
+            left = self.connections.clients.pop(self.client) - 1
+            if left:
+                self.connections.clients[self.client] = left
         if self.inner is not None:
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        self.stalled_since = time.monotonic()
         if self.inner is not None:
             self.inner.pause_writing()
 
     def resume_writing(self) -> None:
+        self.stalled_since = None
         if self.inner is not None:
             self.inner.resume_writing()
 
@@ -134,9 +156,25 @@ def with_json_errors(server):
 
 
 class _OneLine(logging.Handler):
-    """A log record as one line on stderr: its message and its exception's, no traceback."""
+    """A log record as one line on stderr: its message and its exception's, no traceback; at
+    most `burst` lines per `window` seconds, then one line counting those left out (a client
+    sending malformed requests in a loop must not fill the operator's disk)."""
+
+    def __init__(self, burst: int = 20, window: float = 60.0):
+        super().__init__()
+        self.burst, self.window = burst, window
+        self.started, self.shown, self.dropped = -window, 0, 0
 
     def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        if now - self.started >= self.window:
+            if self.dropped:
+                ui.say(f"({self.dropped} more lines like these left out)")
+            self.started, self.shown, self.dropped = now, 0, 0
+        if self.shown >= self.burst:
+            self.dropped += 1
+            return
+        self.shown += 1
         exc = record.exc_info[1] if record.exc_info else None
         detail = f": {type(exc).__name__}: {' '.join(str(exc).split())[:300]}" if exc else ""
         ui.say(f"{record.getMessage()}{detail}")

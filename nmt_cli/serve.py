@@ -19,7 +19,10 @@ by request, so only the request that fails gets the error. /health says whether 
 loop runs. A connection with no request in progress is closed after `header_timeout` (408 if it
 sent part of one), so a request's head must arrive whole within it (a client sending half a head
 and waiting, slowloris, holds nothing); past `max_connections` open, a new one gets 503.
-SIGTERM or SIGINT: stop accepting, answer what is in flight, exit.
+A client that leaves its answer unread is cut off after `write_timeout`. On a loopback address
+a request's Host must be loopback, and a POST must be application/json (what a browser page
+cannot send unasked); `api_key` guards /translate.
+SIGTERM or SIGINT: stop accepting, answer what is in flight, exit; a second signal: exit at once.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
+import os
 import re
 import signal
+import sys
 from collections.abc import Callable
 
 from nmt_cli import ui
@@ -261,6 +266,38 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
     return translate
 
 
+def _guard(web, config: ServeConfig):
+    """What a request must carry before anything else is looked at. On a loopback address, a
+    loopback Host: a page in the operator's browser may reach 127.0.0.1 under a name of its own
+    (DNS rebinding). A POST's Content-Type application/json: a browser sends another type from any
+    page without asking the server first (a CORS "simple request"), never this one. With
+    --api-key, the key on /translate."""
+    import hmac
+
+    expected = f"Bearer {config.api_key}".encode()
+
+    @web.middleware
+    async def guard(request, handler):
+        if _loopback(config.host) and not _loopback(_hostname(request.headers.get("Host", ""))):
+            return error(web, 403, "the Host header does not name this server's loopback address")
+        if request.method == "POST" and request.content_type != "application/json":
+            return error(web, 415, "send the request with Content-Type: application/json")
+        if config.api_key and request.path == "/translate":
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error(web, 401, "a valid API key is required", **{"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return guard
+
+
+def _hostname(host: str) -> str:
+    """The name in a Host header: "127.0.0.1:8080" -> 127.0.0.1, "[::1]:8080" -> ::1."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
 def _strict_json(data) -> str:
     return json.dumps(data, allow_nan=False)
 
@@ -324,6 +361,7 @@ def make_app(
             connections.finished(request.transport)
 
     app.middlewares.append(json_errors)
+    app.middlewares.append(_guard(web, config))
     if connections is not None:
         app.middlewares.append(in_progress)
     app.cleanup_ctx.append(batching)
@@ -334,9 +372,14 @@ def make_app(
 
 
 def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) -> None:
-    web = require()
+    require()  # before the model loads: a missing or old aiohttp is one line
     translator = Translator(model, translate_config)
-    connections = Connections(connection_limit(config.max_connections), config.header_timeout)
+    connections = Connections(
+        connection_limit(config.max_connections),
+        config.header_timeout,
+        config.write_timeout,
+        config.max_connections_per_client,
+    )
     ended: list[str] = []  # why the decoding loop ended, if it did
 
     async def main() -> None:
@@ -348,27 +391,8 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
             stop.set()
 
         app = make_app(translator, model, config, connections, on_loop_end=loop_ended)
-        # handler_cancellation: a request whose client disconnects is cancelled, so that it
-        # leaves the decoding queue (aiohttp's default since 3.9 lets it run on). lingering_time:
-        # after answering a request whose body was not read whole, aiohttp reads on for this long
-        # before closing (10 s by default), so a client still sending sees the answer, not a
-        # reset; a client that stalls would keep its connection that long.
-        runner = web.AppRunner(
-            app,
-            handle_signals=False,
-            access_log=None,
-            shutdown_timeout=config.shutdown_timeout,
-            handler_cancellation=True,
-            lingering_time=1.0,
-        )
-        await runner.setup()
-        connections.factory = with_json_errors(runner.server)
+        runner, server = await listen(app, connections, config)
         loop = asyncio.get_running_loop()
-        try:  # not web.TCPSite: it would hand connections to aiohttp's protocol unwatched
-            server = await loop.create_server(connections, config.host, config.port, reuse_address=True)
-        except OSError as e:
-            await runner.cleanup()
-            raise NmtError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
         watch = loop.create_task(connections.watch())
         host, port = server.sockets[0].getsockname()[:2]
         ui.say(f"serving {model.where} ({translator.engine}) on http://{host}:{port}")
@@ -380,9 +404,16 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        ui.say("stopping: no new connections; answering the requests in flight")
+        ui.say("stopping: no new connections; answering the requests in flight (a second signal: at once)")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(
+                sig, _exit_now, 128 + sig, "stopped at once: the requests in flight are lost"
+            )
         server.close()
-        await runner.cleanup()  # answers the requests in flight, then closes their connections
+        try:  # answers the requests in flight, then closes their connections
+            await asyncio.wait_for(runner.cleanup(), config.shutdown_timeout + 5)
+        except asyncio.TimeoutError:  # a batch decodes on: its thread cannot be stopped
+            _exit_now(1, f"the requests in flight were not answered within {config.shutdown_timeout:g} s")
         watch.cancel()
         ui.say("stopped")
 
@@ -391,8 +422,42 @@ def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) ->
         raise NmtError(f"the decoding loop stopped ({ended[0]}): the server exited")
 
 
+async def listen(app, connections: Connections, config: ServeConfig):
+    """`app` served behind `connections` on config.host:config.port: (its runner, the server)."""
+    web = require()
+    # handler_cancellation: a request whose client disconnects is cancelled, so that it leaves
+    # the decoding queue (aiohttp's default since 3.9 lets it run on). lingering_time: after
+    # answering a request whose body was not read whole, aiohttp reads on for this long before
+    # closing (10 s by default), so a client still sending sees the answer, not a reset; a
+    # client that stalls would keep its connection that long.
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=config.shutdown_timeout,
+        handler_cancellation=True,
+        lingering_time=1.0,
+    )
+    await runner.setup()
+    connections.factory = with_json_errors(runner.server)
+    loop = asyncio.get_running_loop()
+    try:  # not web.TCPSite: it would hand connections to aiohttp's protocol unwatched
+        server = await loop.create_server(connections, config.host, config.port, reuse_address=True)
+    except OSError as e:
+        await runner.cleanup()
+        raise NmtError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
+    return runner, server
+
+
+def _exit_now(code: int, why: str) -> None:
+    """Exit without waiting for the decoding thread (a process waits for its threads)."""
+    ui.say(f"nmt serve: {why}")
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _loopback(host: str) -> bool:
-    if host == "localhost":
+    if host.lower() in ("localhost", "localhost."):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -370,11 +370,12 @@ def _until_closed(sock) -> bytes:
 
 
 class Server:
-    def __init__(self, model: Path, *options: str):
+    def __init__(self, model: Path, *options: str, env: dict | None = None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nmt_cli", "serve", "--model", str(model), "--port", "0", *options],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
         )
         line = read_line(self.proc.stderr, DEADLINE).decode()
         found = re.search(r"http://[\d.]+:(\d+)", line)
@@ -383,6 +384,7 @@ class Server:
 
     def post(self, body: bytes | dict, path: str = "/translate", **headers: str) -> tuple[int, dict, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **headers}
         request = urllib.request.Request(self.url + path, data=data, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=DEADLINE) as r:
@@ -512,6 +514,15 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
         got, answer, _ = server.post(bomb, **{"Content-Encoding": "gzip"})
         assert got == 415 and "compressed" in answer["error"]
         assert server.get("/nowhere")[0] == 404 and server.get("/translate")[0] == 405
+        # What a page in the operator's browser could send to 127.0.0.1: another Content-Type
+        # (no CORS preflight), or our address under a name of its own (DNS rebinding).
+        for headers, status in (
+            ({"Content-Type": "text/plain"}, 415),
+            ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+            ({"Host": "attacker.example:8080"}, 403),
+        ):
+            got, answer, _ = server.post({"text": ["a"]}, **headers)
+            assert (got, set(answer)) == (status, {"error"}), headers
         # What aiohttp's HTTP parser refuses before any handler: JSON too, one line on stderr.
         import socket
 
@@ -527,6 +538,18 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
     finally:
         assert server.stop() == 0
     assert b"Traceback" not in server.proc.stderr.read()
+
+
+def test_an_api_key_guards_translate_but_not_health(package):
+    server = Server(package, env={"NMT_API_KEY": "s3cret"})
+    try:
+        assert server.post({"text": ["A dog runs."]})[:2] == (401, {"error": "a valid API key is required"})
+        assert server.post({"text": ["A dog runs."]}, Authorization="Bearer wrong")[0] == 401
+        assert server.post({"text": ["A dog runs."]}, Authorization="Bearer s3cret")[0] == 200
+        assert server.get("/health")[0] == 200
+    finally:
+        assert server.stop() == 0
+    assert b"s3cret" not in server.proc.stderr.read()
 
 
 def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi30k_bpe):
@@ -746,6 +769,60 @@ def test_the_server_exits_when_its_decoding_loop_stops(package, monkeypatch):
         lingering.cancel()
 
 
+@pytest.mark.parametrize("timeouts", [{"write_timeout": 1.0}, {"header_timeout": 1.0}])
+def test_a_client_that_never_reads_its_answers_loses_its_connection(timeouts):
+    """A client that pipelines requests with large answers and reads none fills the socket's
+    buffers: its connection is aborted after --write-timeout (writing paused that long) or, once
+    no request is in progress, after --header-timeout (an answer still unread); closing it would
+    wait for the answer to drain, for ever, holding its slot."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.connections import Connections
+    from nmt_cli.serve import listen, make_app
+
+    config = ServeConfig(port=0, max_wait_ms=0, **{"write_timeout": 60.0, "header_timeout": 60.0, **timeouts})
+
+    async def run():
+        connections = Connections(10, config.header_timeout, config.write_timeout)
+        app = make_app(StandIn(), SimpleNamespace(where="stand-in"), config, connections)
+        runner, server = await listen(app, connections, config)
+        watch = asyncio.ensure_future(connections.watch())
+        loop = asyncio.get_running_loop()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await loop.sock_connect(client, server.sockets[0].getsockname()[:2])
+        body = json.dumps({"text": ["x" * 1999] * 256}).encode()  # 512 KB each way
+        request = b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        request += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+        async def send() -> None:
+            try:
+                for _ in range(8):
+                    await loop.sock_sendall(client, request)
+            except OSError:  # aborted
+                pass
+
+        sender = asyncio.ensure_future(send())
+        while not connections.open:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        while connections.open and time.monotonic() - started < DEADLINE / 4:
+            await asyncio.sleep(0.1)
+        held = len(connections.open)
+        sender.cancel()
+        watch.cancel()
+        client.close()
+        server.close()
+        await runner.cleanup()
+        return held
+
+    assert asyncio.run(run()) == 0
+
+
 def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
     """--request-timeout: a request not answered in time gets 504; one still queued then is
     never decoded, and the service goes on."""
@@ -841,3 +918,71 @@ def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):
     assert status == 200 and len(body["translations"]) == 500
     with pytest.raises(urllib.error.URLError):  # and it listens no more
         server.get("/health")
+
+
+def test_a_second_signal_stops_the_drain_at_once(package, multi30k_bpe):
+    """SIGTERM drains; a second SIGTERM while it drains exits at once (143), the request in
+    flight lost and said so, instead of being ignored."""
+    sources = sources_of(multi30k_bpe)[:500]
+    server = Server(package, "--max-queue", "1000", "--max-sentences", "500", "--beam", "8")
+    answer: list = []
+    request = threading.Thread(target=lambda: answer.append(server.post({"text": sources})), daemon=True)
+    request.start()
+    deadline = time.monotonic() + DEADLINE
+    while server.get("/health")[1]["queued"] == 0 and not answer:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    server.proc.send_signal(signal.SIGTERM)
+    read_line(server.proc.stderr, DEADLINE)  # "stopping: ..."
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        assert server.proc.wait(DEADLINE) == 128 + signal.SIGTERM
+    finally:
+        server.proc.kill()
+    assert b"stopped at once: the requests in flight are lost" in server.proc.stderr.read()
+    request.join(DEADLINE)
+    assert not answer or answer[0][0] != 200
+
+
+def test_connections_per_client_address_are_capped():
+    """--max-connections-per-client: past it, a client's new connection gets 503 and is closed;
+    one of its connections closing makes room again."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.connections import Connections
+    from nmt_cli.serve import listen, make_app
+
+    config = ServeConfig(port=0, max_connections_per_client=2)
+
+    async def run():
+        connections = Connections(10, 60.0, 30.0, config.max_connections_per_client)
+        app = make_app(StandIn(), SimpleNamespace(where="stand-in"), config, connections)
+        runner, server = await listen(app, connections, config)
+        loop, where = asyncio.get_running_loop(), server.sockets[0].getsockname()[:2]
+
+        async def connect() -> tuple[socket.socket, bytes]:
+            s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, where)
+            try:  # a refused connection is answered at once; an accepted one waits for a request
+                return s, await asyncio.wait_for(loop.sock_recv(s, 4096), 0.5)
+            except asyncio.TimeoutError:
+                return s, b""
+
+        first, second, third = [await connect() for _ in range(3)]
+        first[0].close()
+        while len(connections.open) > 1:
+            await asyncio.sleep(0.01)
+        fourth = await connect()
+        for s, _ in (second, third, fourth):
+            s.close()
+        server.close()
+        await runner.cleanup()
+        return [answer for _, answer in (first, second, third, fourth)]
+
+    first, second, third, fourth = asyncio.run(run())
+    assert first == second == fourth == b""
+    assert third.startswith(b"HTTP/1.1 503") and b"too many connections" in third

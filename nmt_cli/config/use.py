@@ -170,6 +170,19 @@ class ServeConfig:
         "them); beyond, it is closed.",
     )
     max_connections: int = knob(1000, "Connections open at once; beyond, a new one gets 503 and is closed.")
+    max_connections_per_client: int = knob(
+        0,
+        "Connections open at once from one client address; beyond, 503 (0: no cap, as behind a "
+        "proxy, whose connections all come from one address).",
+    )
+    api_key: str = knob(
+        "",
+        "Require `Authorization: Bearer KEY` on /translate (better from the environment, "
+        "NMT_API_KEY, than from a command line others can read).",
+    )
+    write_timeout: float = knob(
+        30.0, "Seconds a client may leave its answer unread; beyond, its connection is aborted."
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -187,5 +200,9 @@ class ServeConfig:
             raise NmtError(f"--max-output-len must be from 0 to {RANGES['max_len'][1]}")
         if self.max_wait_ms < 0 or not 0 <= self.port < 65536:
             raise NmtError("--max-wait-ms must not be negative, and --port within 0-65535")
-        if min(self.request_timeout, self.read_timeout, self.header_timeout) <= 0:
-            raise NmtError("--request-timeout, --read-timeout and --header-timeout must be positive")
+        if min(self.request_timeout, self.read_timeout, self.header_timeout, self.write_timeout) <= 0:
+            raise NmtError(
+                "--request-timeout, --read-timeout, --header-timeout and --write-timeout must be positive"
+            )
+        if self.max_connections_per_client < 0:
+            raise NmtError("--max-connections-per-client must not be negative (0: no cap)")

@@ -102,3 +102,22 @@ def test_a_request_takes_only_a_tag_the_model_was_trained_with():
         parse(request(tag="<xx>"), ServeConfig(), DEFAULTS, ("<bt>",))
     with pytest.raises(ValueError, match="it has none"):
         parse(request(tag="<bt>"), ServeConfig(), DEFAULTS)
+
+
+def test_the_servers_log_lines_are_rate_limited(capsys, monkeypatch):
+    """A client sending malformed requests in a loop gets a bounded number of log lines."""
+    import logging
+
+    from nmt_cli import connections
+
+    now = [0.0]
+    monkeypatch.setattr(connections.time, "monotonic", lambda: now[0])
+    handler = connections._OneLine(burst=3, window=10.0)
+    said = "Error handling request"
+    record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, said, None, None)
+    for _ in range(50):
+        handler.emit(record)
+    now[0] = 11.0
+    handler.emit(record)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [said] * 3 + ["(47 more lines like these left out)", said]
