@@ -21,7 +21,7 @@ import numpy as np
 
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
-from nmt_cli.models import CT2, NMT, PROVENANCE, SETTINGS, SPM, VERSION, WEIGHTS, Model
+from nmt_cli.models import CT2, CT2_WEIGHTS, NMT, PROVENANCE, SETTINGS, SPM, VERSION, WEIGHTS, Model
 
 
 def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
@@ -39,6 +39,7 @@ def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
         "tgt": model.tgt,
         "text": model.text_settings,
         "sha256": sha256,
+        "spm_sha256": sha256_file(model.spm),
         "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a, "max_len_b": d.max_len_b},
         **extra,
     }
@@ -173,5 +174,5 @@ def export_ct2(model: Model, out: Path, quantization: str = "float32") -> None:
         save(model, staging, quantization)
         atomic_write_json(
             staging / SETTINGS,
-            settings(model, CT2, sha256_file(staging / "model.bin"), quantization=quantization),
+            settings(model, CT2, sha256_file(staging / CT2_WEIGHTS), quantization=quantization),
         )

@@ -1,5 +1,7 @@
 """Files written so that a crash never leaves half of one: atomic writes (a temporary file,
-fsynced, then renamed), sha256 and sizes, and the time stamp records carry."""
+fsynced, then renamed), sha256 and sizes, and the time stamp records carry; files that another
+may have planted (a model's members, a run's logs) opened only if they are regular files, never
+through a symbolic link."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import functools
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from nmt_cli.errors import NmtError
 
 
 @functools.cache
@@ -100,3 +105,49 @@ def file_stats(path: Path) -> dict:
 
     digest = sha256_file(path, count)
     return {"bytes": counts["bytes"], "sha256": digest, "lines": counts["lines"]}
+
+
+def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of `path` opened with `flags`, if it is a regular file reached without a
+    symbolic link (a link to /dev/zero or a FIFO would be read or written for ever)."""
+    try:  # O_NONBLOCK: opening a FIFO must not wait for its writer
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    except OSError as e:
+        if os.path.islink(path):
+            raise NmtError(
+                f"{path} is a symbolic link: nmt reads and writes only regular files here"
+            ) from None
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            raise NmtError(f"{path} is not a regular file") from None
+        raise NmtError(f"{path} cannot be opened ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NmtError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file `path`, refused past `limit` bytes."""
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise NmtError(f"{path} is larger than {limit} bytes: it is not what nmt wrote")
+    return data
+
+
+def check_regular(path: Path, limit: int) -> None:
+    """Refuse `path` unless it is a regular file of at most `limit` bytes, not a link."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise NmtError(f"{path} is larger than {limit} bytes: it is not what nmt wrote")
+    finally:
+        os.close(fd)
+
+
+def open_appending(path: Path) -> IO[str]:
+    """`path` opened to append text (created if need be), only if it is a regular file."""
+    return os.fdopen(
+        open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, new_file_mode()), "a", encoding="utf-8"
+    )

@@ -4,7 +4,7 @@ the packages read here.
 
 A package is one directory:
     nmt.json           what it is: format, model shape, languages, text normalisation, the
-                       decoding defaults, the weights' sha256
+                       decoding defaults, the sha256 of the weights and of spm.model
     model.safetensors  the weights, float32 (safetensors: tensors only, nothing to unpickle)
     spm.model          the sentencepiece model
     provenance.json    how it was made: the data recipe and its checksums, the BPE and training
@@ -16,7 +16,9 @@ provenance.json beside CTranslate2's own files.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +26,15 @@ from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import sha256_file
+from nmt_cli.files import check_regular, read_regular, sha256_file
 from nmt_cli.rundir import RunDir
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
     import torch
 
 SETTINGS, WEIGHTS, SPM, PROVENANCE = "nmt.json", "model.safetensors", "spm.model", "provenance.json"
+CT2_WEIGHTS = "model.bin"
+MAX_SPM_BYTES = 64 << 20  # a sentencepiece model of a million pieces is ~20 MB
 NMT, CT2 = "nmt", "ctranslate2"
 VERSION = 1
 
@@ -161,7 +165,7 @@ def locate(where: Path, loaded: tuple[dict, dict] | None = None) -> Model:
     if path.is_file():
         root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return from_run(RunDir(root), str(path), loaded)
-    if (path / SETTINGS).is_file():
+    if os.path.lexists(path / SETTINGS):
         return from_dir(path)
     if RunDir(path).manifest_path.is_file():
         return from_run(RunDir(path), None)
@@ -173,41 +177,66 @@ def locate(where: Path, loaded: tuple[dict, dict] | None = None) -> Model:
 
 
 def from_dir(path: Path) -> Model:
-    """A package or a CTranslate2 export."""
-    settings_path = Path(path) / SETTINGS
-    if not settings_path.is_file():
+    """A package or a CTranslate2 export. Its members may come from anyone: each must be a
+    regular file (no link to /dev/zero, no FIFO) under a size cap, and the weights and the
+    sentencepiece model must match the sha256 its settings record."""
+    path = Path(path)
+    settings_path = path / SETTINGS
+    if not os.path.lexists(settings_path):
         raise NmtError(f"{path} is not a model exported by `nmt export` (it has no {SETTINGS})")
+    _members_are_regular(path)
     try:
-        s = json.loads(settings_path.read_text(encoding="utf-8"))
+        s = json.loads(read_regular(settings_path, 1 << 20).decode("utf-8"))
         fmt, src, tgt, sha = s["format"], s["src"], s["tgt"], s["sha256"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise NmtError(f"{settings_path} is damaged ({type(e).__name__}: {e})") from None
     config = _declared(s.get("model"), settings_path)
     if s.get("version", 0) > VERSION:
         raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): upgrade nmt")
-    spm = Path(path) / SPM
-    provenance_path = Path(path) / PROVENANCE
-    provenance = json.loads(provenance_path.read_text()) if provenance_path.exists() else {}
-    if fmt == CT2:
-        return Model(Path(path), config, spm, src, tgt, sha, None, ct2_dir=Path(path), provenance=provenance)
-    if fmt != NMT:
+    spm, provenance_path = path / SPM, path / PROVENANCE
+    provenance = {}
+    if provenance_path.exists():
+        try:
+            provenance = json.loads(read_regular(provenance_path, 16 << 20).decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise NmtError(f"{provenance_path} is damaged ({type(e).__name__}: {e})") from None
+    if fmt not in (NMT, CT2):
         raise NmtError(f"{settings_path}: unknown format {fmt!r}")
-    weights_path = Path(path) / WEIGHTS
+    weights_path = path / (WEIGHTS if fmt == NMT else CT2_WEIGHTS)
+    for needed in (weights_path, spm):
+        if not needed.is_file():
+            raise NmtError(f"{path} is incomplete: {needed.name} is missing")
+    check_regular(spm, MAX_SPM_BYTES)
+    if "spm_sha256" in s and sha256_file(spm) != s["spm_sha256"]:  # exports before it lack it
+        raise NmtError(f"{spm} does not match the sha256 in {SETTINGS}: it is corrupt or was changed")
+    if fmt == CT2:  # CTranslate2 reads its file itself: verified here, before it does
+        _verified(weights_path, sha)
+        return Model(path, config, spm, src, tgt, sha, None, ct2_dir=path, provenance=provenance)
 
     def load_weights() -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        if sha256_file(weights_path) != sha:
-            raise NmtError(
-                f"{weights_path} does not match the sha256 in {SETTINGS}: it is corrupt or was changed"
-            )
+        _verified(weights_path, sha)
         return load_file(str(weights_path))
 
-    for needed in (weights_path, spm):
-        if not needed.is_file():
-            raise NmtError(f"{path} is incomplete: {needed.name} is missing")
     check_shapes(config, weights_path, settings_path)
-    return Model(Path(path), config, spm, src, tgt, sha, load_weights, provenance=provenance)
+    return Model(path, config, spm, src, tgt, sha, load_weights, provenance=provenance)
+
+
+def _members_are_regular(path: Path) -> None:
+    with os.scandir(path) as entries:
+        for entry in itertools.islice(entries, 1000):
+            if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+                raise NmtError(
+                    f"{entry.path} is not a regular file: an export holds only the files nmt wrote"
+                )
+
+
+def _verified(weights_path: Path, sha: str) -> None:
+    if sha256_file(weights_path) != sha:
+        raise NmtError(
+            f"{weights_path} does not match the sha256 in {SETTINGS}: it is corrupt or was changed"
+        )
 
 
 def _declared(settings, source: Path) -> ModelConfig:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_write_json, atomic_write_text, file_stats, now
+from nmt_cli.files import atomic_write_json, atomic_write_text, file_stats, now, open_appending, open_regular
 
 
 class RunDir:
@@ -160,7 +160,7 @@ class RunDir:
         return records
 
     def add_metric(self, record: dict) -> None:
-        with open(self.metrics, "a", encoding="utf-8") as f:
+        with open_appending(self.metrics) as f:
             f.write(json.dumps(record) + "\n")
 
     def truncate_metrics(self, step: int) -> None:
@@ -197,7 +197,7 @@ class RunDir:
         from nmt_cli import ui
 
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(self.lock_path, os.O_RDWR | os.O_CREAT)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

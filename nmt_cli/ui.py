@@ -32,7 +32,10 @@ def log_to(path: Path | None, header: str = "") -> None:
         _log.close()
         _log = None
     if path is not None:
-        _log = open(path, "a", encoding="utf-8", buffering=1)
+        from nmt_cli.files import open_appending
+
+        _log = open_appending(path)  # line-buffered below: a killed command keeps its lines
+        _log.reconfigure(line_buffering=True)
         note(f"=== {header}")
 
 

@@ -162,6 +162,37 @@ def test_every_kind_of_model_file_has_its_settings_bounded(package, exported, tr
         assert locate(model).config.max_positions <= 16384  # the untouched copy loads
 
 
+def test_a_models_members_are_regular_files_that_match_their_sha256(package, exported, tmp_path, nmt):
+    """A member planted as a link to /dev/zero or as a FIFO (an endless read) is refused before
+    it is opened for reading; a changed spm.model, or a CTranslate2 export's changed model.bin,
+    does not match the sha256 nmt.json records."""
+    for kind, source in (("package", package), ("ct2", exported["int8"])):
+        copy = tmp_path / kind
+        shutil.copytree(source, copy)
+        for member, plant in (("provenance.json", "link"), ("spm.model", "fifo"), ("nmt.json", "link")):
+            (copy / member).unlink()
+            if plant == "link":
+                (copy / member).symlink_to("/dev/zero")
+            else:
+                os.mkfifo(copy / member)
+            with pytest.raises(NmtError, match=f"{member} is not a regular file"):
+                from_dir(copy)
+            (copy / member).unlink()
+            shutil.copy(source / member, copy / member)
+        changed = bytearray((source / "spm.model").read_bytes())
+        changed[-1] ^= 1
+        (copy / "spm.model").write_bytes(changed)
+        with pytest.raises(NmtError, match="spm.model does not match the sha256 in nmt.json"):
+            from_dir(copy)
+        shutil.copy(source / "spm.model", copy / "spm.model")
+        assert from_dir(copy).sha256 == from_dir(source).sha256
+    with open(tmp_path / "ct2" / "model.bin", "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\0" * 8)
+    line = one_error_line(nmt("translate", "--model", tmp_path / "ct2", stdin=b"x\n"))
+    assert "model.bin does not match the sha256 in nmt.json" in line
+
+
 def test_an_export_is_on_disk_before_it_appears(trained, tmp_path, monkeypatch, nmt):
     """Every file of an export is fsynced before the rename that makes it visible."""
     synced = []

@@ -82,3 +82,32 @@ def test_stale_lock_of_a_killed_process_is_taken_over(tmp_path, capfd):
     with RunDir(tmp_path).lock("bpe"):  # released cleanly: no warning this time
         assert "taking over" not in capfd.readouterr().err
     time.sleep(0)
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_a_runs_logs_and_lock_are_never_written_through_a_link_or_into_a_fifo(tmp_path, planted):
+    """.lock, log.txt and metrics.jsonl planted as a link to a file outside the run (which
+    would be overwritten or grown) or as a FIFO (which would block): one error, nothing written
+    elsewhere."""
+    from nmt_cli import ui
+
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    for path, use in (
+        (run.lock_path, lambda: run.lock("train").__enter__()),
+        (run.log, lambda: ui.log_to(run.log, "train")),
+        (run.metrics, lambda: run.add_metric({"kind": "train", "step": 1})),
+    ):
+        if planted == "link":
+            path.symlink_to(victim)
+        else:
+            os.mkfifo(path)
+        with pytest.raises(NmtError, match="symbolic link|not a regular file"):
+            use()
+        path.unlink()
+    ui.log_to(None)
+    assert victim.read_text() == "untouched\n"
+    run.add_metric({"kind": "train", "step": 1})  # a regular file is written as before
+    assert run.metric_records() == [{"kind": "train", "step": 1}]
