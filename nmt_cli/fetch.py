@@ -5,6 +5,7 @@ From the file on, a mirror and the network take the same path: verify, then extr
 
 from __future__ import annotations
 
+import errno
 import gzip
 import http.client
 import os
@@ -25,6 +26,9 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import sha256_file
 
 CHUNK = 1 << 20
+# A file whose size no recipe pins is still bounded: a server that never ends its body must not
+# fill the disk.
+MAX_UNSIZED = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
         if source.size is not None and have > source.size:
             part.unlink()
             have = 0
+        _room_for(source, dest.parent, have)
         headers = {"User-Agent": f"nmt/{__version__}"}
         if have:
             headers["Range"] = f"bytes={have}-"
@@ -99,11 +104,17 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
                 resumed = have > 0 and response.status == 206
                 if not resumed:
                     have = 0  # the server sent the whole file
-                length = response.headers.get("Content-Length")
-                total = have + int(length) if length else source.size
+                length = _length(response.headers.get("Content-Length"))
+                total = (
+                    source.size if source.size is not None else have + length if length is not None else None
+                )
+                limit = total if total is not None else MAX_UNSIZED
                 with open(part, "ab" if resumed else "wb") as f, ui.progress("bytes") as bar:
                     task = bar.add_task(f"download {source.name}", total=total, completed=have)
                     while chunk := response.read(CHUNK):
+                        have += len(chunk)
+                        if have > limit:
+                            raise _Oversized(limit)
                         f.write(chunk)
                         bar.advance(task, len(chunk))
             got = part.stat().st_size
@@ -112,6 +123,12 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
                 raise http.client.IncompleteRead(b"", expected - got)
             os.replace(part, dest)
             return
+        except _Oversized as e:
+            part.unlink(missing_ok=True)
+            raise NmtError(
+                f"download of {source.url} sent more than the {e.args[0]} bytes expected; "
+                "refusing it (nothing kept)"
+            ) from None
         except urllib.error.HTTPError as e:
             if e.code == 416 and source.size is not None and have == source.size:
                 os.replace(part, dest)  # an earlier try had finished the transfer
@@ -120,6 +137,11 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
                 raise NmtError(f"download of {source.url} failed: HTTP {e.code} {e.reason}") from None
             last_error = f"HTTP {e.code} {e.reason}"
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                # a full disk or quota is the user's to fix, not a network error to retry
+                raise NmtError(
+                    f"{dest.parent} is full ({e.strerror}): free some space and rerun to resume"
+                ) from None
             last_error = str(getattr(e, "reason", e)) or type(e).__name__
         if attempt < retries:
             ui.warn(
@@ -131,6 +153,31 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
         f"could not download {source.url} after {retries} tries ({last_error}); "
         f"rerun to resume, or put the file in a folder and pass --mirror"
     )
+
+
+class _Oversized(Exception):
+    pass
+
+
+def _length(header: str | None) -> int | None:
+    """A Content-Length header's value, None where it is missing or not a number."""
+    try:
+        value = int(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 0 else None
+
+
+def _room_for(source: Source, folder: Path, have: int) -> None:
+    """Refuse to start a download that cannot fit in `folder`'s free space."""
+    if source.size is None:
+        return
+    free = shutil.disk_usage(folder).free
+    if free < source.size - have:
+        raise NmtError(
+            f"{folder} has {free / 2**30:.1f} GiB free; {source.name} needs "
+            f"{(source.size - have) / 2**30:.1f} GiB more: free some space or pass another folder"
+        )
 
 
 # -- extraction -------------------------------------------------------------------------------

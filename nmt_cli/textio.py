@@ -18,6 +18,9 @@ T = TypeVar("T")
 # How long input may pause before what has arrived is handed on: short for a person at a pipe,
 # long beside the microseconds between the lines of a file.
 PAUSE = 0.02  # seconds
+# Bytes of one line kept at most; the rest of a longer line is read and dropped, so that a line
+# without end cannot fill the memory. Far past what any model reads (16,384 positions).
+MAX_LINE = 1 << 20
 
 
 @dataclass
@@ -55,10 +58,24 @@ def read_lines(path: Path, damage: Damage | None = None) -> Iterator[str]:
     lineno = 0
     try:
         with open_binary(path) as f:
-            for lineno, raw in enumerate(f, 1):
+            for lineno, raw in enumerate(lines_of(f), 1):
                 yield decode_line(raw, lineno, damage)
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         raise NmtError(f"{path} is truncated or corrupt after line {lineno} ({e}); fetch it again") from None
+
+
+def lines_of(f: BinaryIO) -> Iterator[bytes]:
+    """The lines of `f` as bytes, each at most MAX_LINE bytes (cut at a character's start), the
+    rest of a longer line dropped unread into memory."""
+    while raw := f.readline(MAX_LINE):
+        if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE)) and not rest.endswith(b"\n"):
+                pass
+            cut = len(raw)
+            while cut and raw[cut - 1] & 0xC0 == 0x80:  # UTF-8 continuation bytes of a cut character
+                cut -= 1
+            raw = raw[: cut - 1 if cut and raw[cut - 1] >= 0xC0 else cut] + (b"\n" if rest else b"")
+        yield raw
 
 
 def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -78,7 +95,7 @@ def arrivals(source: BinaryIO, most: int) -> Iterator[list[bytes]]:
 
     def read() -> None:
         try:
-            for raw in source:
+            for raw in lines_of(source):
                 lines.put(raw)
             lines.put(_END)
         except BaseException as e:  # noqa: B036 - handed to the reading side, raised there

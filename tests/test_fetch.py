@@ -26,6 +26,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         server: Server = self.server  # type: ignore[assignment]
+        if self.path == "/endless.tgz":  # no length, and a body that never ends
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(PAYLOAD)
+            except OSError:  # the client hung up
+                return
+        if self.path == "/badlength.tgz":
+            self.send_response(200)
+            self.send_header("Content-Length", "a lot")
+            self.end_headers()
+            self.wfile.write(PAYLOAD)
+            self.close_connection = True
+            return
         if self.path != "/data.tgz":
             self.send_error(404)
             return
@@ -88,3 +103,35 @@ def test_unreachable_host_gives_up_after_retries(tmp_path):
     dead = Source("http://127.0.0.1:9/none.tgz", "0" * 64)
     with pytest.raises(NmtError, match="after 2 tries"):
         fetch.fetch(dead, tmp_path, retries=2, wait=0)
+
+
+def test_a_body_that_never_ends_is_cut_at_the_expected_size(server, tmp_path, monkeypatch):
+    with pytest.raises(NmtError, match=f"sent more than the {len(PAYLOAD)} bytes expected"):
+        fetch.fetch(source(server, path="endless.tgz"), tmp_path, wait=0)
+    assert not list(tmp_path.iterdir())  # nothing kept
+    monkeypatch.setattr(fetch, "MAX_UNSIZED", 3 * len(PAYLOAD))  # no size pinned: the cap
+    unsized = Source(source(server, path="endless.tgz").url, "0" * 64)
+    with pytest.raises(NmtError, match=f"sent more than the {3 * len(PAYLOAD)} bytes expected"):
+        fetch.fetch(unsized, tmp_path, wait=0)
+
+
+def test_a_content_length_that_is_not_a_number_is_ignored(server, tmp_path):
+    assert fetch.fetch(source(server, path="badlength.tgz"), tmp_path, wait=0).read_bytes() == PAYLOAD
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_not_a_retry(server, tmp_path, monkeypatch):
+    import os
+    import shutil
+    from collections import namedtuple
+
+    server.break_first = False
+    (tmp_path / "data.tgz.part").symlink_to("/dev/full")  # every write: ENOSPC
+    with pytest.raises(NmtError, match=f"{tmp_path} is full"):
+        fetch.fetch(source(server), tmp_path, wait=0)
+    assert len(server.requests) == 1  # not retried
+    os.unlink(tmp_path / "data.tgz.part")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(NmtError, match=f"{tmp_path} has 0.0 GiB free; data.tgz needs"):
+        fetch.fetch(source(server), tmp_path, wait=0)
+    assert len(server.requests) == 1  # refused before asking
