@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, max_lengths
-from nmt_cli.errors import NmtError
+from nmt_cli.errors import NmtError, Stopped
 from nmt_cli.export import pieces, require_ctranslate2, save
 from nmt_cli.models import Model
 from nmt_cli.vocab import EOS
@@ -63,7 +63,7 @@ class Backend:
         self.ceiling = model.config.max_positions - 1
 
     def search(
-        self, sentences: list[list[Source]], options: DecodeOptions
+        self, sentences: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
     ) -> Iterator[list[list[Hypothesis]]]:
         """nmt's beam search on each batch of `sentences`; the batches are all handed over at
         once, so that every worker has one, and their answers come back in order.
@@ -116,6 +116,8 @@ class Backend:
             for batch, starts in zip(batches, starts_of)
         ]
         for results, batch, scored in zip(pending, batches, given):
+            if stop is not None and stop():  # its batches run on; their answers are not awaited
+                raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
             yield [self.ranked(r.result(), options, offset) for r, offset in zip(results, offsets)]
 

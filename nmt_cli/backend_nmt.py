@@ -46,8 +46,11 @@ class Backend:
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
-    def search(self, batches: list[list[Source]], options: DecodeOptions) -> Iterator[list[list[Hypothesis]]]:
-        """The `options.nbest` best of each sentence of each batch, batch by batch."""
+    def search(
+        self, batches: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
+    ) -> Iterator[list[list[Hypothesis]]]:
+        """The `options.nbest` best of each sentence of each batch, batch by batch; `stop` is
+        asked between decoding steps."""
 
         def one(batch: list[Source]) -> list[list[Hypothesis]]:
             src = self._sources([s.ids for s in batch])
@@ -59,6 +62,7 @@ class Backend:
                 keys=[s.key for s in batch],
                 prefixes=[s.prefix for s in batch] if bound[0] else None,
                 constraints=[s.constraints for s in batch] if bound[1] else None,
+                stop=stop,
             )
 
         return self._each(one, batches)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
+from nmt_cli.errors import Stopped
 from nmt_cli.translate import Translator
 
 
@@ -41,6 +42,7 @@ class Batcher:
         self.arrived = asyncio.Event()
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
+        self.stopped = 0  # batches given up midway: nobody waited for them any more
 
     def submit(
         self,
@@ -151,10 +153,25 @@ class Batcher:
         prefixes = _joined([(job.prefixes, lo, hi) for job, lo, hi in pieces], "")
         constraints = _joined([(job.constraints, lo, hi) for job, lo, hi in pieces], [])
         first = pieces[0][0]
+        jobs = [job for job, _, _ in pieces]
+
+        def nobody_waits() -> bool:  # asked from the decoding thread between steps
+            return all(job.done.done() for job in jobs)
+
         try:
             texts, hyps = await loop.run_in_executor(
-                self.decoder, self._decode, sentences, first.options, keys, prefixes, constraints
+                self.decoder,
+                self._decode,
+                sentences,
+                first.options,
+                keys,
+                prefixes,
+                constraints,
+                nobody_waits,
             )
+        except Stopped:  # every client left or passed its deadline while it decoded
+            self.stopped += 1
+            return
         except Exception as e:  # noqa: BLE001 - a request the decoder fails on fails alone
             if len(pieces) > 1:
                 for piece in pieces:
@@ -174,8 +191,10 @@ class Batcher:
                 _settle(job, answers=job.answers)
             start = end
 
-    def _decode(self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes, constraints):
-        hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints)
+    def _decode(
+        self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes, constraints, stop
+    ):
+        hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints, stop)
         return self.translator.texts(hyps), hyps
 
 

@@ -46,8 +46,10 @@ from nmt_cli.models import Model
 from nmt_cli.translate import Translator
 
 MAX_BEAM = 32
-# each constraint adds a bank to a sentence's search: enough for terminology, not a way to stall it
+# each constraint adds a bank to a sentence's search, and every token of them raises its length
+# limit: enough for terminology, not a way to stall it
 MAX_CONSTRAINTS = 16
+MAX_CONSTRAINT_CHARS = 400  # all of one sentence's phrases together
 
 
 # The last release that fixed a server-side advisory (docs/reliability.md); pyproject.toml's
@@ -198,6 +200,8 @@ def _constraints(given, sentences: int) -> list[list[str]] | None:
         )
     if max(map(len, given)) > MAX_CONSTRAINTS:
         raise ValueError(f"a sentence has more than {MAX_CONSTRAINTS} constraints")
+    if max(sum(map(len, c)) for c in given) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"a sentence's constraints have more than {MAX_CONSTRAINT_CHARS} characters in all")
     return given
 
 
@@ -325,6 +329,7 @@ def make_app(
                 "status": "ok" if alive else "the decoding loop has stopped",
                 "engine": translator.engine,
                 "queued": request.app[batcher_key].pending,
+                "given_up": request.app[batcher_key].stopped,  # batches nobody waited for
             },
             status=200 if alive else 503,
         )

@@ -33,9 +33,12 @@ ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2
 class Backend(Protocol):
     """What searches for translations: nmt's own engine or CTranslate2."""
 
-    def search(self, batches: list[list[Source]], options: DecodeOptions) -> Iterator[list[list[Hypothesis]]]:
+    def search(
+        self, batches: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
+    ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best hypotheses of each sentence of each batch, best first, batch
-        by batch in order; each beginning with its prefix and holding its constraints."""
+        by batch in order; each beginning with its prefix and holding its constraints. Once
+        `stop()` is true the search raises errors.Stopped, as soon as it can."""
         ...
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
@@ -176,11 +179,13 @@ class Translator:
         keys: list[int] | None = None,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
         the config's for this call; `keys` seed --sample's draws, one per line (default: the
         lines' numbers in the input); `prefixes`: the text each translation begins with;
-        `constraints`: the phrases each must contain."""
+        `constraints`: the phrases each must contain; `stop`: once it says so, errors.Stopped
+        (nmt's engine checks between decoding steps, CTranslate2 between batches)."""
         options = options or self.config.decode
         self.check_tag(options.tag)
         if constraints is not None and any(constraints):
@@ -196,7 +201,7 @@ class Translator:
         bound = [i for i, x in enumerate(ids) if x and phrases[i]]
         free = [i for i, x in enumerate(ids) if x and not phrases[i]]
         batches = [*self.batches(ids, free), *self.batches(ids, bound)]
-        found = self.backend.search([[sources[i] for i in b] for b in batches], options)
+        found = self.backend.search([[sources[i] for i in b] for b in batches], options, stop)
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h

@@ -20,7 +20,7 @@ from conftest import one_error_line
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
-from nmt_cli.errors import NmtError
+from nmt_cli.errors import NmtError, Stopped
 from nmt_cli.models import from_dir, locate
 from nmt_cli.translate import Translator
 
@@ -445,7 +445,7 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
     try:
         assert server.get("/health") == (
             200,
-            {"status": "ok", "engine": "nmt", "queued": 0},  # no path: it is the operator's business
+            {"status": "ok", "engine": "nmt", "queued": 0, "given_up": 0},  # no path: the operator's
         )
         answers: dict[int, tuple] = {}
 
@@ -623,6 +623,37 @@ def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi3
         assert server.stop() == 0
 
 
+def test_the_batch_of_a_client_that_leaves_stops_decoding(package, multi30k_bpe):
+    """The most expensive request allowed (2,048 hypotheses at beam 8), its client gone while
+    its first batch decodes: that batch is given up between two steps, its other pieces never
+    start, and the next client is served."""
+    import socket
+
+    sources = sources_of(multi30k_bpe)[:256]
+    server = Server(package)
+    try:
+        body = json.dumps({"text": sources, "beam": 8, "max_len_a": 3.0}).encode()
+        port = int(server.url.rsplit(":", 1)[1])
+        leaving = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+        leaving.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + DEADLINE
+        while server.get("/health")[1]["queued"] < 256:  # its first batch is being decoded
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        leaving.close()
+        while (health := server.get("/health")[1])["given_up"] < 1:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.005)
+        assert health["queued"] == 0  # the batch given up, the rest never decoded
+        assert server.post({"text": sources[:2]})[0] == 200
+    finally:
+        assert server.stop() == 0
+
+
 def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(package):
     """--read-timeout: a client whose Content-Length promises more than it sends does not hold
     its connection for ever."""
@@ -683,17 +714,25 @@ def test_connections_without_a_whole_request_are_closed_and_their_number_capped(
 
 class StandIn:
     """Stands in for the translator in the server: fails on any batch holding "boom", waits for
-    `release` on any holding "slow", and upper-cases the rest; records each batch."""
+    `release` on any holding "slow" (or gives up when nobody waits for it) or "stubborn", and
+    upper-cases the rest; records each batch."""
 
     config, engine, tags = TranslateConfig(), "stand-in", ()
 
     def __init__(self):
         self.batches: list = []
+        self.stopped: list = []  # the batches given up midway
         self.release = threading.Event()
 
-    def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None):
+    def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, stop=None):
         self.batches.append(list(sentences))
-        if "slow" in sentences:
+        if "slow" in sentences:  # held, and given up as nmt's engine does between its steps
+            deadline = time.monotonic() + DEADLINE
+            while not self.release.wait(0.01) and time.monotonic() < deadline:
+                if stop is not None and stop():
+                    self.stopped.append(list(sentences))
+                    raise Stopped("nobody waits for this search any more")
+        if "stubborn" in sentences:  # held whatever happens, as a CTranslate2 batch is
             self.release.wait(DEADLINE)
         if "boom" in sentences:
             raise ValueError("the decoder failed")
@@ -765,7 +804,7 @@ def test_a_batch_that_fails_after_its_client_left_does_not_stop_the_decoding_loo
     decoder, ended = StandIn(), []
 
     async def scenario(post, get):
-        gone = await post(["slow", "boom"])  # held past its deadline, then failing
+        gone = await post(["stubborn", "boom"])  # held past its deadline, then failing
         decoder.release.set()
         while (await get("/health"))[1]["queued"]:
             await asyncio.sleep(0.01)
@@ -862,7 +901,7 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
     decoder = StandIn()
 
     async def scenario(post, get):
-        slow = asyncio.ensure_future(post(["slow"]))  # holds the decoder until released
+        slow = asyncio.ensure_future(post(["stubborn"]))  # holds the decoder until released
         while not decoder.batches:
             await asyncio.sleep(0.01)
         queued = await post(["queued"])  # waits behind it, past its deadline
@@ -872,9 +911,27 @@ def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
 
     slow, queued, waiting, after = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=0)
     assert slow[0] == queued[0] == 504 and "--request-timeout" in queued[1]["error"]
-    assert waiting[1]["queued"] == 1  # the slow one, still being decoded; "queued" has left
+    assert waiting[1]["queued"] == 1  # the stubborn one, still being decoded; "queued" has left
     assert after == (200, {"translations": ["AFTER"]})
     assert ["queued"] not in decoder.batches
+
+
+def test_a_batch_nobody_waits_for_is_given_up_between_steps():
+    """A batch whose every request has left (504 here) stops decoding at its next step instead
+    of running to its end for nobody; the decoder is free for the next request at once."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        gone = await post(["slow", "held"])
+        while (await get("/health"))[1]["given_up"] < 1:
+            await asyncio.sleep(0.01)
+        return gone, await post(["after"])
+
+    gone, after = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=0)
+    assert gone[0] == 504 and after == (200, {"translations": ["AFTER"]})
+    assert decoder.stopped == [["slow", "held"]] and not decoder.release.is_set()
 
 
 def test_a_short_request_waits_for_one_batch_behind_a_large_one():
@@ -917,7 +974,7 @@ def test_requests_nobody_waits_for_are_not_decoded_again():
     decoder = StandIn()
 
     async def scenario(post, get):
-        answers = asyncio.gather(post(["slow"]), post(["boom"]))  # one batch, held, then failing
+        answers = asyncio.gather(post(["stubborn"]), post(["boom"]))  # one batch, held, then failing
         while not decoder.batches:
             await asyncio.sleep(0.01)
         done = await answers  # both past their deadline while the batch is held
@@ -928,7 +985,7 @@ def test_requests_nobody_waits_for_are_not_decoded_again():
 
     answers = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=200)
     assert [status for status, _ in answers] == [504, 504]
-    assert decoder.batches == [["slow", "boom"]]  # not decoded again one by one
+    assert decoder.batches == [["stubborn", "boom"]]  # not decoded again one by one
 
 
 def test_sigterm_finishes_the_requests_in_flight(package, multi30k_bpe):

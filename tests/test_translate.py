@@ -1,5 +1,6 @@
 """`nmt translate` as a Unix filter, and `nmt score`."""
 
+import hashlib
 import json
 import shutil
 
@@ -236,6 +237,9 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     other = tmp_path / "other"
     shutil.copytree(package, other)
     (other / "spm.model").write_bytes((other / "spm.model").read_bytes() + b"\0")
+    declared = json.loads((other / "nmt.json").read_text())  # as if exported with that vocabulary
+    declared["spm_sha256"] = hashlib.sha256((other / "spm.model").read_bytes()).hexdigest()
+    (other / "nmt.json").write_text(json.dumps(declared))
     line = one_error_line(nmt("translate", "--model", package, "--model", other, stdin=b"x\n"))
     assert "one vocabulary" in line
     settings = json.loads((package / "nmt.json").read_text())

@@ -17,6 +17,7 @@ from nmt_cli.engine import beam, constrained, sampling
 from nmt_cli.engine.cache import DecoderCache
 from nmt_cli.engine.hypothesis import Hypothesis, max_lengths
 from nmt_cli.engine.model import Transformer
+from nmt_cli.errors import Stopped
 from nmt_cli.vocab import BOS, PAD
 
 
@@ -29,6 +30,7 @@ def translate(
     keys: Sequence[int] | None = None,
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
     `keys`: the sentences' line numbers, which seed --sample's draws (default: 0, 1, ...).
@@ -36,7 +38,8 @@ def translate(
     (ids) each must contain (none: []), found by beam search only.
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
-    encoder output and cache, and a step's log-probs are the mean of theirs."""
+    encoder output and cache, and a step's log-probs are the mean of theirs. `stop` is asked
+    before every step: once true, errors.Stopped (every search takes its steps from here)."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     src_lengths = (src != PAD).sum(1).tolist()
     o = options
@@ -60,6 +63,8 @@ def translate(
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
+    if stop is not None:
+        step = _stoppable(step, stop)
     if bound:
         return constrained.search(
             step, reorder, max_lens, k, o.alpha, o.nbest, constraints, src.device, forced
@@ -72,6 +77,15 @@ def translate(
     if o.beam == 1 and o.nbest == 1:
         return sampling.greedy(step, reorder, max_lens, o.alpha, src.device, forced)
     return beam.search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device, forced)
+
+
+def _stoppable(step: Callable[[Tensor], Tensor], stop: Callable[[], bool]) -> Callable[[Tensor], Tensor]:
+    def checked(tokens: Tensor) -> Tensor:
+        if stop():
+            raise Stopped("nobody waits for this search any more")
+        return step(tokens)
+
+    return checked
 
 
 def _prefix_tensor(prefixes: Sequence[Sequence[int]], device: torch.device | str) -> Tensor:

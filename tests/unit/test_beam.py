@@ -1,6 +1,7 @@
 """Beam search on hand-written probability tables (exact hypotheses and scores), and the
 invariants on a real (random) model: cached = uncached, beam 1 = greedy, batched = alone."""
 
+import dataclasses
 import math
 
 import pytest
@@ -286,3 +287,27 @@ def test_draws_follow_the_distribution_as_top_k_top_p_and_temperature_shape_it()
     assert shares(topk=3, topp=0.8) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)
     squared = (probs**2 / (probs**2).sum()).tolist()
     assert shares(temperature=0.5) == pytest.approx(squared, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [DecodeOptions(beam=4), DecodeOptions(beam=1), DecodeOptions(sample=True, nbest=2), "constrained"],
+)
+def test_every_search_gives_up_at_the_step_after_stop_says_so(options):
+    """The server's `stop`: asked before every decoding step of every search; once true, the
+    search raises Stopped instead of running on for nobody."""
+    from nmt_cli.errors import Stopped
+
+    m, src = model(), torch.tensor([[5, 6, 7, EOS], [8, 9, EOS, PAD]])
+    constraints = [[[10, 11]], [[12]]] if options == "constrained" else None
+    options = DecodeOptions(beam=4, max_len_b=30) if options == "constrained" else options
+    asked = []
+
+    def stop() -> bool:
+        asked.append(True)
+        return len(asked) > 3
+
+    with pytest.raises(Stopped):
+        translate(m, src, dataclasses.replace(options, max_len_b=30), constraints=constraints, stop=stop)
+    assert len(asked) == 4  # three steps taken, the fourth refused
+    assert translate(m, src, options, constraints=constraints, stop=lambda: False)  # never: no effect

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nmt_cli.config import DecodeOptions, ServeConfig
-from nmt_cli.serve import MAX_BEAM, MAX_CONSTRAINTS, parse
+from nmt_cli.serve import MAX_BEAM, MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
 
 DEFAULTS = DecodeOptions(beam=5)
 
@@ -73,8 +73,9 @@ def test_a_ctranslate2_server_refuses_constraints():
             '"constraints" must be a list of lists of strings, one list per sentence',
         ),
         ({"constraints": [[1]]}, '"constraints" must be a list of lists of strings'),
-        ({"constraints": [["x" * 3000]]}, "a constraint of sentence 0 has 3000 characters"),
+        ({"constraints": [["x" * 3000]]}, f"more than {MAX_CONSTRAINT_CHARS} characters in all"),
         ({"constraints": [["Hund"] * (MAX_CONSTRAINTS + 1)]}, f"more than {MAX_CONSTRAINTS} constraints"),
+        ({"constraints": [["x" * 300, "y" * 101]]}, f"more than {MAX_CONSTRAINT_CHARS} characters in all"),
         (
             {"constraints": [["Hund"]], "sample": True, "nbest": 1},
             '"constraints" are met by nmt\'s beam search: drop "sample"',
