@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -391,3 +392,63 @@ def count_decoding_steps(model) -> dict:
 
     model.decode = counting
     return steps
+
+
+# -- a trained model exported, for the tests of packages, CTranslate2 and the server -------------
+
+DEADLINE = 60  # seconds: every wait on another process ends
+
+
+def sources_of(multi30k_bpe) -> list[str]:
+    return (multi30k_bpe / "text" / "test.raw.en").read_text(encoding="utf-8").splitlines()
+
+
+def read_line(stream, deadline: float) -> bytes:
+    import select
+
+    ready, _, _ = select.select([stream], [], [], deadline)
+    assert ready, f"no answer within {deadline} s"
+    return stream.readline()
+
+
+@pytest.fixture(scope="session")
+def package(trained_longer, tmp_path_factory) -> Path:
+    """The model exported, then its run directory out of reach: the package stands alone."""
+    run = tmp_path_factory.mktemp("pkg") / "run"
+    shutil.copytree(trained_longer, run)
+    out = run.parent / "package"
+    subprocess.run(
+        [sys.executable, "-m", "nmt_cli", "export", str(out), "--run-dir", str(run)],
+        check=True,
+        capture_output=True,
+        timeout=DEADLINE,
+    )
+    shutil.rmtree(run)
+    return out
+
+
+@pytest.fixture(scope="session")
+def exported(package, tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for quantization in ("float32", "int8"):
+        where = tmp_path_factory.mktemp("ct2") / quantization
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nmt_cli",
+                "export",
+                str(where),
+                "--format",
+                "ctranslate2",
+                "--quantization",
+                quantization,
+                "--model",
+                str(package),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=DEADLINE,
+        )
+        out[quantization] = where
+    return out

@@ -1,0 +1,335 @@
+"""`nmt serve` in-process: its decoding queue and its connections, around a stand-in decoder
+that fails, holds or gives up on demand."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from conftest import DEADLINE
+
+from nmt_cli.config import TranslateConfig
+from nmt_cli.errors import NmtError, Stopped
+from nmt_cli.models import from_dir
+
+
+class StandIn:
+    """Stands in for the translator in the server: fails on any batch holding "boom", waits for
+    `release` on any holding "slow" (or gives up when nobody waits for it) or "stubborn", and
+    upper-cases the rest; records each batch."""
+
+    config, engine, tags = TranslateConfig(), "stand-in", ()
+
+    def __init__(self):
+        self.batches: list = []
+        self.stopped: list = []  # the batches given up midway
+        self.release = threading.Event()
+
+    def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, stop=None):
+        self.batches.append(list(sentences))
+        if "slow" in sentences:  # held, and given up as nmt's engine does between its steps
+            deadline = time.monotonic() + DEADLINE
+            while not self.release.wait(0.01) and time.monotonic() < deadline:
+                if stop is not None and stop():
+                    self.stopped.append(list(sentences))
+                    raise Stopped("nobody waits for this search any more")
+        if "stubborn" in sentences:  # held whatever happens, as a CTranslate2 batch is
+            self.release.wait(DEADLINE)
+        if "boom" in sentences:
+            raise ValueError("the decoder failed")
+        return [[s] for s in sentences]
+
+    def texts(self, hyps):
+        return [[h[0].upper()] for h in hyps]
+
+
+def _in_process(decoder: StandIn, scenario, on_loop_end=None, **config):
+    """Run `scenario(post, get)` against the app over `decoder` on a local port; its result."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.serve import make_app
+
+    app = make_app(decoder, SimpleNamespace(where="stand-in"), ServeConfig(**config), on_loop_end=on_loop_end)
+
+    async def run():
+        async with TestServer(app) as server, ClientSession() as session:
+
+            async def post(text):  # the sentences, or the whole request
+                body = text if isinstance(text, dict) else {"text": text}
+                async with session.post(server.make_url("/translate"), json=body) as r:
+                    return r.status, await r.json()
+
+            async def get(path):
+                async with session.get(server.make_url(path)) as r:
+                    return r.status, await r.json()
+
+            return await scenario(post, get)
+
+    return asyncio.run(run())
+
+
+def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
+    """A batch the decoder fails on is decoded again request by request: only the request that
+    fails gets the error, which names nothing of the server's. Once the decoding loop has
+    stopped, /health answers 503, a request 503 at once, and the server is told (it exits)."""
+    import asyncio
+
+    async def scenario(post, get):
+        good, bad = await asyncio.gather(post(["a", "b"]), post(["boom"]))
+        alive = await get("/health")
+        next(t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Batcher.run").cancel()
+        await asyncio.sleep(0)
+        return good, bad, alive, await get("/health"), await post(["late"])
+
+    decoder, ended = StandIn(), []
+    good, bad, alive, dead, late = _in_process(decoder, scenario, on_loop_end=ended.append, max_wait_ms=200)
+    assert decoder.batches[0] == ["a", "b", "boom"]  # one batch, which failed
+    assert good == (200, {"translations": ["A", "B"]})
+    assert bad == (500, {"error": "decoding this request failed; the server's log says why"})
+    assert (alive[0], alive[1]["status"]) == (200, "ok")
+    assert (dead[0], dead[1]["status"]) == (503, "the decoding loop has stopped")
+    assert late == (503, {"error": "the decoding loop has stopped"})
+    assert len(ended) == 1 and ended[0].cancelled()
+
+
+def test_a_batch_that_fails_after_its_client_left_does_not_stop_the_decoding_loop():
+    """A one-request batch that fails after its request got its 504 (the answer's future is
+    cancelled) is nobody's error: the loop goes on serving."""
+    import asyncio
+
+    decoder, ended = StandIn(), []
+
+    async def scenario(post, get):
+        gone = await post(["stubborn", "boom"])  # held past its deadline, then failing
+        decoder.release.set()
+        while (await get("/health"))[1]["queued"]:
+            await asyncio.sleep(0.01)
+        return gone, await get("/health"), await post(["after"])
+
+    gone, health, after = _in_process(
+        decoder, scenario, on_loop_end=ended.append, request_timeout=0.5, max_wait_ms=0
+    )
+    assert gone[0] == 504
+    assert (health[0], health[1]["status"]) == (200, "ok")
+    assert after == (200, {"translations": ["AFTER"]})
+    assert not ended
+
+
+def test_the_server_exits_when_its_decoding_loop_stops(package, monkeypatch):
+    """No zombie: a server whose decoding loop has ended (here a fault planted in it) stops
+    and says why, instead of answering every request 503 for ever."""
+    from nmt_cli import serve
+    from nmt_cli.batcher import Batcher
+    from nmt_cli.config import ServeConfig
+
+    async def broken(self):
+        raise RuntimeError("a fault in the loop")
+
+    monkeypatch.setattr(Batcher, "run", broken)
+    lingering = threading.Timer(DEADLINE, os.kill, (os.getpid(), signal.SIGTERM))  # a zombie: stopped
+    lingering.start()
+    try:
+        with pytest.raises(NmtError, match=r"loop stopped \(RuntimeError: a fault in the loop\)"):
+            serve.run(from_dir(package), TranslateConfig(), ServeConfig(port=0))
+    finally:
+        lingering.cancel()
+
+
+@pytest.mark.parametrize("timeouts", [{"write_timeout": 1.0}, {"header_timeout": 1.0}])
+def test_a_client_that_never_reads_its_answers_loses_its_connection(timeouts):
+    """A client that pipelines requests with large answers and reads none fills the socket's
+    buffers: its connection is aborted after --write-timeout (writing paused that long) or, once
+    no request is in progress, after --header-timeout (an answer still unread); closing it would
+    wait for the answer to drain, for ever, holding its slot."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.connections import Connections
+    from nmt_cli.serve import listen, make_app
+
+    config = ServeConfig(port=0, max_wait_ms=0, **{"write_timeout": 60.0, "header_timeout": 60.0, **timeouts})
+
+    async def run():
+        connections = Connections(10, config.header_timeout, config.write_timeout)
+        app = make_app(StandIn(), SimpleNamespace(where="stand-in"), config, connections)
+        runner, server = await listen(app, connections, config)
+        watch = asyncio.ensure_future(connections.watch())
+        loop = asyncio.get_running_loop()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await loop.sock_connect(client, server.sockets[0].getsockname()[:2])
+        body = json.dumps({"text": ["x" * 1999] * 256}).encode()  # 512 KB each way
+        request = b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        request += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+        async def send() -> None:
+            try:
+                for _ in range(8):
+                    await loop.sock_sendall(client, request)
+            except OSError:  # aborted
+                pass
+
+        sender = asyncio.ensure_future(send())
+        while not connections.open:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        while connections.open and time.monotonic() - started < DEADLINE / 4:
+            await asyncio.sleep(0.1)
+        held = len(connections.open)
+        sender.cancel()
+        watch.cancel()
+        client.close()
+        server.close()
+        await runner.cleanup()
+        return held
+
+    assert asyncio.run(run()) == 0
+
+
+def test_a_request_past_its_deadline_gets_504_and_leaves_the_queue():
+    """--request-timeout: a request not answered in time gets 504; one still queued then is
+    never decoded, and the service goes on."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        slow = asyncio.ensure_future(post(["stubborn"]))  # holds the decoder until released
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        queued = await post(["queued"])  # waits behind it, past its deadline
+        waiting = await get("/health")
+        decoder.release.set()
+        return await slow, queued, waiting, await post(["after"])
+
+    slow, queued, waiting, after = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=0)
+    assert slow[0] == queued[0] == 504 and "--request-timeout" in queued[1]["error"]
+    assert waiting[1]["queued"] == 1  # the stubborn one, still being decoded; "queued" has left
+    assert after == (200, {"translations": ["AFTER"]})
+    assert ["queued"] not in decoder.batches
+
+
+def test_a_batch_nobody_waits_for_is_given_up_between_steps():
+    """A batch whose every request has left (504 here) stops decoding at its next step instead
+    of running to its end for nobody; the decoder is free for the next request at once."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        gone = await post(["slow", "held"])
+        while (await get("/health"))[1]["given_up"] < 1:
+            await asyncio.sleep(0.01)
+        return gone, await post(["after"])
+
+    gone, after = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=0)
+    assert gone[0] == 504 and after == (200, {"translations": ["AFTER"]})
+    assert decoder.stopped == [["slow", "held"]] and not decoder.release.is_set()
+
+
+def test_a_short_request_waits_for_one_batch_behind_a_large_one():
+    """A large request is decoded in pieces, and the request served least goes first: short
+    requests that arrive while a 12-sentence one is being decoded are in the very next batches
+    (one at another beam, which cannot share a batch, in a batch of its own), and every request
+    gets its answers whole and in order."""
+    import asyncio
+
+    decoder = StandIn()
+    large = ["slow"] + [f"s{i}" for i in range(11)]
+
+    async def scenario(post, get):
+        first = asyncio.ensure_future(post(large))
+        while not decoder.batches:  # its first piece holds the decoder
+            await asyncio.sleep(0.01)
+        short = asyncio.ensure_future(post(["short"]))
+        while (await get("/health"))[1]["queued"] < 13:
+            await asyncio.sleep(0.01)
+        other = asyncio.ensure_future(post({"text": ["other"], "beam": 8}))
+        while (await get("/health"))[1]["queued"] < 14:
+            await asyncio.sleep(0.01)
+        decoder.release.set()
+        answered = await first, await short, await other
+        return (*answered, await post({"text": ["w1", "w2", "w3"], "beam": 16}))
+
+    first, short, other, wide = _in_process(decoder, scenario, max_batch=4, max_wait_ms=0)
+    # 4 sentences at the default beam 4 per batch; at beam 16, one.
+    assert decoder.batches[:5] == [large[:4], ["short", *large[4:7]], ["other"], large[7:11], large[11:]]
+    assert decoder.batches[5:] == [["w1"], ["w2"], ["w3"]]
+    assert first == (200, {"translations": [s.upper() for s in large]})
+    assert short == (200, {"translations": ["SHORT"]}) and other == (200, {"translations": ["OTHER"]})
+    assert wide == (200, {"translations": ["W1", "W2", "W3"]})
+
+
+def test_requests_nobody_waits_for_are_not_decoded_again():
+    """A batch that fails after its requests passed their deadline is not retried for them."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        answers = asyncio.gather(post(["stubborn"]), post(["boom"]))  # one batch, held, then failing
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        done = await answers  # both past their deadline while the batch is held
+        decoder.release.set()
+        while (await get("/health"))[1]["queued"]:
+            await asyncio.sleep(0.01)
+        return done
+
+    answers = _in_process(decoder, scenario, request_timeout=0.5, max_wait_ms=200)
+    assert [status for status, _ in answers] == [504, 504]
+    assert decoder.batches == [["stubborn", "boom"]]  # not decoded again one by one
+
+
+def test_connections_per_client_address_are_capped():
+    """--max-connections-per-client: past it, a client's new connection gets 503 and is closed;
+    one of its connections closing makes room again."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.connections import Connections
+    from nmt_cli.serve import listen, make_app
+
+    config = ServeConfig(port=0, max_connections_per_client=2)
+
+    async def run():
+        connections = Connections(10, 60.0, 30.0, config.max_connections_per_client)
+        app = make_app(StandIn(), SimpleNamespace(where="stand-in"), config, connections)
+        runner, server = await listen(app, connections, config)
+        loop, where = asyncio.get_running_loop(), server.sockets[0].getsockname()[:2]
+
+        async def connect() -> tuple[socket.socket, bytes]:
+            s = socket.socket()
+            s.setblocking(False)
+            await loop.sock_connect(s, where)
+            try:  # a refused connection is answered at once; an accepted one waits for a request
+                return s, await asyncio.wait_for(loop.sock_recv(s, 4096), 0.5)
+            except asyncio.TimeoutError:
+                return s, b""
+
+        first, second, third = [await connect() for _ in range(3)]
+        first[0].close()
+        while len(connections.open) > 1:
+            await asyncio.sleep(0.01)
+        fourth = await connect()
+        for s, _ in (second, third, fourth):
+            s.close()
+        server.close()
+        await runner.cleanup()
+        return [answer for _, answer in (first, second, third, fourth)]
+
+    first, second, third, fourth = asyncio.run(run())
+    assert first == second == fourth == b""
+    assert third.startswith(b"HTTP/1.1 503") and b"too many connections" in third
