@@ -32,8 +32,9 @@ RANGES: dict[str, tuple[float, float]] = {
 @dataclass(frozen=True)
 class DecodeOptions:
     """How a search decodes: one object carried from the CLI, the server and the Python entry
-    points through either backend to the search. A new decoding option is a field here, its use
-    in the search (engine/decoding.py picks the search) and its mapping (or refusal) in
+    points through either backend to the search. A new decoding option is a field here (with its
+    range in RANGES), its use (a rule on the next token in engine/rules.py, which every search
+    applies; engine/decoding.py picks the search) and its mapping (or refusal) in
     backend_ct2.py."""
 
     beam: int = knob(4, "Beam size (1: greedy).")

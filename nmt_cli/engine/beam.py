@@ -1,8 +1,9 @@
 """Beam search over a batch of sentences at once, built from small pure functions.
 
 `search` knows nothing of the Transformer: it asks `step(tokens)` for next-token log-probs of
-every live row and tells `reorder(indices)` which rows survive (decoding.py wires it to the
-model and its DecoderCache). Rows are sentences x beams, each sentence's beams together.
+every live row, has rules.py's `NextToken` shape them, and tells `reorder(indices)` which rows
+survive (decoding.py wires it to the model and its DecoderCache). Rows are sentences x beams,
+each sentence's beams together.
 
 A sentence stops once it has `beam` finished hypotheses, or when no live hypothesis can beat
 its best finished one even with the most favourable length penalty it could still reach.
@@ -18,7 +19,8 @@ import torch
 from torch import Tensor
 
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty
-from nmt_cli.vocab import BOS, EOS, PAD
+from nmt_cli.engine.rules import NextToken
+from nmt_cli.vocab import BOS, EOS
 
 
 def beam_step(scores: Tensor, lprobs: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -53,15 +55,11 @@ def choose(cand_scores: np.ndarray, cand_tokens: np.ndarray, beam: int) -> tuple
 def search(
     step: Callable[[Tensor], Tensor],
     reorder: Callable[[Tensor], None],
-    max_lens: list[int],
-    beam: int,
-    alpha: float,
-    nbest: int = 1,
+    rules: NextToken,
     device: torch.device | str = "cpu",
-    forced: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """Beam search for len(max_lens) sentences; the `nbest` best hypotheses of each, best first.
-    `forced` (n, P): each sentence's first tokens, -1 after its own (a target prefix).
+    """Beam search for len(rules.max_lens) sentences at `rules.options`' beam, alpha and nbest;
+    the `nbest` best hypotheses of each, best first. `rules` shapes every step's log-probs.
 
     step(tokens (R, 1)) -> log-probs (R, V) of the next token of each live row.
     reorder(indices (R',)) keeps those rows (of the last step's R) for the next step.
@@ -69,6 +67,8 @@ def search(
     The device ranks the candidates; the host reads them once per step (2*beam per sentence)
     and keeps the bookkeeping: the hypotheses' tokens, who finished, who lives on.
     """
+    o, max_lens = rules.options, rules.max_lens
+    beam, alpha, nbest = o.beam, o.alpha, o.nbest
     n = len(max_lens)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     active = np.arange(n)  # sentence of each live group of `beam` rows
@@ -76,12 +76,9 @@ def search(
     scores = torch.full((n, beam), -math.inf, device=device)
     scores[:, 0] = 0.0  # at first every beam is the same: keep one
     tokens = torch.full((n * beam, 1), BOS, dtype=torch.long, device=device)
-    limits = torch.tensor(max_lens, device=device)  # per live sentence
     t = 0
     while True:
-        lprobs = allowed(step(tokens).float(), (limits <= t + 1).repeat_interleave(beam))  # (R, V)
-        if forced is not None and t < forced.shape[1]:
-            lprobs = force(lprobs, forced[:, t].repeat_interleave(beam))
+        lprobs = rules(step(tokens).float())  # (R, V)
         b = len(active)
         cand = beam_step(scores, lprobs.view(b, beam, -1), beam)
         cand_scores, cand_beams, cand_tokens = (
@@ -108,31 +105,10 @@ def search(
         live_t = live_t.view(-1, beam)
         scores = cand[0].index_select(0, keep_t).gather(1, live_t)
         tokens = cand[2].index_select(0, keep_t).gather(1, live_t).view(-1, 1)
-        limits = limits.index_select(0, keep_t)
-        if forced is not None:
-            forced = forced.index_select(0, keep_t)
+        rules.keep(rows, rows_t)
         reorder(rows_t)
         t += 1
     return [sorted(f, key=lambda h: -h.score)[:nbest] for f in finished]
-
-
-def allowed(lprobs: Tensor, at_limit: Tensor) -> Tensor:
-    """`lprobs` (R, V) with what may never come next banned, in place: PAD and BOS anywhere,
-    and anything but EOS in a row at its length limit (`at_limit`, (R,))."""
-    eos = lprobs[:, EOS].clone()
-    lprobs[:, PAD] = -math.inf
-    lprobs[:, BOS] = -math.inf
-    lprobs.masked_fill_(at_limit[:, None], -math.inf)
-    lprobs[:, EOS] = eos
-    return lprobs
-
-
-def force(lprobs: Tensor, tokens: Tensor) -> Tensor:
-    """`lprobs` (R, V) where each row with a token in `tokens` (R,) may take only that one (a
-    prefix's); rows with -1 are left as they are."""
-    at = tokens.clamp(min=0)[:, None]
-    only = torch.full_like(lprobs, -math.inf).scatter_(1, at, lprobs.gather(1, at))
-    return torch.where((tokens >= 0)[:, None], only, lprobs)
 
 
 def _going_on(

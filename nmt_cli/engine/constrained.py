@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from nmt_cli.engine.beam import allowed, beam_step, force, is_done
+from nmt_cli.engine.beam import beam_step, is_done
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty
+from nmt_cli.engine.rules import NextToken
 from nmt_cli.vocab import BOS, EOS
 
 
@@ -85,17 +86,16 @@ def allocate(candidates: list[Candidate], banks: list[int], width: int) -> list[
 def search(
     step: Callable[[Tensor], Tensor],
     reorder: Callable[[Tensor], None],
-    max_lens: list[int],
-    beam: int,
-    alpha: float,
-    nbest: int,
+    rules: NextToken,
     constraints: Sequence[Sequence[Sequence[int]]],
     device: torch.device | str = "cpu",
-    forced: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """beam.search for sentences with `constraints` (per sentence, its phrases as ids; [] for
     none): the `nbest` best hypotheses that contain all of a sentence's phrases. The host keeps
-    each row's progress and tokens, as beam.search keeps its tokens."""
+    each row's progress and tokens, as beam.search keeps its tokens. Besides `rules`, a row may
+    end only once it has met its phrases (or at its limit)."""
+    o, max_lens = rules.options, rules.max_lens
+    beam, alpha, nbest = o.beam, o.alpha, o.nbest
     n, k = len(max_lens), beam
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     short: list[list[Hypothesis]] = [[] for _ in range(n)]  # cut at the limit with phrases unmet
@@ -108,11 +108,8 @@ def search(
     t = 0
     while True:
         phrases = [constraints[s] for s in active]
-        at_limit = np.repeat(np.array([max_lens[s] for s in active]) <= t + 1, k)
-        lprobs = allowed(step(tokens).float(), torch.from_numpy(at_limit).to(device))
-        if forced is not None and t < forced.shape[1]:
-            lprobs = force(lprobs, forced[:, t].repeat_interleave(k))
-        found = _candidates(lprobs, scores, progress, phrases, at_limit)
+        lprobs = rules(step(tokens).float())
+        found = _candidates(lprobs, scores, progress, phrases, rules.at_limit())
         keep, rows, going = [], [], []
         for i, s in enumerate(active):
             mine = slice(i * k, i * k + k)
@@ -135,9 +132,9 @@ def search(
         progress = [c[3] for c in going]
         history = [history[r] + [c[2]] for r, c in zip(rows, going)]
         tokens = torch.tensor([c[2] for c in going], device=device)[:, None]
-        if forced is not None:
-            forced = forced.index_select(0, torch.tensor(keep, device=device))
-        reorder(torch.tensor(rows, device=device))
+        rows_t = torch.tensor(rows, device=device)
+        rules.keep(np.array(rows, dtype=np.int64), rows_t)
+        reorder(rows_t)
         t += 1
     return [
         (sorted(f, key=lambda h: -h.score) + sorted(c, key=lambda h: -h.score))[:nbest]

@@ -17,6 +17,7 @@ from nmt_cli.engine import beam, constrained, sampling
 from nmt_cli.engine.cache import DecoderCache
 from nmt_cli.engine.hypothesis import Hypothesis, max_lengths
 from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.rules import NextToken
 from nmt_cli.errors import Stopped
 from nmt_cli.vocab import BOS, PAD
 
@@ -65,18 +66,17 @@ def translate(
     step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
     if stop is not None:
         step = _stoppable(step, stop)
+    rules = NextToken(o, max_lens, k, src.device, forced)
     if bound:
-        return constrained.search(
-            step, reorder, max_lens, k, o.alpha, o.nbest, constraints, src.device, forced
-        )
+        return constrained.search(step, reorder, rules, constraints, src.device)
     if o.sample:
         seeds = [sampling.seed_of(o.seed, key, j) for key in keys for j in range(o.nbest)]
-        drawn = sampling.sample(step, reorder, max_lens, o, seeds, src.device, forced)
+        drawn = sampling.sample(step, reorder, rules, seeds, src.device)
         groups = [drawn[i : i + o.nbest] for i in range(0, len(drawn), o.nbest)]
         return [sorted(g, key=lambda h: -h.score) for g in groups]
     if o.beam == 1 and o.nbest == 1:
-        return sampling.greedy(step, reorder, max_lens, o.alpha, src.device, forced)
-    return beam.search(step, reorder, max_lens, k, o.alpha, o.nbest, src.device, forced)
+        return sampling.greedy(step, reorder, rules, src.device)
+    return beam.search(step, reorder, rules, src.device)
 
 
 def _stoppable(step: Callable[[Tensor], Tensor], stop: Callable[[], bool]) -> Callable[[Tensor], Tensor]:

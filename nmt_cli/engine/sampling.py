@@ -1,10 +1,9 @@
 """One hypothesis per row, a token at a time: greedy search (beam 1 without the bookkeeping) and
-sampling (Edunov et al. 2018's back-translation, diverse outputs), sharing one loop. `step` and
-`reorder` as in beam.py."""
+sampling (Edunov et al. 2018's back-translation, diverse outputs), sharing one loop. `step`,
+`reorder` and the rules (rules.NextToken) as in beam.py."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -12,83 +11,72 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nmt_cli.config import DecodeOptions
-from nmt_cli.engine.beam import force
 from nmt_cli.engine.hypothesis import Hypothesis, length_penalty
-from nmt_cli.vocab import BOS, EOS, PAD
+from nmt_cli.engine.rules import NextToken
+from nmt_cli.vocab import BOS, EOS
 
 
 def greedy(
     step: Callable[[Tensor], Tensor],
     reorder: Callable[[Tensor], None],
-    max_lens: list[int],
-    alpha: float,
+    rules: NextToken,
     device: torch.device | str = "cpu",
-    forced: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
-    """The best next token at every step: beam 1 without the bookkeeping. `forced` as in
-    `search`."""
+    """The best next token at every step: beam 1 without the bookkeeping."""
 
     def best(lprobs: Tensor, rows: Tensor, t: int) -> Tensor:
         return lprobs.argmax(-1)
 
-    return [[h] for h in _row_by_row(step, reorder, max_lens, alpha, best, device, forced)]
+    return [[h] for h in _row_by_row(step, reorder, rules, best, device)]
 
 
 def sample(
     step: Callable[[Tensor], Tensor],
     reorder: Callable[[Tensor], None],
-    max_lens: list[int],
-    options: DecodeOptions,
+    rules: NextToken,
     seeds: Sequence[int],
     device: torch.device | str = "cpu",
-    forced: Tensor | None = None,
 ) -> list[Hypothesis]:
-    """One translation per row, each token drawn from the model's distribution (shaped by
-    top-k, top-p and temperature), scored by the model's own log-probabilities.
+    """One translation per row (`rules` made with one row per draw), each token drawn from the
+    model's distribution (shaped by the options' top-k, top-p and temperature), scored by the
+    model's own log-probabilities.
 
     Each row draws from a random stream of its own (`seeds`), so a row gets the same draws
     whatever else is in its batch."""
+    o = rules.options
     # every row's uniforms for all its steps, drawn at once from its own stream
-    steps = max(max_lens) + 1
+    steps = max(rules.max_lens) + 1
     uniforms = torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(x)) for x in seeds])
     uniforms = uniforms.to(device)
 
     def drawn(lprobs: Tensor, rows: Tensor, t: int) -> Tensor:
-        return draw(lprobs, uniforms[rows, t], options.topk, options.topp, options.temperature)
+        return draw(lprobs, uniforms[rows, t], o.topk, o.topp, o.temperature)
 
-    return _row_by_row(step, reorder, max_lens, options.alpha, drawn, device, forced)
+    return _row_by_row(step, reorder, rules, drawn, device)
 
 
 def _row_by_row(
     step: Callable[[Tensor], Tensor],
     reorder: Callable[[Tensor], None],
-    max_lens: list[int],
-    alpha: float,
+    rules: NextToken,
     choose_next: Callable[[Tensor, Tensor, int], Tensor],
     device: torch.device | str,
-    forced: Tensor | None,
 ) -> list[Hypothesis]:
     """One hypothesis per row, each step's token chosen by `choose_next(lprobs, rows, t)` (rows:
-    the live rows' first indices); a row stops alone. The host reads each step's tokens (and
-    running scores) once."""
-    n = len(max_lens)
+    the live rows' first indices) among what `rules` allows (at its limit, a row's only choice
+    is the EOS); a row stops alone. The host reads each step's tokens (and running scores)
+    once."""
+    n, alpha = len(rules.max_lens), rules.options.alpha
     out: list[Hypothesis] = [Hypothesis([], 0.0)] * n
     generated: list[list[int]] = [[] for _ in range(n)]
     active = np.arange(n)
     rows = torch.arange(n, device=device)
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
     score = torch.zeros(n, device=device)
-    limits = torch.tensor(max_lens, device=device)
     t = 0
     while True:
-        lprobs = step(tokens).float()
-        lprobs[:, PAD] = -math.inf
-        lprobs[:, BOS] = -math.inf
-        if forced is not None and t < forced.shape[1]:
-            lprobs = force(lprobs, forced[:, t])
-        # at its limit a row ends, whatever its model makes of the EOS: no need to mask the rest
-        chosen = torch.where(limits <= t + 1, EOS, choose_next(lprobs, rows, t))
+        lprobs = rules(step(tokens).float())
+        chosen = torch.where(rules.ending(), EOS, choose_next(lprobs, rows, t))
         score = score + lprobs.gather(1, chosen[:, None]).squeeze(1)
         chosen_h, score_h = torch.stack([chosen.double(), score.double()]).cpu().numpy()
         ended = chosen_h == EOS
@@ -104,8 +92,10 @@ def _row_by_row(
         if len(keep) < len(active):
             keep_t = torch.from_numpy(keep).to(device)
             reorder(keep_t)
-            chosen, score, limits, rows = chosen[keep_t], score[keep_t], limits[keep_t], rows[keep_t]
-            forced = forced[keep_t] if forced is not None else None
+            rules.keep(keep, keep_t)
+            chosen, score, rows = chosen[keep_t], score[keep_t], rows[keep_t]
+        else:
+            rules.keep(None)
         active, tokens = active[keep], chosen[:, None]
         t += 1
     return out

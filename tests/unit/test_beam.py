@@ -12,6 +12,7 @@ from nmt_cli.engine.beam import beam_step, choose, length_penalty, search
 from nmt_cli.engine.decoding import _decoder, translate
 from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.rules import NextToken
 from nmt_cli.engine.sampling import greedy
 from nmt_cli.vocab import BOS, EOS, PAD
 
@@ -52,7 +53,8 @@ class Table:
                 table._pending = False
             return table.step(tokens)
 
-        return search(step, self.reorder, max_lens, beam, alpha, nbest)
+        options = DecodeOptions(beam=beam, alpha=alpha, nbest=nbest)
+        return search(step, self.reorder, NextToken(options, max_lens, beam))
 
 
 TABLE = {(): {A: 0.6, B: 0.4}, (A,): {EOS: 0.4, A: 0.3, B: 0.3}, (B,): {EOS: 0.9, A: 0.05, B: 0.05}}
@@ -169,7 +171,7 @@ def test_beam_one_equals_greedy():
     lens = max_lengths([int((r != PAD).sum()) - 1 for r in SRC], 1.0, 12, m.config.max_positions - 1)
     with torch.no_grad():
         step, reorder = _decoder(m, SRC, 1, max(lens) + 1, True)
-        beam1 = search(step, reorder, lens, 1, DecodeOptions().alpha)
+        beam1 = search(step, reorder, NextToken(DecodeOptions(beam=1), lens, 1))
     for f, s, b in zip(fast, slow, beam1):
         assert f[0].tokens == s[0].tokens == b[0].tokens
         assert f[0].score == pytest.approx(s[0].score, abs=1e-5)
@@ -193,8 +195,7 @@ def test_greedy_respects_limits():
             1, torch.tensor([EOS]), -math.inf
         ),
         lambda idx: None,
-        [3, 5],
-        alpha=0.0,
+        NextToken(DecodeOptions(beam=1, alpha=0.0), [3, 5], 1),
     )
     assert [len(h[0].tokens) for h in out] == [2, 4]
     del m

@@ -11,6 +11,7 @@ from nmt_cli.engine import constrained
 from nmt_cli.engine.constrained import Progress, allocate
 from nmt_cli.engine.decoding import _decoder, translate
 from nmt_cli.engine.hypothesis import max_lengths
+from nmt_cli.engine.rules import NextToken
 from nmt_cli.vocab import PAD
 
 
@@ -39,7 +40,7 @@ def test_a_sentence_without_phrases_is_searched_as_beam_search_does():
     lens = max_lengths([int((r != PAD).sum()) - 1 for r in SRC], 1.0, 12, m.config.max_positions - 1)
     with torch.no_grad():  # every sentence through the constrained search, none with a phrase
         step, reorder = _decoder(m, SRC, 4, max(lens) + 1, True)
-        free = constrained.search(step, reorder, lens, 4, options.alpha, 3, [[], [], []])
+        free = constrained.search(step, reorder, NextToken(options, lens, 4), [[], [], []])
     mixed = translate(m, SRC, options, constraints=[[], [[15]], []])
     for i, (p, f) in enumerate(zip(plain, free)):
         assert [h.tokens for h in p] == [h.tokens for h in f]
