@@ -86,28 +86,33 @@ class Backend:
             self._seeded = True
         batches = [[s.ids for s in batch] for batch in sentences]
         starts_of = [[s.prefix for s in b] if any(s.prefix for s in b) else None for b in sentences]
+        # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without one, so
+        # one step fewer gives the same tokens
+        limits = [
+            max(
+                1,
+                max(
+                    max_lengths([len(x) for x in batch], a, b, ceiling)
+                    + [min(len(p) + 1, ceiling) for p in starts or []]
+                )
+                - 1,
+            )
+            for batch, starts in zip(batches, starts_of)
+        ]
         pending = [
             self.translator.translate_batch(
                 self._as_pieces(batch),
                 target_prefix=self._as_pieces(starts) if starts else None,
                 length_penalty=0.0,
-                # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without
-                # one, so one step fewer gives the same tokens
-                max_decoding_length=max(
-                    1,
-                    max(
-                        max_lengths([len(x) for x in batch], a, b, ceiling)
-                        + [min(len(p) + 1, ceiling) for p in starts or []]
-                    )
-                    - 1,
-                ),
+                max_decoding_length=limit,
                 max_input_length=0,
                 return_scores=True,
                 return_end_token=True,
                 asynchronous=True,
                 **_search_settings(options, len(self.pieces)),
+                **_rules(options, limit),
             )
-            for batch, starts in zip(batches, starts_of)
+            for batch, starts, limit in zip(batches, starts_of, limits)
         ]
         # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
         # the same for every hypothesis of a sentence, is added before the length penalty.
@@ -196,6 +201,16 @@ def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:
         "sampling_topk": min(options.topk, vocab_size),
         "sampling_topp": options.topp,
         "sampling_temperature": options.temperature,
+    }
+
+
+def _rules(options: DecodeOptions, limit: int) -> dict:
+    """nmt's rules on the next token (engine/rules.py) as translate_batch's arguments. CTranslate2
+    bans on its logits before their softmax, nmt on the log-probs: greedy search and sampling
+    choose alike, a beam may rank a candidate differently."""
+    return {
+        "min_decoding_length": min(options.min_len, limit),  # it refuses a minimum past the limit
+        "no_repeat_ngram_size": options.no_repeat_ngram,
     }
 
 

@@ -100,6 +100,40 @@ def test_every_option_at_the_end_of_its_range_decodes(trained_longer, sources, e
     assert all(math.isfinite(h.score) for hs in found for h in hs)
 
 
+def _repeats(tokens: list[int], n: int) -> bool:
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_min_len_and_no_repeat_ngram_shape_every_search(trained_longer, sources, engine):
+    """--min-len: no translation ends before it; --no-repeat-ngram N: no N-gram twice; in beam
+    search, greedy search and sampling (and constrained search, nmt's engine) alike. The test
+    bites only where the plain outputs are shorter or repeat, which it checks."""
+    plain = [h[0].tokens for h in translator(trained_longer, engine).hypotheses(sources)]
+    least = min(map(len, plain)) + 3
+    assert any(_repeats(t, 1) for t in plain)  # some token twice: what the ban must prevent
+    searches = [{}, {"beam": 1}, {"sample": True, "nbest": 2}]
+    if engine == "nmt":
+        searches.append({"constraints": [[s.split()[0]] for s in sources]})
+    for search in searches:
+        kw = {"constraints": search.pop("constraints")} if "constraints" in search else {}
+        t = translator(trained_longer, engine, min_len=least, **search)
+        assert min(len(h.tokens) for hs in t.hypotheses(sources, **kw) for h in hs) >= least, search
+        for n in (1, 2):
+            found = translator(trained_longer, engine, no_repeat_ngram=n, **search).hypotheses(sources, **kw)
+            assert not any(_repeats(h.tokens, n) for hs in found for h in hs), (search, n)
+
+
+def test_both_engines_apply_min_len_and_no_repeat_ngram_alike(trained_longer, sources):
+    """Greedy search chooses alike in both engines under the rules (a beam may rank a candidate
+    differently: CTranslate2 bans before its softmax, nmt after, as fairseq)."""
+    for options in ({"min_len": 12}, {"no_repeat_ngram": 2}, {"no_repeat_ngram": 1, "min_len": 6}):
+        ours = texts(translator(trained_longer, "nmt", beam=1, **options), sources)
+        theirs = texts(translator(trained_longer, "ctranslate2", beam=1, **options), sources)
+        assert sum(a == b for a, b in zip(ours, theirs)) >= len(sources) - 1, options
+
+
 def test_scores_print_beside_the_1_best_as_the_n_best_prints_them(trained_longer, sources, nmt):
     stdin = "\n".join(sources[:6]).encode() + b"\n"
     plain = nmt("translate", "--run-dir", trained_longer, stdin=stdin).out.splitlines()

@@ -22,6 +22,8 @@ RANGES: dict[str, tuple[float, float]] = {
     "max_len_a": (0.0, 100.0),
     "max_len_b": (0, 100_000),
     "max_len": (0, 100_000),
+    "min_len": (0, 100_000),
+    "no_repeat_ngram": (0, 100),
     "nbest": (1, 1000),
     "topk": (0, 100_000),
     "temperature": (1e-6, 100.0),
@@ -45,6 +47,12 @@ class DecodeOptions:
         0,
         "Output length at most this many tokens, counting the EOS, whatever a and b allow "
         "(0: the model's limit).",
+    )
+    min_len: int = knob(
+        0, "At least this many tokens before the end of sentence (0: none); the length limit wins."
+    )
+    no_repeat_ngram: int = knob(
+        0, "No N-gram of tokens twice in one translation, as fairseq's --no-repeat-ngram-size (0: off)."
     )
     nbest: int = knob(1, "Hypotheses per sentence, best first, each with its score.")
     scores: bool = knob(False, "Each translation with its score, also the 1-best (see --nbest).")

@@ -105,7 +105,7 @@ def search(
         live_t = live_t.view(-1, beam)
         scores = cand[0].index_select(0, keep_t).gather(1, live_t)
         tokens = cand[2].index_select(0, keep_t).gather(1, live_t).view(-1, 1)
-        rules.keep(rows, rows_t)
+        rules.keep(rows, rows_t, tokens)
         reorder(rows_t)
         t += 1
     return [sorted(f, key=lambda h: -h.score)[:nbest] for f in finished]

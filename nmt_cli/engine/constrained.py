@@ -133,7 +133,7 @@ def search(
         history = [history[r] + [c[2]] for r, c in zip(rows, going)]
         tokens = torch.tensor([c[2] for c in going], device=device)[:, None]
         rows_t = torch.tensor(rows, device=device)
-        rules.keep(np.array(rows, dtype=np.int64), rows_t)
+        rules.keep(np.array(rows, dtype=np.int64), rows_t, tokens)
         reorder(rows_t)
         t += 1
     return [

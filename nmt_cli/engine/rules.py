@@ -3,10 +3,13 @@ place. Beam search, constrained beam search, greedy search and sampling each bui
 `NextToken` from the options and the sentences, ask it to shape every step's log-probs before
 they choose, and tell it which rows go on.
 
-The rules: PAD and BOS never come next; a row with a forced prefix takes the prefix's token
-while it lasts; a row at its length limit (counting the EOS) may take only the EOS. A new rule
-on the next token (a minimum length, a ban on repeated n-grams) is one more here, with its
-option in config.use.DecodeOptions and its mapping in backend_ct2.py.
+The rules: PAD and BOS never come next; a row at its length limit (counting the EOS) may take
+only the EOS; before `min_len` tokens it may not take the EOS (unless at its limit); with
+`no_repeat_ngram` N no token may complete an N-gram the row already holds; a row with a forced
+prefix takes the prefix's token while it lasts, whatever the other rules say. The bans are
+applied to the log-probs as they are, not renormalised (as fairseq's --min-len and
+--no-repeat-ngram-size do). A new rule on the next token is one more here, with its option in
+config.use.DecodeOptions and its mapping in backend_ct2.py.
 """
 
 from __future__ import annotations
@@ -40,13 +43,28 @@ class NextToken:
         self.limits_host = np.repeat(np.asarray(max_lens, dtype=np.int64), rows)
         self.limits = torch.from_numpy(self.limits_host).to(device)
         self.forced = forced.repeat_interleave(rows, 0) if forced is not None else None
+        # each row's tokens so far, kept only for a rule that reads them
+        self.history = (
+            torch.zeros((len(self.limits_host), 0), dtype=torch.long, device=device)
+            if options.no_repeat_ngram
+            else None
+        )
 
     def __call__(self, lprobs: Tensor) -> Tensor:
         """This step's `lprobs` (R, V) of the live rows, in place, with what may not come next at
         -inf."""
-        lprobs = allowed(lprobs, self.limits <= self.t + 1)
-        if self.forced is not None and self.t < self.forced.shape[1]:
-            lprobs = force(lprobs, self.forced[:, self.t])
+        forcing = self.forced is not None and self.t < self.forced.shape[1]
+        if forcing:  # a prefix's token keeps its own log-prob whatever the bans below say
+            tokens = self.forced[:, self.t]
+            given = lprobs.gather(1, tokens.clamp(min=0)[:, None])
+        at_limit = self.limits <= self.t + 1
+        lprobs = allowed(lprobs, at_limit)
+        if self.t < self.options.min_len:
+            lprobs[:, EOS] = torch.where(at_limit, lprobs[:, EOS], -math.inf)
+        if self.history is not None and self.t >= self.options.no_repeat_ngram - 1:
+            ban_repeats(lprobs, self.history, self.options.no_repeat_ngram)
+        if forcing:
+            lprobs = force(lprobs, tokens, given)
         return lprobs
 
     def at_limit(self) -> np.ndarray:
@@ -58,15 +76,20 @@ class NextToken:
         token per row takes the EOS there whatever the model makes of it."""
         return self.limits <= self.t + 1
 
-    def keep(self, rows: np.ndarray | None, on_device: Tensor | None = None) -> None:
+    def keep(self, rows: np.ndarray | None, on_device: Tensor | None, chosen: Tensor) -> None:
         """The step is over: the rows of this step that go on, in their new order (None: all,
-        as they are); `on_device` the same indices on the device, if the search has them there."""
+        as they are; `on_device` the same indices on the device, if the search has them there),
+        and the token each of them took (R',)."""
         if rows is not None:
             self.limits_host = self.limits_host[rows]
             index = on_device if on_device is not None else torch.from_numpy(rows).to(self.limits.device)
             self.limits = self.limits.index_select(0, index)
             if self.forced is not None:
                 self.forced = self.forced.index_select(0, index)
+            if self.history is not None:
+                self.history = self.history.index_select(0, index)
+        if self.history is not None:
+            self.history = torch.cat([self.history, chosen.reshape(-1, 1)], 1)
         self.t += 1
 
 
@@ -81,9 +104,25 @@ def allowed(lprobs: Tensor, at_limit: Tensor) -> Tensor:
     return lprobs
 
 
-def force(lprobs: Tensor, tokens: Tensor) -> Tensor:
+def force(lprobs: Tensor, tokens: Tensor, given: Tensor | None = None) -> Tensor:
     """`lprobs` (R, V) where each row with a token in `tokens` (R,) may take only that one (a
-    prefix's); rows with -1 are left as they are."""
+    prefix's), at its log-prob in `given` (R, 1) if given, else in `lprobs`; rows with -1 are
+    left as they are."""
     at = tokens.clamp(min=0)[:, None]
-    only = torch.full_like(lprobs, -math.inf).scatter_(1, at, lprobs.gather(1, at))
+    value = given if given is not None else lprobs.gather(1, at)
+    only = torch.full_like(lprobs, -math.inf).scatter_(1, at, value)
     return torch.where((tokens >= 0)[:, None], only, lprobs)
+
+
+def ban_repeats(lprobs: Tensor, history: Tensor, n: int) -> None:
+    """Ban in `lprobs` (R, V), in place, each token that would complete an `n`-gram its row's
+    `history` (R, t) already holds: the token after each earlier occurrence of the row's last
+    n - 1 tokens."""
+    t = history.shape[1]
+    if t < n:
+        return
+    windows = history.unfold(1, n, 1)  # (R, t - n + 1, n)
+    last = history[:, t - (n - 1) :]  # (R, n - 1)
+    repeats = (windows[:, :, :-1] == last[:, None, :]).all(-1)  # (R, W)
+    rows, at = repeats.nonzero(as_tuple=True)
+    lprobs[rows, windows[rows, at, -1]] = -math.inf

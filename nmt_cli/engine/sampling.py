@@ -92,10 +92,10 @@ def _row_by_row(
         if len(keep) < len(active):
             keep_t = torch.from_numpy(keep).to(device)
             reorder(keep_t)
-            rules.keep(keep, keep_t)
             chosen, score, rows = chosen[keep_t], score[keep_t], rows[keep_t]
+            rules.keep(keep, keep_t, chosen)
         else:
-            rules.keep(None)
+            rules.keep(None, None, chosen)
         active, tokens = active[keep], chosen[:, None]
         t += 1
     return out

@@ -34,16 +34,50 @@ def test_a_forced_prefix_is_the_only_choice_while_it_lasts_and_follows_its_rows(
     got = rules(lprobs(4))
     assert [int(torch.isfinite(row).sum()) for row in got] == [1, 1, V - 2, V - 2]
     assert got[0].argmax() == A and got[1].argmax() == A
-    rules.keep(np.array([3, 0]))  # sentence 1's second beam first, then sentence 0's first
+    # sentence 1's second beam first, then sentence 0's first
+    rules.keep(np.array([3, 0]), None, torch.tensor([A, A]))
     got = rules(lprobs(2))
     assert int(torch.isfinite(got[0]).sum()) == V - 2  # sentence 1's row: free
     assert torch.isfinite(got[1]).tolist() == [i == B for i in range(V)]  # the prefix's 2nd token
-    rules.keep(None)
+    rules.keep(None, None, torch.tensor([B, B]))
     got = rules(lprobs(2))
     assert (torch.isfinite(got).sum(1) == V - 2).all()  # past the prefix: free
 
 
 def test_limits_follow_the_rows_kept():
     rules = NextToken(DecodeOptions(beam=1), max_lens=[2, 5], rows=1)
-    rules.keep(np.array([1, 0]))  # step 1 done, the rows swapped
+    rules.keep(np.array([1, 0]), None, torch.tensor([A, A]))  # step 1 done, the rows swapped
     assert rules.at_limit().tolist() == [False, True] == rules.ending().tolist()
+
+
+def test_the_end_waits_for_min_len_but_not_past_the_limit():
+    rules = NextToken(DecodeOptions(beam=1, min_len=2), max_lens=[10, 1], rows=1)
+    got = rules(lprobs(2))
+    assert torch.isinf(got[0, EOS]) and torch.isfinite(got[1, EOS])  # row 1 is at its limit
+    rules.keep(np.array([0]), None, torch.tensor([A]))
+    assert torch.isinf(rules(lprobs(1))[0, EOS])  # one token so far
+    rules.keep(None, None, torch.tensor([B]))
+    assert torch.isfinite(rules(lprobs(1))[0, EOS])  # two: it may end
+
+
+def test_no_token_completes_an_ngram_the_row_already_holds():
+    rules = NextToken(DecodeOptions(beam=2, no_repeat_ngram=2), max_lens=[20], rows=2)
+    for tokens in ([A, A], [B, 7], [A, B], [B, A]):  # rows so far: A B A B / A 7 B A
+        rules(lprobs(2))
+        rules.keep(None, None, torch.tensor(tokens))
+    got = rules(lprobs(2))
+    # row 0 ends "B", after which A came; row 1 ends "A", after which 7 came
+    assert torch.isinf(got[0]).tolist() == [i in (PAD, BOS, A) for i in range(V)]
+    assert torch.isinf(got[1]).tolist() == [i in (PAD, BOS, 7) for i in range(V)]
+    rules.keep(np.array([1]), None, torch.tensor([A]))  # row 1 goes on alone: A 7 B A A
+    got = rules(lprobs(1))
+    assert torch.isinf(got[0]).tolist() == [i in (PAD, BOS, 7, A) for i in range(V)]
+
+
+def test_a_forced_prefix_token_is_taken_whatever_the_bans_say():
+    forced = torch.tensor([[A, A]])
+    rules = NextToken(DecodeOptions(beam=1, no_repeat_ngram=1, min_len=5), [10], 1, forced=forced)
+    rules(lprobs(1))
+    rules.keep(None, None, torch.tensor([A]))
+    got = rules(lprobs(1))  # A again: banned by no-repeat, forced by the prefix
+    assert got[0, A] == math.log(1.0 / V) and int(torch.isfinite(got[0]).sum()) == 1
