@@ -25,6 +25,11 @@ def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
     command line (`explicit`) override them; a new run takes `given` whole."""
     if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
         saved = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
+        if "optimizer" in explicit and given["optimizer"] != saved.optimizer:
+            raise NmtError(
+                f"{run.root} trains with --optimizer {saved.optimizer}, whose state its checkpoints "
+                "hold: a resume keeps it (start a new run, or --init-from this one)"
+            )
         return dataclasses.replace(saved, **{k: given[k] for k in explicit})
     return TrainConfig(**given)
 

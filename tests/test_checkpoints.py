@@ -21,11 +21,19 @@ from nmt_cli.engine import checkpoint
 from nmt_cli.files import sha256_file
 from nmt_cli.rundir import RunDir
 
+ADAMW_COSINE = ["--optimizer", "adamw", "--weight-decay", "0.01", "--schedule", "cosine", "--lr", "0.002"]
+ADAMW_COSINE += ["--warmup", "4", "--min-lr", "0.0001"]
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, precision):
-    """In fp32 and in bf16 autocast (emulated where the CPU has no bf16 arithmetic)."""
-    command = lambda run: train_command(run, 16, "--precision", precision)  # noqa: E731
+
+@pytest.mark.parametrize(
+    "options",
+    [["--precision", "fp32"], ["--precision", "bf16"], ["--precision", "fp32", *ADAMW_COSINE]],
+    ids=["fp32", "bf16", "adamw-cosine"],
+)
+def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, options):
+    """In fp32 and in bf16 autocast (emulated where the CPU has no bf16 arithmetic), and with
+    AdamW and a cosine schedule."""
+    command = lambda run: train_command(run, 16, *options)  # noqa: E731
     other = tmp_path / "uninterrupted"
     shutil.copytree(run_copy, other)
     subprocess.run(command(other), check=True, capture_output=True)
@@ -155,3 +163,9 @@ def test_corrupt_latest_checkpoint_is_skipped(run_copy, nmt):
     assert result.code == 0, result.err
     assert "skipping checkpoint checkpoint_00000004.pt" in result.err
     assert "resuming from step 2" in result.err
+
+
+def test_a_resume_keeps_its_optimizer(run_copy, nmt):
+    assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", 2, "--save-every", 2).code == 0
+    line = one_error_line(nmt("train", "--run-dir", run_copy, "--optimizer", "adamw", "--max-steps", 4))
+    assert "trains with --optimizer adam, whose state its checkpoints hold" in line

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY, children, one_error_line, rank_of
 
 from nmt_cli.engine import checkpoint, distributed, launcher
+from nmt_cli.engine.schedule import learning_rate
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
 
@@ -21,13 +22,28 @@ def _metrics(run_dir):
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+ADAMW_LINEAR = [
+    "--optimizer",
+    "adamw",
+    "--weight-decay",
+    "0.05",
+    "--schedule",
+    "linear",
+    "--warmup",
+    "5",
+    "--lr",
+    "1e-3",
+]
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nmt):
+@pytest.mark.parametrize("options", [[], ADAMW_LINEAR], ids=["adam", "adamw-linear"])
+def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nmt, options):
     import shutil
 
     single = tmp_path / "single"
     shutil.copytree(run_copy, single)
-    common = [*TINY, *NO_DROPOUT, "--max-steps", "20", "--save-every", "20", "--eval-every", "100"]
+    common = [*TINY, *NO_DROPOUT, "--max-steps", "20", "--save-every", "20", "--eval-every", "100", *options]
     result = nmt("train", "--run-dir", single, *common, "--update-freq", "2")
     assert result.code == 0, result.err
     result = nmt("train", "--run-dir", run_copy, *common, "--procs", "2", "--device", "cpu")
@@ -45,6 +61,14 @@ def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nm
             # half is set by the data.
             x, y = x[len(x) // 2 :], y[len(y) // 2 :]
         assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), name
+    if options:  # the optimizer and schedule asked for, on both
+        for state in (a, b):
+            assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05, 0.0]
+        rates = {r["step"]: r["lr"] for r in _metrics(run_copy) if r["kind"] == "train"}
+        assert rates and all(
+            lr == pytest.approx(learning_rate(step, 16, 5, kind="linear", peak=1e-3, max_steps=20))
+            for step, lr in rates.items()
+        ), rates
     loss_a = [(r["step"], r["loss"], r["tokens"]) for r in _metrics(single) if r["kind"] == "train"]
     loss_b = [(r["step"], r["loss"], r["tokens"]) for r in _metrics(run_copy) if r["kind"] == "train"]
     assert [x[0] for x in loss_a] == [x[0] for x in loss_b]

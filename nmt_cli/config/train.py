@@ -56,6 +56,8 @@ MODEL_BOUNDS = {
 }
 
 
+SCHEDULES = ("inverse-sqrt", "linear", "cosine", "constant")  # engine/schedule.py
+
 # fmt: off
 PRESETS: dict[str, dict] = {
     # CPU-sized. `tiny` is the shape of the speed benchmarks. `small` is the Multi30k model of
@@ -90,7 +92,20 @@ class TrainConfig:
     max_tokens: int = knob(4096, "Tokens per batch (either side, per rank).")
     update_freq: int = knob(1, "Batches accumulated into one update.")
     lr_scale: float = knob(1.0, "Multiplies the paper's schedule.")
+    lr: float = knob(
+        0.0, "The peak learning rate, absolute (0: the paper's d^-0.5 x warmup^-0.5, x --lr-scale)."
+    )
+    schedule: str = knob(
+        "inverse-sqrt",
+        "After the warm-up: inverse-sqrt (the paper's), linear or cosine (decay to --min-lr at "
+        "--max-steps), constant.",
+    )
+    min_lr: float = knob(0.0, "A floor under the learning rate after the warm-up.")
     warmup: int = knob(4000, "Warm-up steps of the schedule.")
+    optimizer: str = knob("adam", "adam (the paper's), or adamw (decoupled --weight-decay).")
+    weight_decay: float = knob(
+        0.0, "With --optimizer adamw: decay of the weight matrices and embeddings (not biases, norms)."
+    )
     beta1: float = 0.9  # the paper's, not an option
     beta2: float = knob(0.98, "Adam beta2 (t2t later used 0.997).")
     adam_eps: float = 1e-9  # the paper's, not an option
@@ -156,8 +171,18 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
                 raise NmtError(f"--{name.replace('_', '-')} must be in [0, 1)")
-        if self.lr_scale <= 0:
-            raise NmtError("--lr-scale must be positive")
+        if not self.lr_scale > 0 or not 0 <= self.lr < 1 or not 0 <= self.min_lr < 1:
+            raise NmtError("--lr-scale must be positive, --lr and --min-lr in [0, 1)")
+        if self.schedule not in SCHEDULES:
+            raise NmtError(f"unknown --schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.schedule in ("linear", "cosine") and not self.max_steps > self.warmup:
+            raise NmtError(f"--schedule {self.schedule} decays until --max-steps: give one above --warmup")
+        if self.optimizer not in ("adam", "adamw"):
+            raise NmtError(f"unknown --optimizer {self.optimizer!r}: choose adam or adamw")
+        if not 0 <= self.weight_decay < 1:
+            raise NmtError("--weight-decay must be in [0, 1)")
+        if self.weight_decay and self.optimizer != "adamw":
+            raise NmtError("--weight-decay is decoupled weight decay: add --optimizer adamw")
         if self.keep_best < 0:
             raise NmtError("--keep-best must not be negative")
         if (self.init_optimizer or self.init_schedule) and not self.init_from:

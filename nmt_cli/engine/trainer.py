@@ -105,14 +105,7 @@ class Trainer:
         if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
             torch.manual_seed(config.seed + 7919 * self.dist.rank)
         self.forward = self.dist.wrap(self.model, self.device, config.compile)
-        # Fused Adam (CPU and CUDA) can skip a non-finite update on the device (train_step).
-        self.optimizer = torch.optim.Adam(
-            self.model.parameters(),
-            lr=0.0,
-            betas=(config.beta1, config.beta2),
-            eps=config.adam_eps,
-            fused=True,
-        )
+        self.optimizer = make_optimizer(self.model, config)
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
         self.state = State()
         self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
@@ -188,7 +181,7 @@ class Trainer:
             "loss": loss / tokens,
             "nll": nll / tokens,
             "ppl": math.exp(min(nll / tokens, 50.0)),
-            "lr": learning_rate(self.state.step, self.model_config.d_model, c.warmup, c.lr_scale),
+            "lr": self.rate(self.state.step),
             "grad_norm": figures["grad_norm"] if not figures["skipped"] else None,
             "tokens": round(tokens / updates),
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
@@ -211,6 +204,13 @@ class Trainer:
                 "set --clip-norm, or use --precision fp32"
             )
 
+    def rate(self, step: int) -> float:
+        """The learning rate of update `step`, by the configured schedule."""
+        c = self.config
+        return learning_rate(
+            step, self.model_config.d_model, c.warmup, c.lr_scale, c.schedule, c.lr, c.max_steps, c.min_lr
+        )
+
     # -- the loop
     def autocast(self):
         dtype = dtype_of(self.precision)
@@ -218,9 +218,7 @@ class Trainer:
 
     def step(self, batches: list[Batch]) -> None:
         """Queue one update; its figures are read later (read_figures)."""
-        lr = learning_rate(
-            self.state.step + 1, self.model_config.d_model, self.config.warmup, self.config.lr_scale
-        )
+        lr = self.rate(self.state.step + 1)
         self.pending.append(
             train_step(
                 self.model,
@@ -374,3 +372,19 @@ class Trainer:
             self.forward = None
             gc.collect()
             self.dist.close()
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The paper's Adam, or AdamW whose decoupled weight decay leaves biases and LayerNorms alone
+    (the weight matrices and the embedding decay). Fused (CPU and CUDA): it can skip a
+    non-finite update on the device (train_step)."""
+    settings = dict(lr=0.0, betas=(config.beta1, config.beta2), eps=config.adam_eps, fused=True)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), **settings)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": matrices, "weight_decay": config.weight_decay},
+        {"params": others, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, **settings)

@@ -88,3 +88,25 @@ def test_the_compiled_slice_kernels_equal_the_eager_ones():
     module._row_grad_eager(x, lse, target, g, hit, expected[:23])
     assert torch.allclose(out[:23].float(), expected[:23].float(), atol=1e-2)
     assert out[23:].isnan().all()  # only the rows given were written
+
+
+@pytest.mark.parametrize("kind", ["inverse-sqrt", "linear", "cosine", "constant"])
+def test_every_schedule_warms_up_to_its_peak_and_keeps_its_floor(kind):
+    w, peak, floor, end = 100, 1e-3, 1e-5, 1000
+    rate = lambda step: learning_rate(step, 512, w, kind=kind, peak=peak, max_steps=end, floor=floor)  # noqa: E731
+    assert rate(w // 2) == pytest.approx(peak / 2) and rate(w) == pytest.approx(peak)  # linear warm-up
+    after = [rate(s) for s in range(w, 3 * end, 37)]
+    assert all(a >= b for a, b in zip(after, after[1:])) and min(after) >= floor  # falls, never below
+    if kind in ("linear", "cosine"):
+        assert rate(end) == pytest.approx(floor) and rate((w + end) // 2) == pytest.approx((peak + floor) / 2)
+    if kind == "constant":
+        assert rate(end) == peak
+    if kind == "inverse-sqrt":
+        assert rate(4 * w) == pytest.approx(peak / 2)
+
+
+def test_an_absolute_peak_of_the_papers_value_is_the_papers_schedule():
+    d, w = 512, 4000
+    paper = d**-0.5 * w**-0.5
+    for step in (1, 10, w, 2 * w, 50_000):
+        assert learning_rate(step, d, w, peak=paper) == pytest.approx(learning_rate(step, d, w))
