@@ -61,11 +61,11 @@ FILLED = {
     "bpe": ([("BpeConfig", {}, set())], {"run_dir"}),
     "train": (
         [("TrainConfig", {}, {"beta1", "adam_eps"}), ("LaunchConfig", {}, set())],
-        {"run_dir"},
+        {"run_dir", "config_file", "print_config"},
     ),
     "translate": (
         [("TranslateConfig", {}, {"decode", "chunk"}), ("DecodeOptions", {}, set())],
-        {"run_dir", "model", "prefix", "constraints"},
+        {"run_dir", "model", "prefix", "constraints", "config_file", "print_config"},
     ),
     "score": (
         [
@@ -92,7 +92,7 @@ FILLED = {
             ),
             ("DecodeOptions", {}, set()),
         ],
-        {"model"},
+        {"model", "config_file", "print_config"},
     ),
 }
 

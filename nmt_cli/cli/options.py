@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
@@ -118,6 +119,67 @@ def done(message: str, next_command: str) -> None:
 
 
 def given_on_command_line(ctx: typer.Context, name: str) -> bool:
-    """Whether an option was set on the command line or through the environment."""
+    """Whether an option was set on the command line, through the environment or in --config."""
     source = ctx.get_parameter_source(name)
-    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "DEFAULT_MAP")
+
+
+def _read_config_file(ctx: typer.Context, param, value: Optional[Path]) -> Optional[Path]:
+    """--config FILE (YAML or JSON): its settings become the command's defaults, so that the
+    command line overrides them; an unknown key is one error naming its line and the nearest
+    option."""
+    if value is None:
+        return value
+    from nmt_cli.errors import NmtError
+    from nmt_cli.settings_file import read_settings
+
+    settings, lines = read_settings(Path(value))
+    names = {p.name for p in ctx.command.params if p.name not in ("config_file", "print_config")}
+    given = {}
+    for key, setting in settings.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            import difflib
+
+            near = difflib.get_close_matches(name, sorted(names), n=1)
+            hint = f": did you mean {near[0]}?" if near else f" for `nmt {ctx.command.name}`"
+            raise NmtError(f"{value}, line {lines.get(key, '?')}: unknown setting {key!r}{hint}")
+        given[name] = [str(x) for x in setting] if isinstance(setting, list) else setting
+    ctx.default_map = {**(ctx.default_map or {}), **given}
+    return value
+
+
+ConfigFileOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--config",
+        help="A YAML or JSON file of this command's options (names as here, with - or _); the "
+        "command line overrides it.",
+        is_eager=True,
+        callback=_read_config_file,
+    ),
+]
+PrintConfigOption = Annotated[
+    bool,
+    typer.Option(
+        "--print-config",
+        help="Print the settings this command would use (a file --config takes), then stop.",
+    ),
+]
+
+
+def print_settings(ctx: typer.Context, *configs, **extra) -> None:
+    """Print the settings of `configs` (a config within a config flattened) and `extra` that
+    are options of this command, as a file --config reads; secrets left out."""
+    import dataclasses
+
+    from nmt_cli.settings_file import write_settings
+
+    names = {p.name for p in ctx.command.params} - {"config_file", "print_config", "api_key"}
+    flat: dict = {}
+    for config in configs:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            flat.update(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else {f.name: value})
+    flat.update({k: str(v) if isinstance(v, Path) else v for k, v in extra.items()})
+    sys.stdout.write(write_settings({k: v for k, v in flat.items() if k in names}))

@@ -8,7 +8,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli.cli.options import RunDirOption, about, app, config_of, given_on_command_line
+from nmt_cli.cli.options import (
+    ConfigFileOption,
+    PrintConfigOption,
+    RunDirOption,
+    about,
+    app,
+    config_of,
+    given_on_command_line,
+    print_settings,
+)
 from nmt_cli.config import LaunchConfig, TrainConfig
 from nmt_cli.errors import NmtError
 
@@ -67,6 +76,8 @@ def train(
     rdzv_endpoint: Annotated[str, about(LaunchConfig, "rdzv_endpoint")] = "",
     max_restarts: Annotated[int, about(LaunchConfig, "max_restarts")] = 0,
     stop_grace: Annotated[int, about(LaunchConfig, "stop_grace")] = 120,
+    config_file: ConfigFileOption = None,
+    print_config: PrintConfigOption = False,
 ) -> None:
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
@@ -76,11 +87,14 @@ def train(
     from nmt_cli.rundir import RunDir
 
     run = RunDir(run_dir)
-    if not run.root.is_dir():
-        raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
     given = {f.name: ctx.params[f.name] for f in dataclasses.fields(TrainConfig) if f.name in ctx.params}
     explicit = {name for name in given if given_on_command_line(ctx, name)}
     how = config_of(LaunchConfig, ctx)
+    if print_config:  # what this command would train with: a resume's saved settings included
+        print_settings(ctx, training.settings(run, given, explicit), how, run_dir=run.root)
+        return
+    if not run.root.is_dir():
+        raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
     if how.needed:  # launch checks `how` before any work
         try:
             training.launch(run, training.settings(run, given, explicit), how)

@@ -10,11 +10,13 @@ import typer
 
 from nmt_cli.cli.options import (
     CheckpointOption,
+    ConfigFileOption,
     DeviceOption,
     EngineOption,
     Int8Option,
     ModelOption,
     PrecisionOption,
+    PrintConfigOption,
     RunDirOption,
     ThreadsOption,
     about,
@@ -22,6 +24,7 @@ from nmt_cli.cli.options import (
     config_of,
     decoding_options,
     done,
+    print_settings,
 )
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
@@ -54,6 +57,8 @@ def translate(
     int8: Int8Option = False,
     engine: EngineOption = "auto",
     threads: ThreadsOption = 0,
+    config_file: ConfigFileOption = None,
+    print_config: PrintConfigOption = False,
 ) -> None:
     """Translate stdin to stdout, one line per line, with cached beam search.
 
@@ -62,6 +67,9 @@ def translate(
     from nmt_cli.translate import Translator
 
     config = config_of(TranslateConfig, ctx)
+    if print_config:
+        print_settings(ctx, config, run_dir=run_dir, model=[str(m) for m in model or []])
+        return
     translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
     for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
         if path is not None and not path.is_file():
@@ -273,12 +281,17 @@ def serve(
     engine: EngineOption = "auto",
     device: DeviceOption = "auto",
     threads: ThreadsOption = 0,
+    config_file: ConfigFileOption = None,
+    print_config: PrintConfigOption = False,
 ) -> None:
     """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
     from nmt_cli import models
     from nmt_cli import serve as serve_mod
 
     translate_config, config = config_of(TranslateConfig, ctx), config_of(ServeConfig, ctx)
+    if print_config:
+        print_settings(ctx, translate_config, config, model=model)
+        return
     serve_mod.run(models.locate(model), translate_config, config)
 
 

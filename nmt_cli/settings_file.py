@@ -1,0 +1,46 @@
+"""Settings files for `--config`: YAML or JSON, read as a flat mapping of option names, each
+with the line it is on (for an error that points at it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nmt_cli.errors import NmtError
+
+
+def read_settings(path: Path) -> tuple[dict, dict]:
+    """The file's settings, and each key's line (from 1)."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise NmtError(f"--config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise NmtError(f"--config {path} is not UTF-8 text") from None
+    try:  # YAML reads JSON too
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        settings = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise NmtError(
+            f"--config {path}{where} is not valid YAML or JSON: {getattr(e, 'problem', e)}"
+        ) from None
+    if settings is None:
+        return {}, {}
+    if not isinstance(settings, dict) or not isinstance(node, yaml.MappingNode):
+        raise NmtError(f"--config {path} must hold a mapping of option names to values")
+    lines = {key.value: key.start_mark.line + 1 for key, _ in node.value if isinstance(key, yaml.ScalarNode)}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            raise NmtError(
+                f"--config {path}, line {lines.get(key, '?')}: {key!r} must be a value, not a mapping"
+            )
+    return settings, lines
+
+
+def write_settings(settings: dict) -> str:
+    """`settings` as a file --config reads (JSON, which YAML reads too)."""
+    return json.dumps(settings, indent=2) + "\n"
