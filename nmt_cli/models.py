@@ -144,7 +144,7 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
     tensors, meta = loaded or checkpoint.load_tensors(path)  # verifies the sha256 once, here
     config = _declared(meta.get("model"), record_path)
     run.require(run.spm_model, "bpe")
-    weights = {k: v.float() for k, v in tensors["model"].items()}
+    weights = {k: v.float() for k, v in checkpoint.weights_of(tensors).items()}
     return Model(
         where=path,
         config=config,

@@ -27,8 +27,13 @@ ADAMW_COSINE += ["--warmup", "4", "--min-lr", "0.0001"]
 
 @pytest.mark.parametrize(
     "options",
-    [["--precision", "fp32"], ["--precision", "bf16"], ["--precision", "fp32", *ADAMW_COSINE]],
-    ids=["fp32", "bf16", "adamw-cosine"],
+    [
+        ["--precision", "fp32"],
+        ["--precision", "bf16"],
+        ["--precision", "fp32", *ADAMW_COSINE],
+        ["--precision", "fp32", "--ema", "0.9"],
+    ],
+    ids=["fp32", "bf16", "adamw-cosine", "ema"],
 )
 def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, options):
     """In fp32 and in bf16 autocast (emulated where the CPU has no bf16 arithmetic), and with
@@ -53,6 +58,9 @@ def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, options):
     assert meta_a["step"] == meta_b["step"] == 16
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+    assert ("ema" in a) == ("ema" in b) == ("--ema" in options)
+    for name in a.get("ema", {}):
+        assert torch.equal(a["ema"][name], b["ema"][name]), name
     assert meta_a["state"] == {**meta_b["state"], "seconds": meta_a["state"]["seconds"]}
 
 
@@ -169,3 +177,31 @@ def test_a_resume_keeps_its_optimizer(run_copy, nmt):
     assert nmt("train", "--run-dir", run_copy, *TINY, "--max-steps", 2, "--save-every", 2).code == 0
     line = one_error_line(nmt("train", "--run-dir", run_copy, "--optimizer", "adamw", "--max-steps", 4))
     assert "trains with --optimizer adam, whose state its checkpoints hold" in line
+
+
+def test_ema_is_validated_kept_as_best_averaged_and_translated_with(run_copy, tmp_path, nmt):
+    """--ema changes nothing in training and everything downstream: the same training losses,
+    another validation NLL (the average's), and the average is the best model kept, what `nmt
+    average` averages and what translation loads."""
+    from nmt_cli.models import from_run
+
+    plain = tmp_path / "plain"
+    shutil.copytree(run_copy, plain)
+    common = [*TINY, "--max-steps", 12, "--save-every", 12, "--eval-every", 12, "--keep-best", 1]
+    assert nmt("train", "--run-dir", plain, *common).code == 0
+    assert nmt("train", "--run-dir", run_copy, *common, "--ema", "0.999").code == 0
+
+    def metrics(run, kind, key):
+        return [r[key] for r in RunDir(run).metric_records() if r["kind"] == kind]
+
+    assert metrics(plain, "train", "loss") == metrics(run_copy, "train", "loss")
+    assert metrics(plain, "valid", "valid_nll") != metrics(run_copy, "valid", "valid_nll")
+    tensors, _ = final_weights(run_copy)
+    ema, weights = tensors["ema"], tensors["model"]
+    assert any(not torch.equal(ema[k], weights[k]) for k in ema)
+    best = checkpoint.load_tensors(next((run_copy / "checkpoints" / "best").glob("*.pt")))[0]["model"]
+    assert all(torch.equal(best[k], ema[k]) for k in ema)
+    assert all(torch.equal(from_run(RunDir(run_copy), None).load_weights()[k], ema[k]) for k in ema)
+    assert nmt("average", "--run-dir", run_copy, "--last", 1).code == 0
+    averaged = checkpoint.load_tensors(RunDir(run_copy).averaged)[0]["model"]
+    assert all(torch.equal(averaged[k], ema[k]) for k in ema)

@@ -37,7 +37,7 @@ ADAMW_LINEAR = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [[], ADAMW_LINEAR], ids=["adam", "adamw-linear"])
+@pytest.mark.parametrize("options", [[], ADAMW_LINEAR, ["--ema", "0.9"]], ids=["adam", "adamw-linear", "ema"])
 def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nmt, options):
     import shutil
 
@@ -52,8 +52,9 @@ def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nm
     a, meta_a = checkpoint.load_tensors(checkpoint.listed(single / "checkpoints")[-1])
     b, meta_b = checkpoint.load_tensors(checkpoint.listed(run_copy / "checkpoints")[-1])
     assert meta_a["step"] == meta_b["step"] == 20 and meta_b["world"] == 2
-    for name in a["model"]:
-        x, y = a["model"][name], b["model"][name]
+    assert ("ema" in a) == ("ema" in b) == ("--ema" in options)
+    for part, name in [("model", n) for n in a["model"]] + [("ema", n) for n in a.get("ema", {})]:
+        x, y = a[part][name], b[part][name]
         if name.endswith("attn.kv.bias"):
             # The key bias adds one constant to all of a query's scores, which softmax ignores:
             # its gradient is rounding noise, which Adam scales up to steps of the learning
@@ -61,7 +62,7 @@ def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nm
             # half is set by the data.
             x, y = x[len(x) // 2 :], y[len(y) // 2 :]
         assert torch.allclose(x, y, rtol=1e-4, atol=1e-5), name
-    if options:  # the optimizer and schedule asked for, on both
+    if options == ADAMW_LINEAR:  # the optimizer and schedule asked for, on both
         for state in (a, b):
             assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05, 0.0]
         rates = {r["step"]: r["lr"] for r in _metrics(run_copy) if r["kind"] == "train"}

@@ -45,6 +45,7 @@ def train(
     warmup: Annotated[int, about(TrainConfig, "warmup")] = 4000,
     optimizer: Annotated[str, about(TrainConfig, "optimizer")] = "adam",
     weight_decay: Annotated[float, about(TrainConfig, "weight_decay")] = 0.0,
+    ema: Annotated[float, about(TrainConfig, "ema")] = 0.0,
     beta2: Annotated[float, about(TrainConfig, "beta2")] = 0.98,
     label_smoothing: Annotated[float, about(TrainConfig, "label_smoothing")] = 0.1,
     bpe_dropout: Annotated[float, about(TrainConfig, "bpe_dropout")] = 0.0,

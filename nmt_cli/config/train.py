@@ -110,6 +110,11 @@ class TrainConfig:
     beta2: float = knob(0.98, "Adam beta2 (t2t later used 0.997).")
     adam_eps: float = 1e-9  # the paper's, not an option
     label_smoothing: float = knob(0.1, "Label smoothing.")
+    ema: float = knob(
+        0.0,
+        "Keep a moving average of the weights with this decay (e.g. 0.9999), validated, kept as "
+        "the best and translated with instead of them (0: off).",
+    )
     # Provilkov et al. 2020; 0: the fixed encoding of `nmt bpe`
     bpe_dropout: float = knob(
         0.0, "BPE-dropout: re-encode the training side every epoch, each merge dropped with P."
@@ -179,6 +184,8 @@ class TrainConfig:
             raise NmtError(f"--schedule {self.schedule} decays until --max-steps: give one above --warmup")
         if self.optimizer not in ("adam", "adamw"):
             raise NmtError(f"unknown --optimizer {self.optimizer!r}: choose adam or adamw")
+        if not 0 <= self.ema < 1:
+            raise NmtError("--ema must be in [0, 1) (0: off; e.g. 0.9999)")
         if not 0 <= self.weight_decay < 1:
             raise NmtError("--weight-decay must be in [0, 1)")
         if self.weight_decay and self.optimizer != "adamw":

@@ -150,6 +150,12 @@ def load_agreed(
     return found
 
 
+def weights_of(tensors: dict) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint's model is used with: the moving average where training kept one
+    (--ema), else the training weights."""
+    return tensors.get("ema") or tensors["model"]
+
+
 def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     """The fp32 mean of the models in `paths`, holding at most two models in memory."""
     if not paths:
@@ -158,7 +164,7 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     first_meta: dict = {}
     for path in paths:
         tensors, meta = load_tensors(path)
-        model = tensors["model"]
+        model = weights_of(tensors)
         del tensors  # the optimizer state is not needed: keep one model besides the sum
         if total is None:
             total = {k: v.detach().to(torch.float32).clone() for k, v in model.items()}

@@ -41,6 +41,7 @@ def save(t: Trainer) -> None:
         "model": t.model.state_dict(),
         "optimizer": t.optimizer.state_dict(),
         "scaler": t.scaler.state_dict() if t.scaler.is_enabled() else {},
+        **({"ema": t.ema.weights} if t.ema is not None else {}),
         **rng,
     }
     # The time trained so far goes with the checkpoint: --max-time budgets the whole run,
@@ -75,6 +76,8 @@ def resume(t: Trainer) -> bool:
             f"({meta['model']}); use another --run-dir or the same shape options"
         )
     t.model.load_state_dict(tensors["model"])
+    if t.ema is not None:  # turned on at this resume: it starts from the weights
+        t.ema.load(tensors.get("ema", tensors["model"]))
     t.optimizer.load_state_dict(tensors["optimizer"])
     set_optimizer_options(t)
     if t.scaler.is_enabled() and tensors.get("scaler"):
@@ -106,7 +109,8 @@ def set_optimizer_options(t: Trainer) -> None:
 
 
 def keep_if_best(t: Trainer, score: float, metrics: dict) -> None:
-    """Rank 0: the model, if it is among the --keep-best best so far, into checkpoints/best."""
+    """Rank 0: the model (the one validated: the moving average with --ema), if it is among the
+    --keep-best best so far, into checkpoints/best."""
     meta = record(
         t,
         best={
@@ -120,6 +124,6 @@ def keep_if_best(t: Trainer, score: float, metrics: dict) -> None:
         t.config.keep_best,
         score,
         t.state.step,
-        lambda: {"model": t.model.state_dict()},
+        lambda: {"model": t.ema.weights if t.ema is not None else t.model.state_dict()},
         meta,
     )

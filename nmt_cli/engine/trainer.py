@@ -8,6 +8,7 @@ moment and restarted ends with the same weights as one that never stopped (CPU, 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import signal
@@ -29,6 +30,7 @@ from nmt_cli.engine.device import (
     resolve_device,
     widen_onednn_cache,
 )
+from nmt_cli.engine.ema import Average
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State
@@ -106,6 +108,7 @@ class Trainer:
             torch.manual_seed(config.seed + 7919 * self.dist.rank)
         self.forward = self.dist.wrap(self.model, self.device, config.compile)
         self.optimizer = make_optimizer(self.model, config)
+        self.ema = Average(self.model, config.ema) if config.ema else None
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
         self.state = State()
         self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
@@ -235,10 +238,17 @@ class Trainer:
         )
         self.state.step += 1
         self.state.batch += len(batches)
+        if self.ema is not None:
+            self.ema.update(self.model, self.state.step)
 
     def validate(self) -> dict | None:
+        """The validation figures, of the moving average of the weights with --ema."""
         if self.valid_data is None:
             return None
+        with self.ema.swapped_into(self.model) if self.ema is not None else contextlib.nullcontext():
+            return self._validate()
+
+    def _validate(self) -> dict:
         self.model.eval()
         nll = validation.nll(
             self.model, self.valid_data, self.config.max_tokens, self.dist, self.device, self.autocast

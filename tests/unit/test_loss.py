@@ -110,3 +110,21 @@ def test_an_absolute_peak_of_the_papers_value_is_the_papers_schedule():
     paper = d**-0.5 * w**-0.5
     for step in (1, 10, w, 2 * w, 50_000):
         assert learning_rate(step, d, w, peak=paper) == pytest.approx(learning_rate(step, d, w))
+
+
+def test_the_moving_average_moves_by_its_warmed_up_decay():
+    from nmt_cli.engine.ema import Average
+
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema = Average(model, decay=0.99)
+    with torch.no_grad():
+        model.weight.fill_(12.0)
+    ema.update(model, step=1)  # the decay is min(0.99, 2 / 11) early on
+    assert ema.weights["weight"][0].tolist() == pytest.approx([2 / 11 * 1 + 9 / 11 * 12] * 2)  # 10
+    ema.update(model, step=10_000)  # then 0.99
+    assert ema.weights["weight"][0, 0].item() == pytest.approx(0.99 * 10 + 0.01 * 12)
+    with ema.swapped_into(model):
+        assert torch.equal(model.weight, ema.weights["weight"])
+    assert (model.weight == 12.0).all()  # its own weights back
