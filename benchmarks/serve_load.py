@@ -18,6 +18,9 @@ with the default settings, a fresh server for each part:
 - hostile: a list of bad requests (malformed HTTP, nested JSON, wrong types, huge and
   compressed bodies, invalid UTF-8, control characters, options out of range), each with the
   status it must get; then /health and an honest request.
+- unread: `--unread` clients that each ask for the largest answer that costs no decoding (256
+  empty lines, n-best 8, scores) and never read it: /health and an honest request meanwhile,
+  and every one of them let go by the server within 15 s (--write-timeout 10).
 - sigterm: SIGTERM while the honest clients send: every request sent is answered (200) or
   refused (503), and the process is gone within the drain deadline.
 """
@@ -225,6 +228,66 @@ def stalled(served: Path, count: int, probe: list[str], expected: dict[str, str]
     print(json.dumps(row), flush=True)
 
 
+def unread(served: Path, count: int, probe: list[str], expected: dict[str, str]) -> None:
+    """`count` clients that each send the largest answer allowed that costs no decoding (256
+    empty lines x n-best 8 with scores) and never read it: the server must stay healthy, and let
+    every one of them go (--write-timeout, or --header-timeout once idle with the answer unread)."""
+    server = Server(served, "--max-connections", str(count + 64), "--write-timeout", "10")
+    body = json.dumps({"text": [""] * 256, "beam": 8, "nbest": 8, "scores": True}).encode()
+    request = (
+        b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(30)
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(request)
+            sockets.append(s)
+        sent = time.perf_counter()
+        start = time.perf_counter()
+        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+            health = (r.status, time.perf_counter() - start)
+        start = time.perf_counter()
+        status, answer = post(server.url, json.dumps({"text": probe}).encode(), timeout=30)
+        translate = (
+            status,
+            time.perf_counter() - start,
+            answer.get("translations") == [expected[s] for s in probe],
+        )
+        time.sleep(max(0.0, 15 - (time.perf_counter() - sent)))  # the timeouts (10 s) and a margin
+        released = 0
+        for s in sockets:
+            s.settimeout(2)
+            try:
+                while s.recv(1 << 16):
+                    pass
+                released += 1  # closed after what fitted the buffers
+            except ConnectionResetError:
+                released += 1  # aborted
+            except TimeoutError:
+                pass  # still held open by the server
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+    row = {
+        "part": f"{count} clients that never read their answers",
+        "answer_bytes": len(json.dumps({"translations": [[{"text": "", "score": 0.0}] * 8] * 256})),
+        "health_status": health[0],
+        "health_ms": round(health[1] * 1000),
+        "translate_status": translate[0],
+        "translate_ms": round(translate[1] * 1000),
+        "translate_right": translate[2],
+        "released_by_server_within_15_s": released,
+    }
+    print(json.dumps(row), flush=True)
+
+
 def raw(port: int, data: bytes) -> int:
     """The status of the answer to `data` sent as is."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
@@ -348,8 +411,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--stalled", type=int, default=500)
+    ap.add_argument("--unread", type=int, default=1000)
     ap.add_argument("--ct2", choices=["float32", "int8"], help="a CTranslate2 export instead")
-    ap.add_argument("--parts", nargs="*", default=["honest", "greedy", "stalled", "hostile", "sigterm"])
+    ap.add_argument(
+        "--parts", nargs="*", default=["honest", "greedy", "stalled", "hostile", "unread", "sigterm"]
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-serve-load-"))
     try:
@@ -375,6 +441,8 @@ def main() -> None:
             stalled(served, args.stalled, pool[:3], expected)
         if "hostile" in args.parts:
             hostile(served, pool[:3], expected)
+        if "unread" in args.parts:
+            unread(served, args.unread, pool[:3], expected)
         if "sigterm" in args.parts:
             sigterm(served, requests, expected, args.clients)
     finally:
