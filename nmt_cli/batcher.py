@@ -39,6 +39,9 @@ class Batcher:
         self.translator, self.config = translator, config
         self.jobs: deque[Job] = deque()
         self.pending = 0  # sentences queued or being decoded
+        # ... and their hypotheses (sentences x beam): the work, which --max-queue bounds
+        self.work = 0
+        self.most_work = config.max_queue * translator.config.decode.rows
         self.arrived = asyncio.Event()
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
@@ -55,11 +58,12 @@ class Batcher:
         decoding loop has stopped (nothing would ever answer it)."""
         if not self.running:
             raise RuntimeError("the decoding loop has stopped")
-        if self.pending + len(sentences) > self.config.max_queue:
+        if self.work + len(sentences) * options.rows > self.most_work:
             return None
         job = Job(sentences, options, prefixes, constraints, asyncio.get_running_loop().create_future())
         self.jobs.append(job)
         self.pending += len(sentences)
+        self.work += len(sentences) * options.rows
         self.arrived.set()
         return job.done
 
@@ -70,8 +74,12 @@ class Batcher:
         for job in self.jobs:
             if job.done is done:
                 self.jobs.remove(job)
-                self.pending -= len(job.sentences) - job.taken
+                self._done_with(job, len(job.sentences) - job.taken)
                 return
+
+    def _done_with(self, job: Job, sentences: int) -> None:
+        self.pending -= sentences
+        self.work -= sentences * job.options.rows
 
     def _next(self) -> Job:
         """The job served least so far (then the oldest): a short request waits for at most the
@@ -138,7 +146,8 @@ class Batcher:
                 for job, _, _ in pieces:
                     _settle(job, error=e)
             finally:
-                self.pending -= sum(hi - lo for _, lo, hi in pieces)
+                for job, lo, hi in pieces:
+                    self._done_with(job, hi - lo)
 
     async def _serve(self, pieces: list[Piece]) -> None:
         """Decode `pieces` as one batch and answer each job whose last piece this is; if the
@@ -181,7 +190,7 @@ class Batcher:
                 _settle(job, error=e)  # unless its client left or its deadline passed meanwhile
                 if job in self.jobs:  # its other pieces are not decoded
                     self.jobs.remove(job)
-                    self.pending -= len(job.sentences) - job.taken
+                    self._done_with(job, len(job.sentences) - job.taken)
             return
         start = 0
         for job, lo, hi in pieces:

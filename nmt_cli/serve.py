@@ -11,7 +11,8 @@ serves first the requests served least so far, so a short request waits for at m
 batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most,
 and for `max_output_len` tokens per sentence at most. Every decoding option is checked against
 its range (config.use.RANGES) as on the command line; NaN and infinities are refused.
-Past `max_queue` waiting sentences a request gets 503 with Retry-After.
+Past `max_queue` waiting sentences (at the default beam: the queue counts hypotheses) a request
+gets 503 with Retry-After.
 Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
 A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
 the queue (a batch already being decoded finishes); a batch that fails is decoded again request

@@ -333,3 +333,27 @@ def test_connections_per_client_address_are_capped():
     first, second, third, fourth = asyncio.run(run())
     assert first == second == fourth == b""
     assert third.startswith(b"HTTP/1.1 503") and b"too many connections" in third
+
+
+def test_the_queue_counts_hypotheses_not_sentences():
+    """--max-queue 6: six sentences at the default beam 4 (24 hypotheses). Behind one held
+    sentence (4), two sentences at beam 16 (32) are too much work, five at beam 4 (20) are not."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        held = asyncio.ensure_future(post(["stubborn"]))
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        wide = await post({"text": ["a", "b"], "beam": 16})
+        queued = asyncio.ensure_future(post(["c", "d", "e", "f", "g"]))
+        while (await get("/health"))[1]["queued"] < 6:
+            await asyncio.sleep(0.01)
+        decoder.release.set()
+        return wide, await held, await queued
+
+    wide, held, queued = _in_process(decoder, scenario, max_queue=6, max_wait_ms=0)
+    assert wide[0] == 503 and "queue is full" in wide[1]["error"]
+    assert held == (200, {"translations": ["STUBBORN"]})
+    assert queued == (200, {"translations": ["C", "D", "E", "F", "G"]})

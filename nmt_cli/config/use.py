@@ -156,7 +156,9 @@ class ServeConfig:
     max_wait_ms: float = knob(5.0, "How long a request may wait for others to share its batch.")
     max_batch: int = knob(64, "Sentences decoded together at most.")
     batching: bool = knob(True, "Decode concurrent requests together.")
-    max_queue: int = knob(1024, "Sentences waiting at most; beyond, 503.")
+    max_queue: int = knob(
+        1024, "Sentences waiting at most, at the default beam (a wider one counts for more); beyond, 503."
+    )
     max_sentences: int = knob(256, "Sentences per request; beyond, 413.")
     max_hypotheses: int = knob(2048, "Sentences x beam per request (the work it asks for); beyond, 413.")
     max_output_len: int = knob(
