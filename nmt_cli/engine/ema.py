@@ -15,14 +15,16 @@ class Average:
 
     def __init__(self, model: torch.nn.Module, decay: float):
         self.decay = decay
+        # Views of the model's weights, taken once: the optimizer and load_state_dict write into
+        # them in place, so no update has to build a state_dict.
+        self._model_weights = list(model.state_dict().values())
         self.weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        self._own = list(self.weights.values())
 
-    def update(self, model: torch.nn.Module, step: int) -> None:
+    def update(self, step: int) -> None:
         """After update `step` (from 1): a step towards the model's weights, on the device."""
         decay = min(self.decay, (1 + step) / (10 + step))
-        current = model.state_dict()
-        names = list(self.weights)
-        torch._foreach_lerp_([self.weights[k] for k in names], [current[k].float() for k in names], 1 - decay)
+        torch._foreach_lerp_(self._own, [v.float() for v in self._model_weights], 1 - decay)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         for k, v in weights.items():

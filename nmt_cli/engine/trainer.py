@@ -239,7 +239,7 @@ class Trainer:
         self.state.step += 1
         self.state.batch += len(batches)
         if self.ema is not None:
-            self.ema.update(self.model, self.state.step)
+            self.ema.update(self.state.step)
 
     def validate(self) -> dict | None:
         """The validation figures, of the moving average of the weights with --ema."""

@@ -121,9 +121,9 @@ def test_the_moving_average_moves_by_its_warmed_up_decay():
     ema = Average(model, decay=0.99)
     with torch.no_grad():
         model.weight.fill_(12.0)
-    ema.update(model, step=1)  # the decay is min(0.99, 2 / 11) early on
+    ema.update(step=1)  # the decay is min(0.99, 2 / 11) early on
     assert ema.weights["weight"][0].tolist() == pytest.approx([2 / 11 * 1 + 9 / 11 * 12] * 2)  # 10
-    ema.update(model, step=10_000)  # then 0.99
+    ema.update(step=10_000)  # then 0.99
     assert ema.weights["weight"][0, 0].item() == pytest.approx(0.99 * 10 + 0.01 * 12)
     with ema.swapped_into(model):
         assert torch.equal(model.weight, ema.weights["weight"])
