@@ -280,10 +280,11 @@ def _guard(web, config: ServeConfig):
     import hmac
 
     expected = f"Bearer {config.api_key}".encode()
+    local = _loopback(config.host)  # the address is fixed: read it once, not per request
 
     @web.middleware
     async def guard(request, handler):
-        if _loopback(config.host) and not _loopback(_hostname(request.headers.get("Host", ""))):
+        if local and not _loopback(_hostname(request.headers.get("Host", ""))):
             return error(web, 403, "the Host header does not name this server's loopback address")
         if request.method == "POST" and request.content_type != "application/json":
             return error(web, 415, "send the request with Content-Type: application/json")

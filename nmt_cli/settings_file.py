@@ -19,15 +19,18 @@ def read_settings(path: Path) -> tuple[dict, dict]:
         raise NmtError(f"--config {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise NmtError(f"--config {path} is not UTF-8 text") from None
-    try:  # YAML reads JSON too
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        settings = yaml.safe_load(text)
+    loader = yaml.SafeLoader(text)  # YAML reads JSON too
+    try:  # parsed once: the node gives each key's line, the same node the settings
+        node = loader.get_single_node()
+        settings = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""
         raise NmtError(
             f"--config {path}{where} is not valid YAML or JSON: {getattr(e, 'problem', e)}"
         ) from None
+    finally:
+        loader.dispose()
     if settings is None:
         return {}, {}
     if not isinstance(settings, dict) or not isinstance(node, yaml.MappingNode):
