@@ -190,6 +190,23 @@ def _closed_by_server(s: socket.socket) -> bool:
     return got == b"" or got.startswith(b"HTTP/1.1 408")
 
 
+def _probe(server: Server, probe: list[str], expected: dict[str, str]) -> dict:
+    """/health and one honest request while the server holds other clients: their status and
+    time, and whether the translations are `nmt translate`'s."""
+    start = time.perf_counter()
+    with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+        health = (r.status, time.perf_counter() - start)
+    start = time.perf_counter()
+    status, answer = post(server.url, json.dumps({"text": probe}).encode(), timeout=30)
+    return {
+        "health_status": health[0],
+        "health_ms": round(health[1] * 1000),
+        "translate_status": status,
+        "translate_ms": round((time.perf_counter() - start) * 1000),
+        "translate_right": answer.get("translations") == [expected[s] for s in probe],
+    }
+
+
 def stalled(served: Path, count: int, probe: list[str], expected: dict[str, str]) -> None:
     server = Server(served)
     sockets = []
@@ -199,16 +216,7 @@ def stalled(served: Path, count: int, probe: list[str], expected: dict[str, str]
             s.sendall(b"POST /translate HTTP/1.1\r\nHost: localhost\r\n")
             sockets.append(s)
         opened = time.perf_counter()
-        start = time.perf_counter()
-        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
-            health = (r.status, time.perf_counter() - start)
-        start = time.perf_counter()
-        status, answer = post(server.url, json.dumps({"text": probe}).encode(), timeout=30)
-        translate = (
-            status,
-            time.perf_counter() - start,
-            answer.get("translations") == [expected[s] for s in probe],
-        )
+        probed = _probe(server, probe, expected)
         closed = sum(_closed_by_server(s) for s in sockets)
         all_closed_s = time.perf_counter() - opened
     finally:
@@ -217,11 +225,7 @@ def stalled(served: Path, count: int, probe: list[str], expected: dict[str, str]
         server.stop()
     row = {
         "part": f"{count} stalled connections",
-        "health_status": health[0],
-        "health_ms": round(health[1] * 1000),
-        "translate_status": translate[0],
-        "translate_ms": round(translate[1] * 1000),
-        "translate_right": translate[2],
+        **probed,
         "stalled_closed_by_server": closed,
         "all_closed_after_s": round(all_closed_s, 1),
     }
@@ -249,16 +253,7 @@ def unread(served: Path, count: int, probe: list[str], expected: dict[str, str])
             s.sendall(request)
             sockets.append(s)
         sent = time.perf_counter()
-        start = time.perf_counter()
-        with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
-            health = (r.status, time.perf_counter() - start)
-        start = time.perf_counter()
-        status, answer = post(server.url, json.dumps({"text": probe}).encode(), timeout=30)
-        translate = (
-            status,
-            time.perf_counter() - start,
-            answer.get("translations") == [expected[s] for s in probe],
-        )
+        probed = _probe(server, probe, expected)
         time.sleep(max(0.0, 15 - (time.perf_counter() - sent)))  # the timeouts (10 s) and a margin
         released = 0
         for s in sockets:
@@ -278,11 +273,7 @@ def unread(served: Path, count: int, probe: list[str], expected: dict[str, str])
     row = {
         "part": f"{count} clients that never read their answers",
         "answer_bytes": len(json.dumps({"translations": [[{"text": "", "score": 0.0}] * 8] * 256})),
-        "health_status": health[0],
-        "health_ms": round(health[1] * 1000),
-        "translate_status": translate[0],
-        "translate_ms": round(translate[1] * 1000),
-        "translate_right": translate[2],
+        **probed,
         "released_by_server_within_15_s": released,
     }
     print(json.dumps(row), flush=True)

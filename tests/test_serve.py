@@ -51,6 +51,21 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read()), dict(e.headers)
 
+    def sent(self, body: dict):
+        """`body` posted on a connection of its own whose answer is left unread: a client that
+        leaves closes it."""
+        import socket
+
+        data = json.dumps(body).encode()
+        port = int(self.url.rsplit(":", 1)[1])
+        connection = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+        connection.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        return connection
+
     def get(self, path: str) -> tuple[int, dict]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=DEADLINE) as r:
@@ -214,7 +229,6 @@ def test_an_api_key_guards_translate_but_not_health(package):
 def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi30k_bpe):
     """A client that disconnects while its request waits behind another frees its place: its
     sentences leave the queue at once instead of being decoded for nobody."""
-    import socket
 
     sources = sources_of(multi30k_bpe)[:500]
     server = Server(package, "--max-queue", "1000", "--max-sentences", "500")
@@ -226,14 +240,7 @@ def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi3
         while server.get("/health")[1]["queued"] < 500:  # the first request is being decoded
             assert time.monotonic() < deadline and not answer
             time.sleep(0.005)
-        body = json.dumps({"text": sources[:300]}).encode()
-        port = int(server.url.rsplit(":", 1)[1])
-        leaving = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
-        leaving.sendall(
-            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        leaving = server.sent({"text": sources[:300]})
         seen = []
         while not seen or seen[-1] != 800:  # queued behind the first
             assert time.monotonic() < deadline and not answer, seen
@@ -255,19 +262,11 @@ def test_the_batch_of_a_client_that_leaves_stops_decoding(package, multi30k_bpe)
     """The most expensive request allowed (2,048 hypotheses at beam 8), its client gone while
     its first batch decodes: that batch is given up between two steps, its other pieces never
     start, and the next client is served."""
-    import socket
 
     sources = sources_of(multi30k_bpe)[:256]
     server = Server(package)
     try:
-        body = json.dumps({"text": sources, "beam": 8, "max_len_a": 3.0}).encode()
-        port = int(server.url.rsplit(":", 1)[1])
-        leaving = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
-        leaving.sendall(
-            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        leaving = server.sent({"text": sources, "beam": 8, "max_len_a": 3.0})
         deadline = time.monotonic() + DEADLINE
         while server.get("/health")[1]["queued"] < 256:  # its first batch is being decoded
             assert time.monotonic() < deadline
