@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
-from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, max_lengths
+from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty
+from nmt_cli.engine.hypothesis import limits as output_limits
 from nmt_cli.errors import NmtError, Stopped
 from nmt_cli.export import pieces, require_ctranslate2, save
 from nmt_cli.models import Model
@@ -76,7 +77,7 @@ class Backend:
 
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
-        batches meet its threads in the same order; the sentences' keys cannot seed them.
+        batches meet its threads in the same order; the sentences' streams cannot seed them.
         CTranslate2 has no lexical constraints: translate.Translator refuses them before.
         """
         a, b = options.max_len_a, options.max_len_b
@@ -86,19 +87,13 @@ class Backend:
             self._seeded = True
         batches = [[s.ids for s in batch] for batch in sentences]
         starts_of = [[s.prefix for s in b] if any(s.prefix for s in b) else None for b in sentences]
-        # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without one, so
-        # one step fewer gives the same tokens
-        limits = [
-            max(
-                1,
-                max(
-                    max_lengths([len(x) for x in batch], a, b, ceiling)
-                    + [min(len(p) + 1, ceiling) for p in starts or []]
-                )
-                - 1,
-            )
+        owns = [
+            output_limits([len(x) for x in batch], a, b, ceiling, starts)
             for batch, starts in zip(batches, starts_of)
         ]
+        # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without one, so
+        # one step fewer gives the same tokens
+        limits = [max(1, max(own) - 1) for own in owns]
         pending = [
             self.translator.translate_batch(
                 self._as_pieces(batch),
@@ -120,11 +115,14 @@ class Backend:
             self._sums([batch], [starts], eos=False) if starts and any(starts) else None
             for batch, starts in zip(batches, starts_of)
         ]
-        for results, batch, scored in zip(pending, batches, given):
+        for results, batch, scored in zip(pending, sentences, given):
             if stop is not None and stop():  # its batches run on; their answers are not awaited
                 raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
-            yield [self.ranked(r.result(), options, offset) for r, offset in zip(results, offsets)]
+            yield [
+                self.ranked(r.result(), options, offset, s.alpha)
+                for r, offset, s in zip(results, offsets, batch)
+            ]
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS; CTranslate2 adds it and scores
@@ -177,12 +175,13 @@ class Backend:
     def _as_pieces(self, rows: list[list[int]]) -> list[list[str]]:
         return [[self.pieces[i] for i in row] for row in rows]
 
-    def ranked(self, result, options: DecodeOptions, offset: float = 0.0) -> list[Hypothesis]:
+    def ranked(self, result, options: DecodeOptions, offset: float, alpha: float) -> list[Hypothesis]:
+        """`result`'s hypotheses ranked as nmt ranks them, by the sentence's own `alpha`."""
         hyps = []
         for tokens, score in zip(result.hypotheses, result.scores):
             ids = [self.ids[t] for t in tokens]
             # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
-            penalised = (float(score) + offset) / length_penalty(len(ids), options.alpha)
+            penalised = (float(score) + offset) / length_penalty(len(ids), alpha)
             hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
         hyps = sorted(hyps, key=lambda h: -h.score)
         return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw

@@ -49,8 +49,8 @@ class Backend:
     def search(
         self, batches: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
     ) -> Iterator[list[list[Hypothesis]]]:
-        """The `options.nbest` best of each sentence of each batch, batch by batch; `stop` is
-        asked between decoding steps."""
+        """The `options.nbest` best of each sentence of each batch (each ranked by its own
+        alpha), batch by batch; `stop` is asked between decoding steps."""
 
         def one(batch: list[Source]) -> list[list[Hypothesis]]:
             src = self._sources([s.ids for s in batch])
@@ -59,10 +59,11 @@ class Backend:
                 self.models,
                 src,
                 options,
-                keys=[s.key for s in batch],
+                streams=[s.stream for s in batch],
                 prefixes=[s.prefix for s in batch] if bound[0] else None,
                 constraints=[s.constraints for s in batch] if bound[1] else None,
                 stop=stop,
+                alphas=[s.alpha for s in batch],
             )
 
         return self._each(one, batches)

@@ -23,12 +23,16 @@ class Job:
     prefixes: list[str] | None
     constraints: list[list[str]] | None
     done: asyncio.Future
+    costs: list[int]  # each sentence's work (Translator.work): what it holds of the queue
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
     answers: list = field(default_factory=list)  # the answers of the pieces decoded, in order
 
 
 Piece = tuple[Job, int, int]  # a job's sentences [lo, hi) in one decoding batch
+
+# --max-queue counts sentences of this many pieces at the default options
+TYPICAL = 32
 
 
 class Batcher:
@@ -39,9 +43,10 @@ class Batcher:
         self.translator, self.config = translator, config
         self.jobs: deque[Job] = deque()
         self.pending = 0  # sentences queued or being decoded
-        # ... and their hypotheses (sentences x beam): the work, which --max-queue bounds
+        # ... and their work (Translator.work: hypotheses x output limit), which --max-queue
+        # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
-        self.most_work = config.max_queue * translator.config.decode.rows
+        self.most_work = config.max_queue * translator.work_of([TYPICAL], translator.config.decode)[0]
         self.arrived = asyncio.Event()
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
@@ -54,16 +59,25 @@ class Batcher:
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
     ) -> asyncio.Future | None:
-        """The future of the job's answer, or None when the queue is full; RuntimeError when the
+        """The future of the job's answer, or None when the queue is full; OverflowError when the
+        job alone is more work than the queue holds (it would never fit); RuntimeError when the
         decoding loop has stopped (nothing would ever answer it)."""
         if not self.running:
             raise RuntimeError("the decoding loop has stopped")
-        if self.work + len(sentences) * options.rows > self.most_work:
+        costs = self.translator.work(sentences, options, prefixes, constraints)
+        if sum(costs) > self.most_work:
+            raise OverflowError(
+                f"this request is {sum(costs) / self.most_work * self.config.max_queue:.0f} typical "
+                f"sentences of work; the queue holds {self.config.max_queue} (--max-queue)"
+            )
+        if self.work + sum(costs) > self.most_work:
             return None
-        job = Job(sentences, options, prefixes, constraints, asyncio.get_running_loop().create_future())
+        job = Job(
+            sentences, options, prefixes, constraints, asyncio.get_running_loop().create_future(), costs
+        )
         self.jobs.append(job)
         self.pending += len(sentences)
-        self.work += len(sentences) * options.rows
+        self.work += sum(costs)
         self.arrived.set()
         return job.done
 
@@ -74,12 +88,13 @@ class Batcher:
         for job in self.jobs:
             if job.done is done:
                 self.jobs.remove(job)
-                self._done_with(job, len(job.sentences) - job.taken)
+                self._done_with(job, job.taken, len(job.sentences))
                 return
 
-    def _done_with(self, job: Job, sentences: int) -> None:
-        self.pending -= sentences
-        self.work -= sentences * job.options.rows
+    def _done_with(self, job: Job, lo: int, hi: int) -> None:
+        """Sentences [lo, hi) of `job` leave the queue: decoded, given up or withdrawn."""
+        self.pending -= hi - lo
+        self.work -= sum(job.costs[lo:hi])
 
     def _next(self) -> Job:
         """The job served least so far (then the oldest): a short request waits for at most the
@@ -87,13 +102,14 @@ class Batcher:
         return min(self.jobs, key=lambda j: (j.taken, j.arrived))
 
     def _take(self) -> list[Piece]:
-        """One decoding batch: pieces of the jobs with the next job's options, least served
-        first, up to `max_batch` sentences at the default beam (fewer at a wider beam, so that
-        every batch is about as much work)."""
+        """One decoding batch: pieces of the jobs with the next job's options (all but the seed
+        and alpha, which each sentence keeps), least served first, up to `max_batch` sentences
+        at the default beam (fewer at a wider beam, so that every batch is about as much work)."""
         first = self._next()
         budget = self.config.max_batch * self.translator.config.decode.rows  # hypotheses
         pieces: list[Piece] = []
-        same = [j for j in self.jobs if j.options == first.options]
+        shared = first.options.shared()
+        same = [j for j in self.jobs if j.options.shared() == shared]
         rows = first.options.rows
         for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
             if pieces and (not self.config.batching or budget < rows):
@@ -147,7 +163,7 @@ class Batcher:
                     _settle(job, error=e)
             finally:
                 for job, lo, hi in pieces:
-                    self._done_with(job, hi - lo)
+                    self._done_with(job, lo, hi)
 
     async def _serve(self, pieces: list[Piece]) -> None:
         """Decode `pieces` as one batch and answer each job whose last piece this is; if the
@@ -161,7 +177,7 @@ class Batcher:
         keys = [i for _, lo, hi in pieces for i in range(lo, hi)]  # each its place in its request
         prefixes = _joined([(job.prefixes, lo, hi) for job, lo, hi in pieces], "")
         constraints = _joined([(job.constraints, lo, hi) for job, lo, hi in pieces], [])
-        first = pieces[0][0]
+        options = [job.options for job, lo, hi in pieces for _ in range(lo, hi)]
         jobs = [job for job, _, _ in pieces]
 
         def nobody_waits() -> bool:  # asked from the decoding thread between steps
@@ -172,7 +188,7 @@ class Batcher:
                 self.decoder,
                 self._decode,
                 sentences,
-                first.options,
+                options,
                 keys,
                 prefixes,
                 constraints,
@@ -190,7 +206,7 @@ class Batcher:
                 _settle(job, error=e)  # unless its client left or its deadline passed meanwhile
                 if job in self.jobs:  # its other pieces are not decoded
                     self.jobs.remove(job)
-                    self._done_with(job, len(job.sentences) - job.taken)
+                    self._done_with(job, job.taken, len(job.sentences))
             return
         start = 0
         for job, lo, hi in pieces:
@@ -201,7 +217,7 @@ class Batcher:
             start = end
 
     def _decode(
-        self, sentences: list[str], options: DecodeOptions, keys: list[int], prefixes, constraints, stop
+        self, sentences: list[str], options: list[DecodeOptions], keys: list[int], prefixes, constraints, stop
     ):
         hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints, stop)
         return self.translator.texts(hyps), hyps

@@ -11,8 +11,10 @@ serves first the requests served least so far, so a short request waits for at m
 batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most,
 and for `max_output_len` tokens per sentence at most. Every decoding option is checked against
 its range (config.use.RANGES) as on the command line; NaN and infinities are refused.
-Past `max_queue` waiting sentences (at the default beam: the queue counts hypotheses) a request
-gets 503 with Retry-After.
+The queue counts work: a sentence's hypotheses times its output limit in tokens (what its length,
+prefix, constraints and max_len allow; a blank line nothing). Past `max_queue` typical sentences'
+work (of 32 pieces, at the default options) a request gets 503 with Retry-After; one that is more
+work than that alone gets 413. Requests that differ only in seed or alpha share batches.
 Every refusal is a 4xx/5xx JSON {"error": "..."}; nothing a client sends reaches a traceback.
 A request whose client goes away, or that is not answered within `request_timeout` (504), leaves
 the queue (a batch already being decoded finishes); a batch that fails is decoded again request
@@ -249,6 +251,8 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             done = request.app[batcher_key].submit(
                 asked.text, asked.options, asked.prefixes, asked.constraints
             )
+        except OverflowError as e:  # more work than the whole queue holds: it would never fit
+            return error(web, 413, str(e))
         except RuntimeError as e:  # the decoding loop has stopped: nothing would answer
             return error(web, 503, str(e))
         if done is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol, TextIO
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
-from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty
+from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
@@ -155,6 +155,36 @@ class Translator:
                 self.counts.truncated += 1
         return ids
 
+    def work(
+        self,
+        lines: list[str],
+        options: DecodeOptions,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+    ) -> list[int]:
+        """What decoding each line may cost, in tokens: its hypotheses at once (DecodeOptions.rows)
+        times its output limit (hypothesis.limits: what its length, prefix, constraints and
+        max_len allow); an empty line nothing. `nmt serve`'s queue is bounded by it, so it is
+        read on the server's event loop: the pieces of the raw text, not cleaned (cleaning would
+        cost most of the time and changes a count by a piece or two)."""
+        tagged = 1 if options.tag else 0
+        lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.sp.encode(lines)]
+        forced = self.sp.encode(prefixes) if prefixes is not None else None
+        phrases = [self.sp.encode(c) for c in constraints] if constraints else None
+        return self.work_of(lengths, options, forced, phrases)
+
+    def work_of(
+        self,
+        lengths: list[int],
+        options: DecodeOptions,
+        forced: list[list[int]] | None = None,
+        phrases: list[list[list[int]]] | None = None,
+    ) -> list[int]:
+        """`work` of sentences of `lengths` pieces, with those prefixes and constraints (ids)."""
+        ceiling = min(self.max_src, options.max_len or self.max_src)
+        found = limits(lengths, options.max_len_a, options.max_len_b, ceiling, forced, phrases)
+        return [options.rows * n if length else 0 for n, length in zip(found, lengths)]
+
     def batches(self, ids: list[list[int]], among: Iterable[int] | None = None) -> Iterable[list[int]]:
         """Indices of the sentences `among` (default: the non-empty ones), longest first, in
         batches of bounded size."""
@@ -175,18 +205,23 @@ class Translator:
     def hypotheses(
         self,
         lines: list[str],
-        options: DecodeOptions | None = None,
+        options: DecodeOptions | list[DecodeOptions] | None = None,
         keys: list[int] | None = None,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
         stop: Callable[[], bool] | None = None,
     ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
-        the config's for this call; `keys` seed --sample's draws, one per line (default: the
-        lines' numbers in the input); `prefixes`: the text each translation begins with;
-        `constraints`: the phrases each must contain; `stop`: once it says so, errors.Stopped
-        (nmt's engine checks between decoding steps, CTranslate2 between batches)."""
-        options = options or self.config.decode
+        the config's for this call: one for all lines, or one per line alike but for the seed
+        and alpha (DecodeOptions.shared: `nmt serve` batches requests so); `keys`, with each
+        line's seed, make its random stream under --sample (default: the lines' numbers in the
+        input); `prefixes`: the text each translation begins with; `constraints`: the phrases
+        each must contain; `stop`: once it says so, errors.Stopped (nmt's engine checks between
+        decoding steps, CTranslate2 between batches)."""
+        each = options if isinstance(options, list) else [options or self.config.decode] * len(lines)
+        options = each[0] if each else self.config.decode
+        if any(o.shared() != options.shared() for o in each):
+            raise ValueError("the lines of one call may differ in seed and alpha only")
         self.check_tag(options.tag)
         if constraints is not None and any(constraints):
             self.check_constraints(options)
@@ -195,7 +230,10 @@ class Translator:
         starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
         # a phrase that cleaning leaves empty asks for nothing
         phrases = [[x for x in self.encode_targets(c) if x] for c in constraints or [[] for _ in lines]]
-        sources = [Source(x, key, start, c) for x, key, start, c in zip(ids, keys, starts, phrases)]
+        sources = [
+            Source(x, stream_of(o.seed, key), start, c, o.alpha)
+            for x, key, start, c, o in zip(ids, keys, starts, phrases, each)
+        ]
         out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
         # constrained lines batch apart, so that the others are searched exactly as without them
         bound = [i for i, x in enumerate(ids) if x and phrases[i]]

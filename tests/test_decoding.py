@@ -52,6 +52,35 @@ def test_a_seed_draws_the_same_samples_however_the_lines_are_batched(trained_lon
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_lines_of_one_call_keep_their_own_alpha_and_seed(trained_longer, sources, engine):
+    """What `nmt serve` does with requests that differ only in alpha or seed: one batch, each
+    line searched and ranked as alone (nmt's engine: each draws from its own stream too)."""
+    t = translator(trained_longer, engine, nbest=2)
+    kinds = [dataclasses.replace(t.config.decode, alpha=a) for a in (0.0, 2.0, 0.6)]
+    each = [kinds[i % 3] for i in range(len(sources))]
+    together = t.texts(t.hypotheses(sources, each, keys=list(range(len(sources)))))
+    alone = {}
+    for k, o in enumerate(kinds):
+        mine = list(range(k, len(sources), 3))
+        for i, found in zip(mine, t.texts(t.hypotheses([sources[i] for i in mine], o, keys=mine))):
+            alone[i] = found
+    assert together == [alone[i] for i in range(len(sources))]
+    # ... and alpha tells: the same lines ranked by one alpha come out otherwise
+    assert texts(t, sources, alpha=0.0) != texts(t, sources, alpha=2.0)
+    if engine == "ctranslate2":  # its draws come from one stream per thread (backend_ct2.search)
+        return
+    drawn = dataclasses.replace(t.config.decode, sample=True)
+    seeds = [dataclasses.replace(drawn, seed=7 + i % 2) for i in range(len(sources))]
+    together = t.texts(t.hypotheses(sources, seeds, keys=list(range(len(sources)))))
+    for seed in (7, 8):
+        mine = [i for i in range(len(sources)) if seeds[i].seed == seed]
+        alone = t.texts(t.hypotheses([sources[i] for i in mine], seeds[mine[0]], keys=mine))
+        assert [together[i] for i in mine] == alone
+    with pytest.raises(ValueError, match="seed and alpha only"):
+        t.hypotheses(sources[:2], [drawn, dataclasses.replace(drawn, topk=5)])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_top_k_1_and_a_cold_temperature_are_greedy(trained_longer, sources, engine):
     greedy = texts(translator(trained_longer, engine, beam=1), sources)
     assert texts(translator(trained_longer, engine, sample=True, topk=1), sources) == greedy

@@ -24,11 +24,13 @@ class StandIn:
 
     def __init__(self):
         self.batches: list = []
+        self.options: list = []  # each batch's, a DecodeOptions per sentence
         self.stopped: list = []  # the batches given up midway
         self.release = threading.Event()
 
     def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, stop=None):
         self.batches.append(list(sentences))
+        self.options.append(options)
         if "slow" in sentences:  # held, and given up as nmt's engine does between its steps
             deadline = time.monotonic() + DEADLINE
             while not self.release.wait(0.01) and time.monotonic() < deadline:
@@ -43,6 +45,12 @@ class StandIn:
 
     def texts(self, hyps):
         return [[h[0].upper()] for h in hyps]
+
+    def work(self, sentences, options, prefixes=None, constraints=None):  # its hypotheses
+        return self.work_of([1 if s else 0 for s in sentences], options)
+
+    def work_of(self, lengths, options, forced=None, phrases=None):
+        return [options.rows if n else 0 for n in lengths]
 
 
 def _in_process(decoder: StandIn, scenario, on_loop_end=None, **config):
@@ -335,9 +343,11 @@ def test_connections_per_client_address_are_capped():
     assert third.startswith(b"HTTP/1.1 503") and b"too many connections" in third
 
 
-def test_the_queue_counts_hypotheses_not_sentences():
-    """--max-queue 6: six sentences at the default beam 4 (24 hypotheses). Behind one held
-    sentence (4), two sentences at beam 16 (32) are too much work, five at beam 4 (20) are not."""
+def test_the_queue_counts_work_not_sentences():
+    """--max-queue 8: eight sentences' work at the default beam 4 (the stand-in's work: 4 for a
+    sentence, nothing for a blank line). Behind one held sentence (4), two at beam 16 (32) wait
+    for room (503), three (48) never fit (413); five at beam 4 (20) and a request of four blank
+    lines and a sentence (4) are taken."""
     import asyncio
 
     decoder = StandIn()
@@ -347,13 +357,51 @@ def test_the_queue_counts_hypotheses_not_sentences():
         while not decoder.batches:
             await asyncio.sleep(0.01)
         wide = await post({"text": ["a", "b"], "beam": 16})
+        wider = await post({"text": ["a", "b", "c"], "beam": 16})
         queued = asyncio.ensure_future(post(["c", "d", "e", "f", "g"]))
-        while (await get("/health"))[1]["queued"] < 6:
+        blank = asyncio.ensure_future(post(["", "", "", "", "h"]))
+        while (await get("/health"))[1]["queued"] < 11:
             await asyncio.sleep(0.01)
         decoder.release.set()
-        return wide, await held, await queued
+        return wide, wider, await held, await queued, await blank
 
-    wide, held, queued = _in_process(decoder, scenario, max_queue=6, max_wait_ms=0)
+    wide, wider, held, queued, blank = _in_process(decoder, scenario, max_queue=8, max_wait_ms=0)
     assert wide[0] == 503 and "queue is full" in wide[1]["error"]
+    assert wider[0] == 413 and "--max-queue" in wider[1]["error"]
     assert held == (200, {"translations": ["STUBBORN"]})
     assert queued == (200, {"translations": ["C", "D", "E", "F", "G"]})
+    assert blank == (200, {"translations": ["", "", "", "", "H"]})
+
+
+def test_requests_that_differ_only_in_seed_or_alpha_share_a_batch():
+    """Queued behind a held batch: requests differing only in alpha, or only in seed, are each
+    decoded in one batch, every sentence with its own request's options; another beam apart."""
+    import asyncio
+
+    decoder = StandIn()
+    asked = [
+        {"text": ["a"], "alpha": 0.0},
+        {"text": ["b"], "alpha": 2.0},
+        {"text": ["c"], "beam": 8},
+        {"text": ["d"], "sample": True, "seed": 1},
+        {"text": ["e"], "sample": True, "seed": 2},
+    ]
+
+    async def scenario(post, get):
+        held = asyncio.ensure_future(post(["stubborn"]))
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        queued = []
+        for request in asked:  # in this order: the queue serves the oldest first
+            queued.append(asyncio.ensure_future(post(request)))
+            while (await get("/health"))[1]["queued"] < 1 + len(queued):
+                await asyncio.sleep(0.01)
+        decoder.release.set()
+        await held
+        return [await q for q in queued]
+
+    answers = _in_process(decoder, scenario, max_wait_ms=0)
+    assert answers == [(200, {"translations": [x["text"][0].upper()]}) for x in asked]
+    assert decoder.batches[1:] == [["a", "b"], ["c"], ["d", "e"]]
+    assert [o.alpha for o in decoder.options[1]] == [0.0, 2.0]
+    assert [o.seed for o in decoder.options[3]] == [1, 2]

@@ -86,6 +86,11 @@ class DecodeOptions:
         """Hypotheses a sentence keeps alive at once: the work it asks for."""
         return self.nbest if self.sample else self.beam
 
+    def shared(self) -> DecodeOptions:
+        """What the sentences of one decoding batch must have alike: all but the seed and alpha,
+        which each sentence keeps for itself (its random stream, its ranking)."""
+        return dataclasses.replace(self, seed=0, alpha=0.0)
+
     def __post_init__(self) -> None:
         for name, (lo, hi) in RANGES.items():
             value = getattr(self, name)
@@ -157,7 +162,10 @@ class ServeConfig:
     max_batch: int = knob(64, "Sentences decoded together at most.")
     batching: bool = knob(True, "Decode concurrent requests together.")
     max_queue: int = knob(
-        1024, "Sentences waiting at most, at the default beam (a wider one counts for more); beyond, 503."
+        1024,
+        "Work waiting at most, in sentences of 32 pieces at the default options (a sentence counts "
+        "its hypotheses x its output limit: a longer or wider one more, a blank one nothing); "
+        "beyond, 503.",
     )
     max_sentences: int = knob(256, "Sentences per request; beyond, 413.")
     max_hypotheses: int = knob(2048, "Sentences x beam per request (the work it asks for); beyond, 413.")

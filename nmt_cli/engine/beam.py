@@ -58,7 +58,8 @@ def search(
     rules: NextToken,
     device: torch.device | str = "cpu",
 ) -> list[list[Hypothesis]]:
-    """Beam search for len(rules.max_lens) sentences at `rules.options`' beam, alpha and nbest;
+    """Beam search for len(rules.max_lens) sentences at `rules.options`' beam and nbest, each
+    sentence ranked by its own length penalty (`rules.alphas`);
     the `nbest` best hypotheses of each, best first. `rules` shapes every step's log-probs.
 
     step(tokens (R, 1)) -> log-probs (R, V) of the next token of each live row.
@@ -68,7 +69,7 @@ def search(
     and keeps the bookkeeping: the hypotheses' tokens, who finished, who lives on.
     """
     o, max_lens = rules.options, rules.max_lens
-    beam, alpha, nbest = o.beam, o.alpha, o.nbest
+    beam, alphas, nbest = o.beam, rules.alphas, o.nbest
     n = len(max_lens)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     active = np.arange(n)  # sentence of each live group of `beam` rows
@@ -86,12 +87,12 @@ def search(
         )  # the step's one read
         cand_beams, cand_tokens = cand_beams.astype(np.int64), cand_tokens.astype(np.int64)
         done, live = choose(cand_scores, cand_tokens, beam)
-        penalty = length_penalty(t + 1, alpha)
         for row, col in zip(*np.nonzero(done)):
             tokens_so_far = history[row * beam + cand_beams[row, col]].tolist()
+            penalty = length_penalty(t + 1, alphas[active[row]])
             finished[active[row]].append(Hypothesis(tokens_so_far, float(cand_scores[row, col]) / penalty))
         live_scores = np.take_along_axis(cand_scores, live, 1)
-        keep = _going_on(finished, active, live_scores, beam, nbest, max_lens, alpha, t + 1)
+        keep = _going_on(finished, active, live_scores, beam, nbest, max_lens, alphas, t + 1)
         if not len(keep):
             break
         live_beams = np.take_along_axis(cand_beams, live, 1)[keep]
@@ -118,7 +119,7 @@ def _going_on(
     beam: int,
     nbest: int,
     max_lens: list[int],
-    alpha: float,
+    alphas: list[float],
     length: int,
 ) -> np.ndarray:
     """Which live sentences (indices into `active`) go on after a step to `length` tokens."""
@@ -126,7 +127,13 @@ def _going_on(
         i
         for i, sentence in enumerate(active)
         if not is_done(
-            finished[sentence], live_scores[i], beam, nbest, max(max_lens[sentence], length), alpha, length
+            finished[sentence],
+            live_scores[i],
+            beam,
+            nbest,
+            max(max_lens[sentence], length),
+            alphas[sentence],
+            length,
         )
     ]
     return np.array(going, dtype=np.int64)

@@ -65,11 +65,6 @@ class Progress:
 Candidate = tuple[float, int, int, Progress]  # score, the beam it extends, its token, its progress
 
 
-def room(constraints: Sequence[Sequence[int]]) -> int:
-    """Tokens a translation needs at least to hold all its constraints and its EOS."""
-    return sum(len(p) for p in constraints) + 1
-
-
 def allocate(candidates: list[Candidate], banks: list[int], width: int) -> list[int]:
     """The `width` candidates (indices) that go on, in the order beam.choose reads them: round
     robin over the banks, the most advanced first, each bank's own best first."""
@@ -95,7 +90,7 @@ def search(
     each row's progress and tokens, as beam.search keeps its tokens. Besides `rules`, a row may
     end only once it has met its phrases (or at its limit)."""
     o, max_lens = rules.options, rules.max_lens
-    beam, alpha, nbest = o.beam, o.alpha, o.nbest
+    beam, alphas, nbest = o.beam, rules.alphas, o.nbest
     n, k = len(max_lens), beam
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     short: list[list[Hypothesis]] = [[] for _ in range(n)]  # cut at the limit with phrases unmet
@@ -115,10 +110,10 @@ def search(
             mine = slice(i * k, i * k + k)
             ended, live = _choose(found[i], progress[mine], phrases[i], k)
             for score, j, p in ended:
-                h = Hypothesis(history[i * k + j], score / length_penalty(t + 1, alpha))
+                h = Hypothesis(history[i * k + j], score / length_penalty(t + 1, alphas[s]))
                 (finished if p.done(phrases[i]) else short)[s].append(h)
             best = np.array([c[0] for c in live] or [-math.inf])
-            if not live or is_done(finished[s], best, k, nbest, max(max_lens[s], t + 1), alpha, t + 1):
+            if not live or is_done(finished[s], best, k, nbest, max(max_lens[s], t + 1), alphas[s], t + 1):
                 continue
             keep.append(i)
             # a sentence with fewer candidates than beams keeps dead rows

@@ -15,7 +15,7 @@ from torch import Tensor
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import beam, constrained, sampling
 from nmt_cli.engine.cache import DecoderCache
-from nmt_cli.engine.hypothesis import Hypothesis, max_lengths
+from nmt_cli.engine.hypothesis import Hypothesis, limits, stream_of
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.rules import NextToken
 from nmt_cli.errors import Stopped
@@ -28,15 +28,17 @@ def translate(
     src: Tensor,
     options: DecodeOptions = DecodeOptions(),
     use_cache: bool = True,
-    keys: Sequence[int] | None = None,
+    streams: Sequence[int] | None = None,
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
     stop: Callable[[], bool] | None = None,
+    alphas: Sequence[float] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
-    `keys`: the sentences' line numbers, which seed --sample's draws (default: 0, 1, ...).
-    `prefixes`: the ids each translation must begin with (none: []); `constraints`: the phrases
-    (ids) each must contain (none: []), found by beam search only.
+    `streams`: the sentences' random streams under --sample (hypothesis.stream_of; default:
+    `options.seed`'s for lines 0, 1, ...). `prefixes`: the ids each translation must begin with
+    (none: []); `constraints`: the phrases (ids) each must contain (none: []), found by beam
+    search only. `alphas`: each sentence's length penalty (default: the options').
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
     encoder output and cache, and a step's log-probs are the mean of theirs. `stop` is asked
@@ -45,32 +47,34 @@ def translate(
     src_lengths = (src != PAD).sum(1).tolist()
     o = options
     ceiling = min([m.config.max_positions - 1 for m in models] + [o.max_len or math.inf])
-    max_lens = max_lengths([n - 1 for n in src_lengths], o.max_len_a, o.max_len_b, ceiling)
-    forced = None
-    if prefixes is not None and any(prefixes):
-        max_lens = [max(n, min(len(p) + 1, ceiling)) for n, p in zip(max_lens, prefixes)]
-        forced = _prefix_tensor(prefixes, src.device)
     bound = constraints is not None and any(constraints)
-    if bound:
-        if o.sample:
-            raise ValueError("constraints are met by beam search, not by sampling")
-        starts = prefixes or [[]] * len(max_lens)
-        needs = [len(p) + constrained.room(c) for p, c in zip(starts, constraints)]
-        max_lens = [max(n, min(need, ceiling)) for n, need in zip(max_lens, needs)]
-    keys = range(len(max_lens)) if keys is None else keys
+    if bound and o.sample:
+        raise ValueError("constraints are met by beam search, not by sampling")
+    max_lens = limits(
+        [n - 1 for n in src_lengths],
+        o.max_len_a,
+        o.max_len_b,
+        ceiling,
+        prefixes,
+        constraints if bound else None,
+    )
+    forced = _prefix_tensor(prefixes, src.device) if prefixes is not None and any(prefixes) else None
+    streams = [stream_of(o.seed, i) for i in range(len(max_lens))] if streams is None else streams
+    alphas = [o.alpha] * len(max_lens) if alphas is None else list(alphas)
     if o.sample:  # each draw a row of its own, as a sentence of its own
         src = src.repeat_interleave(o.nbest, 0)
         max_lens = [n for n in max_lens for _ in range(o.nbest)]
+        alphas = [a for a in alphas for _ in range(o.nbest)]
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
     if stop is not None:
         step = _stoppable(step, stop)
-    rules = NextToken(o, max_lens, k, src.device, forced)
+    rules = NextToken(o, max_lens, k, src.device, forced, alphas)
     if bound:
         return constrained.search(step, reorder, rules, constraints, src.device)
     if o.sample:
-        seeds = [sampling.seed_of(o.seed, key, j) for key in keys for j in range(o.nbest)]
+        seeds = [sampling.seed_of(stream, j) for stream in streams for j in range(o.nbest)]
         drawn = sampling.sample(step, reorder, rules, seeds, src.device)
         groups = [drawn[i : i + o.nbest] for i in range(0, len(drawn), o.nbest)]
         return [sorted(g, key=lambda h: -h.score) for g in groups]

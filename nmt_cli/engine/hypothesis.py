@@ -3,6 +3,7 @@ CTranslate2's (backend_ct2.py); plain Python, so that decoding a CTranslate2 exp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,9 +16,10 @@ class Source:
     """A sentence to translate, as ids without EOS, with what binds its translation."""
 
     ids: list[int]
-    key: int = 0  # its line number: what seeds its draws under --sample
+    stream: int = 0  # its random stream under --sample (stream_of: --seed and its line number)
     prefix: list[int] = field(default_factory=list)  # the ids its translation begins with
     constraints: list[list[int]] = field(default_factory=list)  # phrases (ids) it must contain
+    alpha: float = 0.6  # its length penalty's: sentences of one batch may rank differently
 
 
 @dataclass
@@ -30,6 +32,30 @@ class Hypothesis:
 def length_penalty(length: int | Tensor, alpha: float):
     """GNMT's ((5 + |Y|) / 6) ** alpha, |Y| counting the EOS."""
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def stream_of(seed: int, key: int) -> int:
+    """A sentence's random stream under --sample, from --seed and its key (its line number): a
+    sentence draws alike whatever else is in its batch, and whatever seeds the others have."""
+    return seed * 1_000_003 + key
+
+
+def limits(
+    source_lengths: list[int],
+    a: float,
+    b: int,
+    ceiling: int,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+) -> list[int]:
+    """Each sentence's output limit (counting the EOS): a * |X| + b, raised to hold its prefix,
+    then its constraint phrases, then the EOS; within `ceiling`."""
+    out = max_lengths(source_lengths, a, b, ceiling)
+    for i, n in enumerate(out):
+        forced = len(prefixes[i]) if prefixes else 0
+        phrases = sum(len(p) for p in constraints[i]) if constraints else 0
+        out[i] = max(n, min(forced + phrases + 1, ceiling))
+    return out
 
 
 def max_lengths(source_lengths: list[int], a: float, b: int, ceiling: int) -> list[int]:

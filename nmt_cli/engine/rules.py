@@ -37,8 +37,11 @@ class NextToken:
         rows: int,
         device: torch.device | str = "cpu",
         forced: Tensor | None = None,
+        alphas: Sequence[float] | None = None,
     ):
         self.options, self.max_lens = options, list(max_lens)
+        # each sentence's length penalty: what ranks its finished hypotheses and ends its search
+        self.alphas = list(alphas) if alphas is not None else [options.alpha] * len(self.max_lens)
         self.t = 0  # tokens each live row has so far
         self.limits_host = np.repeat(np.asarray(max_lens, dtype=np.int64), rows)
         self.limits = torch.from_numpy(self.limits_host).to(device)

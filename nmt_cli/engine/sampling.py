@@ -66,7 +66,7 @@ def _row_by_row(
     the live rows' first indices) among what `rules` allows (at its limit, a row's only choice
     is the EOS); a row stops alone. The host reads each step's tokens (and running scores)
     once."""
-    n, alpha = len(rules.max_lens), rules.options.alpha
+    n, alphas = len(rules.max_lens), rules.alphas
     out: list[Hypothesis] = [Hypothesis([], 0.0)] * n
     generated: list[list[int]] = [[] for _ in range(n)]
     active = np.arange(n)
@@ -82,7 +82,7 @@ def _row_by_row(
         ended = chosen_h == EOS
         for i in np.flatnonzero(ended):
             out[active[i]] = Hypothesis(
-                generated[active[i]], float(score_h[i]) / length_penalty(t + 1, alpha)
+                generated[active[i]], float(score_h[i]) / length_penalty(t + 1, alphas[active[i]])
             )
         keep = np.flatnonzero(~ended)
         if not len(keep):
@@ -122,6 +122,6 @@ def draw(lprobs: Tensor, uniform: Tensor, topk: int, topp: float, temperature: f
     return (order.gather(1, at) if order is not None else at).squeeze(1)
 
 
-def seed_of(seed: int, key: int, draw: int) -> int:
-    """A random stream's seed from --seed, a sentence's key (its line number) and the draw."""
-    return ((seed * 1_000_003 + key) * 1_009 + draw) & (2**63 - 1)
+def seed_of(stream: int, draw: int) -> int:
+    """The seed of a sentence's draw from its stream (hypothesis.stream_of)."""
+    return (stream * 1_009 + draw) & (2**63 - 1)

@@ -10,7 +10,7 @@ from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import constrained
 from nmt_cli.engine.constrained import Progress, allocate
 from nmt_cli.engine.decoding import _decoder, translate
-from nmt_cli.engine.hypothesis import max_lengths
+from nmt_cli.engine.hypothesis import limits, max_lengths
 from nmt_cli.engine.rules import NextToken
 from nmt_cli.vocab import PAD
 
@@ -80,7 +80,10 @@ def test_the_beam_is_shared_round_robin_among_banks():
 
 
 def test_constraints_need_room():
-    assert constrained.room([[1, 2], [3]]) == 4
+    # room for the prefix, then the phrases, then the EOS, within the ceiling
+    assert limits([3, 3], 1.0, 2, 100, [[7], []], [[[1, 2], [3]], []]) == [5, 5]
+    assert limits([3, 3], 0.0, 1, 100, [[7], []], [[[1, 2], [3]], []]) == [5, 1]
+    assert limits([3], 0.0, 1, 4, [[7]], [[[1, 2], [3]]]) == [4]
     # a sentence allowed fewer tokens than its phrases need is given room for them
     out = translate(
         model(), SRC[:1], DecodeOptions(beam=2, max_len_a=0.0, max_len_b=1), constraints=[[[20, 21, 22]]]
