@@ -91,6 +91,11 @@ class Backend:
             output_limits([len(x) for x in batch], a, b, ceiling, starts)
             for batch, starts in zip(batches, starts_of)
         ]
+        # max_len wins: a prefix past its sentence's limit ends there, as in nmt's engine
+        starts_of = [
+            [p[: n - 1] for p, n in zip(starts, own)] if starts else None
+            for starts, own in zip(starts_of, owns)
+        ]
         # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without one, so
         # one step fewer gives the same tokens
         limits = [max(1, max(own) - 1) for own in owns]

@@ -277,6 +277,17 @@ def test_every_translation_begins_with_its_prefix(trained_longer, sources, prefi
     assert all(forced[i] != plain[i] and forced[i].startswith(prefixes[i]) for i in unforced)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_max_len_cuts_a_prefix_longer_than_itself(trained_longer, sources, engine):
+    """A prefix past the output limit ends at the limit (it gave no hypothesis at all: a 500 in
+    `nmt serve`); the other lines of the batch are decoded as without it."""
+    t = translator(trained_longer, engine, max_len=8)
+    long = " ".join(["Hund"] * 100)
+    found = t.hypotheses(sources[:3], prefixes=[long, "", ""])
+    assert found[0][0].tokens == t.encode_targets([long])[0][:7]
+    assert t.texts(found)[1:] == texts(t, sources[1:3])
+
+
 def test_both_engines_continue_a_prefix_alike(trained_longer, sources, prefixes):
     ours = Translator.load(trained_longer, engine="nmt").translations(sources, prefixes)
     theirs = Translator.load(trained_longer, engine="ctranslate2").translations(sources, prefixes)

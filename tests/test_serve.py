@@ -161,6 +161,7 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
             (json.dumps({"text": ["a"] * 100, "beam": 32}).encode(), 413),  # 3200 hypotheses
             # past --max-queue 4: more work than four sentences of 32 pieces at beam 4
             (json.dumps({"text": ["a"] * 7}).encode(), 413),
+            (json.dumps({"text": ["a"] * 6, "prefix": [" ".join(["Hund"] * 400)] * 6}).encode(), 413),
             # Numbers past every option's range, NaN and infinities (Python's json reads them all)
             (b'{"text": ["a"], "alpha": Infinity}', 400),
             (b'{"text": ["a"], "alpha": NaN}', 400),

@@ -58,6 +58,8 @@ def translate(
         prefixes,
         constraints if bound else None,
     )
+    if prefixes is not None:  # max_len wins: a prefix past its sentence's limit ends there
+        prefixes = [p[: n - 1] for p, n in zip(prefixes, max_lens)]
     forced = _prefix_tensor(prefixes, src.device) if prefixes is not None and any(prefixes) else None
     streams = [stream_of(o.seed, i) for i in range(len(max_lens))] if streams is None else streams
     alphas = [o.alpha] * len(max_lens) if alphas is None else list(alphas)
