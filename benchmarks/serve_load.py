@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shutil
@@ -56,14 +57,23 @@ class Server:
     """`nmt serve` on `model` in a process of its own."""
 
     def __init__(self, model: Path, *options: str):
+        # its log goes to a file: a pipe nobody reads would block the server once full
+        self.log = tempfile.NamedTemporaryFile(prefix="nmt-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [*NMT, "serve", "--model", str(model), "--port", "0", *options],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self.log,
             cwd=ROOT,
         )
-        self.port = int(re.search(rb":(\d+)", self.proc.stderr.readline()).group(1))
+        while not (found := re.search(rb":(\d+)", Path(self.log.name).read_bytes())):
+            if self.proc.poll() is not None:
+                raise RuntimeError(Path(self.log.name).read_text())
+            time.sleep(0.05)
+        self.port = int(found.group(1))
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def logged(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
 
     def stop(self) -> float:
         """SIGTERM; the seconds until the process is gone."""
@@ -73,7 +83,12 @@ class Server:
             self.proc.wait(120)
         finally:
             self.proc.kill()
-        return time.perf_counter() - start
+        took = time.perf_counter() - start
+        failed = [line for line in self.logged().splitlines() if " failed" in line]
+        if failed:  # shown, not hidden: a figure measured beside failures says so
+            print(f"server log: {len(failed)} failures, the first: {failed[0]}", file=sys.stderr, flush=True)
+        os.unlink(self.log.name)
+        return took
 
 
 def post(url: str, body: bytes, timeout: float = 300, **headers: str) -> tuple[int, dict]:
