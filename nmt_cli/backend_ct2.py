@@ -64,7 +64,10 @@ class Backend:
         self.ceiling = model.config.max_positions - 1
 
     def search(
-        self, sentences: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
+        self,
+        sentences: list[list[Source]],
+        options: DecodeOptions,
+        gone: list[Callable[[], list[bool]]] | None = None,
     ) -> Iterator[list[list[Hypothesis]]]:
         """nmt's beam search on each batch of `sentences`; the batches are all handed over at
         once, so that every worker has one, and their answers come back in order.
@@ -121,7 +124,9 @@ class Backend:
             for batch, starts in zip(batches, starts_of)
         ]
         for results, batch, scored in zip(pending, sentences, given):
-            if stop is not None and stop():  # its batches run on; their answers are not awaited
+            # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
+            # the rest, their answers are not awaited.
+            if gone is not None and all(all(g()) for g in gone):
                 raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
             yield [

@@ -47,12 +47,15 @@ class Backend:
         self.models = [load_model(m, self.device, precision) for m in model.parts]
 
     def search(
-        self, batches: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
+        self,
+        batches: list[list[Source]],
+        options: DecodeOptions,
+        gone: list[Callable[[], list[bool]]] | None = None,
     ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best of each sentence of each batch (each ranked by its own
-        alpha), batch by batch; `stop` is asked between decoding steps."""
+        alpha), batch by batch; each batch's `gone` is asked between decoding steps."""
 
-        def one(batch: list[Source]) -> list[list[Hypothesis]]:
+        def one(batch: list[Source], gone: Callable[[], list[bool]] | None) -> list[list[Hypothesis]]:
             src = self._sources([s.ids for s in batch])
             bound = any(s.prefix for s in batch), any(s.constraints for s in batch)
             return decoding.translate(
@@ -62,11 +65,11 @@ class Backend:
                 streams=[s.stream for s in batch],
                 prefixes=[s.prefix for s in batch] if bound[0] else None,
                 constraints=[s.constraints for s in batch] if bound[1] else None,
-                stop=stop,
+                gone=gone,
                 alphas=[s.alpha for s in batch],
             )
 
-        return self._each(one, batches)
+        return self._each(one, batches, gone or [None] * len(batches))
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS, its EOS counted) given its

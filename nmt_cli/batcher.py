@@ -168,7 +168,8 @@ class Batcher:
     async def _serve(self, pieces: list[Piece]) -> None:
         """Decode `pieces` as one batch and answer each job whose last piece this is; if the
         batch fails, each piece alone (a job whose piece fails gets the error and leaves). Jobs
-        nobody waits for any more (client gone, deadline passed) are not decoded."""
+        nobody waits for any more (client gone, deadline passed) are not decoded, and their rows
+        stop at the next decoding step once they go."""
         pieces = [p for p in pieces if not p[0].done.done()]
         if not pieces:
             return
@@ -178,10 +179,10 @@ class Batcher:
         prefixes = _joined([(job.prefixes, lo, hi) for job, lo, hi in pieces], "")
         constraints = _joined([(job.constraints, lo, hi) for job, lo, hi in pieces], [])
         options = [job.options for job, lo, hi in pieces for _ in range(lo, hi)]
-        jobs = [job for job, _, _ in pieces]
+        jobs = [job for job, lo, hi in pieces for _ in range(lo, hi)]  # each sentence's
 
-        def nobody_waits() -> bool:  # asked from the decoding thread between steps
-            return all(job.done.done() for job in jobs)
+        def gone() -> list[bool]:  # asked from the decoding thread between steps
+            return [job.done.done() for job in jobs]
 
         try:
             texts, hyps = await loop.run_in_executor(
@@ -192,7 +193,7 @@ class Batcher:
                 keys,
                 prefixes,
                 constraints,
-                nobody_waits,
+                gone,
             )
         except Stopped:  # every client left or passed its deadline while it decoded
             self.stopped += 1
@@ -217,9 +218,9 @@ class Batcher:
             start = end
 
     def _decode(
-        self, sentences: list[str], options: list[DecodeOptions], keys: list[int], prefixes, constraints, stop
+        self, sentences: list[str], options: list[DecodeOptions], keys: list[int], prefixes, constraints, gone
     ):
-        hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints, stop)
+        hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints, gone)
         return self.translator.texts(hyps), hyps
 
 

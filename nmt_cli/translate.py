@@ -34,11 +34,16 @@ class Backend(Protocol):
     """What searches for translations: nmt's own engine or CTranslate2."""
 
     def search(
-        self, batches: list[list[Source]], options: DecodeOptions, stop: Callable[[], bool] | None = None
+        self,
+        batches: list[list[Source]],
+        options: DecodeOptions,
+        gone: list[Callable[[], list[bool]]] | None = None,
     ) -> Iterator[list[list[Hypothesis]]]:
         """The `options.nbest` best hypotheses of each sentence of each batch, best first, batch
-        by batch in order; each beginning with its prefix and holding its constraints. Once
-        `stop()` is true the search raises errors.Stopped, as soon as it can."""
+        by batch in order; each beginning with its prefix and holding its constraints. `gone`:
+        each batch's, for each of its sentences whether nobody waits for it any more: such a
+        sentence's rows stop as soon as they can, and once that is every sentence, the search
+        raises errors.Stopped."""
         ...
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
@@ -209,15 +214,16 @@ class Translator:
         keys: list[int] | None = None,
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
-        stop: Callable[[], bool] | None = None,
+        gone: Callable[[], list[bool]] | None = None,
     ) -> list[list[Hypothesis]]:
         """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
         the config's for this call: one for all lines, or one per line alike but for the seed
         and alpha (DecodeOptions.shared: `nmt serve` batches requests so); `keys`, with each
         line's seed, make its random stream under --sample (default: the lines' numbers in the
         input); `prefixes`: the text each translation begins with; `constraints`: the phrases
-        each must contain; `stop`: once it says so, errors.Stopped (nmt's engine checks between
-        decoding steps, CTranslate2 between batches)."""
+        each must contain; `gone`: for each line, whether nobody waits for it any more: nmt's
+        engine ends such a line's rows at its next decoding step (CTranslate2 finishes a batch
+        it has begun); once no line is waited for, errors.Stopped."""
         each = options if isinstance(options, list) else [options or self.config.decode] * len(lines)
         options = each[0] if each else self.config.decode
         if any(o.shared() != options.shared() for o in each):
@@ -239,7 +245,18 @@ class Translator:
         bound = [i for i, x in enumerate(ids) if x and phrases[i]]
         free = [i for i, x in enumerate(ids) if x and not phrases[i]]
         batches = [*self.batches(ids, free), *self.batches(ids, bound)]
-        found = self.backend.search([[sources[i] for i in b] for b in batches], options, stop)
+        views = None
+        if gone is not None:  # each batch's view of the lines'
+
+            def view(batch: list[int]) -> Callable[[], list[bool]]:
+                def of_batch() -> list[bool]:
+                    now = gone()
+                    return [now[i] for i in batch]
+
+                return of_batch
+
+            views = [view(b) for b in batches]
+        found = self.backend.search([[sources[i] for i in b] for b in batches], options, views)
         for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
             for i, h in zip(batch, hyps):
                 out[i] = h

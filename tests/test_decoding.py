@@ -81,6 +81,26 @@ def test_lines_of_one_call_keep_their_own_alpha_and_seed(trained_longer, sources
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_lines_nobody_waits_for_end_at_once_and_the_others_decode_as_before(trained_longer, sources, engine):
+    """`nmt serve`'s `gone`, through the translator's batches (sorted by length): nmt's engine
+    ends every line nobody waits for at its first step; CTranslate2 finishes what it has begun.
+    Either way the lines still waited for are translated as always; none waited for: Stopped."""
+    from nmt_cli.errors import Stopped
+
+    t = Translator(locate(trained_longer), TranslateConfig(engine=engine, batch_size=8))
+    plain = t.hypotheses(sources)
+    odd = [i % 2 == 1 for i in range(len(sources))]
+    found = t.hypotheses(sources, gone=lambda: odd)
+    assert [h[0].tokens for h in found[::2]] == [h[0].tokens for h in plain[::2]]
+    if engine == "nmt":
+        assert all(h[0].tokens == [] for h in found[1::2])
+    else:
+        assert [h[0].tokens for h in found[1::2]] == [h[0].tokens for h in plain[1::2]]
+    with pytest.raises(Stopped):
+        t.hypotheses(sources, gone=lambda: [True] * len(sources))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_top_k_1_and_a_cold_temperature_are_greedy(trained_longer, sources, engine):
     greedy = texts(translator(trained_longer, engine, beam=1), sources)
     assert texts(translator(trained_longer, engine, sample=True, topk=1), sources) == greedy

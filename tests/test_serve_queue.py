@@ -28,13 +28,13 @@ class StandIn:
         self.stopped: list = []  # the batches given up midway
         self.release = threading.Event()
 
-    def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, stop=None):
+    def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, gone=None):
         self.batches.append(list(sentences))
         self.options.append(options)
         if "slow" in sentences:  # held, and given up as nmt's engine does between its steps
             deadline = time.monotonic() + DEADLINE
             while not self.release.wait(0.01) and time.monotonic() < deadline:
-                if stop is not None and stop():
+                if gone is not None and all(gone()):
                     self.stopped.append(list(sentences))
                     raise Stopped("nobody waits for this search any more")
         if "stubborn" in sentences:  # held whatever happens, as a CTranslate2 batch is

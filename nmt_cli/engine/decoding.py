@@ -31,7 +31,7 @@ def translate(
     streams: Sequence[int] | None = None,
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
-    stop: Callable[[], bool] | None = None,
+    gone: Callable[[], Sequence[bool]] | None = None,
     alphas: Sequence[float] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
@@ -41,8 +41,10 @@ def translate(
     search only. `alphas`: each sentence's length penalty (default: the options').
 
     Several models (an ensemble sharing one vocabulary) search together: each keeps its own
-    encoder output and cache, and a step's log-probs are the mean of theirs. `stop` is asked
-    before every step: once true, errors.Stopped (every search takes its steps from here)."""
+    encoder output and cache, and a step's log-probs are the mean of theirs. `gone` is asked
+    before every step, for each sentence whether anyone still waits for it: a sentence nobody
+    waits for ends at that step (its hypotheses are for nobody), and once none is waited for,
+    errors.Stopped (every search takes its steps from here)."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     src_lengths = (src != PAD).sum(1).tolist()
     o = options
@@ -70,9 +72,9 @@ def translate(
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
-    if stop is not None:
-        step = _stoppable(step, stop)
     rules = NextToken(o, max_lens, k, src.device, forced, alphas)
+    if gone is not None:
+        step = _stoppable(step, gone, rules, o.nbest if o.sample else 1)
     if bound:
         return constrained.search(step, reorder, rules, constraints, src.device)
     if o.sample:
@@ -85,10 +87,21 @@ def translate(
     return beam.search(step, reorder, rules, src.device)
 
 
-def _stoppable(step: Callable[[Tensor], Tensor], stop: Callable[[], bool]) -> Callable[[Tensor], Tensor]:
+def _stoppable(
+    step: Callable[[Tensor], Tensor], gone: Callable[[], Sequence[bool]], rules: NextToken, draws: int
+) -> Callable[[Tensor], Tensor]:
+    """`step`, asking `gone` first: the sentences nobody waits for end (rules.end; under
+    --sample each sentence is `draws` rows of the rules), and if that is all of them, Stopped."""
+    ended: set[int] = set()
+
     def checked(tokens: Tensor) -> Tensor:
-        if stop():
+        now = gone()
+        if all(now):
             raise Stopped("nobody waits for this search any more")
+        left = [i for i, g in enumerate(now) if g and i not in ended]
+        if left:
+            ended.update(left)
+            rules.end([i * draws + j for i in left for j in range(draws)])
         return step(tokens)
 
     return checked

@@ -44,6 +44,7 @@ class NextToken:
         self.alphas = list(alphas) if alphas is not None else [options.alpha] * len(self.max_lens)
         self.t = 0  # tokens each live row has so far
         self.limits_host = np.repeat(np.asarray(max_lens, dtype=np.int64), rows)
+        self.sentence = np.repeat(np.arange(len(self.max_lens)), rows)  # each live row's
         self.limits = torch.from_numpy(self.limits_host).to(device)
         self.forced = forced.repeat_interleave(rows, 0) if forced is not None else None
         # each row's tokens so far, kept only for a rule that reads them
@@ -70,6 +71,19 @@ class NextToken:
             lprobs = force(lprobs, tokens, given)
         return lprobs
 
+    def end(self, sentences: Sequence[int]) -> None:
+        """`sentences` end at this step, their limit now (nobody waits for them any more): their
+        rows may take only the EOS, a prefix no longer forced, and the search ends them there."""
+        for s in sentences:
+            self.max_lens[s] = min(self.max_lens[s], self.t + 1)
+        rows = np.isin(self.sentence, sentences)
+        if not rows.any():  # all finished already
+            return
+        self.limits_host = np.where(rows, np.minimum(self.limits_host, self.t + 1), self.limits_host)
+        self.limits = torch.from_numpy(self.limits_host).to(self.limits.device)
+        if self.forced is not None:
+            self.forced = self.forced.masked_fill(torch.from_numpy(rows).to(self.forced.device)[:, None], -1)
+
     def at_limit(self) -> np.ndarray:
         """(R,) which live rows must end at this step, on the host."""
         return self.limits_host <= self.t + 1
@@ -84,7 +98,7 @@ class NextToken:
         as they are; `on_device` the same indices on the device, if the search has them there),
         and the token each of them took (R',)."""
         if rows is not None:
-            self.limits_host = self.limits_host[rows]
+            self.limits_host, self.sentence = self.limits_host[rows], self.sentence[rows]
             index = on_device if on_device is not None else torch.from_numpy(rows).to(self.limits.device)
             self.limits = self.limits.index_select(0, index)
             if self.forced is not None:

@@ -295,8 +295,8 @@ def test_draws_follow_the_distribution_as_top_k_top_p_and_temperature_shape_it()
     [DecodeOptions(beam=4), DecodeOptions(beam=1), DecodeOptions(sample=True, nbest=2), "constrained"],
 )
 def test_every_search_gives_up_at_the_step_after_stop_says_so(options):
-    """The server's `stop`: asked before every decoding step of every search; once true, the
-    search raises Stopped instead of running on for nobody."""
+    """The server's `gone`: asked before every decoding step of every search; once nobody waits
+    for any sentence, the search raises Stopped instead of running on for nobody."""
     from nmt_cli.errors import Stopped
 
     m, src = model(), torch.tensor([[5, 6, 7, EOS], [8, 9, EOS, PAD]])
@@ -304,11 +304,37 @@ def test_every_search_gives_up_at_the_step_after_stop_says_so(options):
     options = DecodeOptions(beam=4, max_len_b=30) if options == "constrained" else options
     asked = []
 
-    def stop() -> bool:
+    def gone() -> list[bool]:
         asked.append(True)
-        return len(asked) > 3
+        return [len(asked) > 3] * 2
 
     with pytest.raises(Stopped):
-        translate(m, src, dataclasses.replace(options, max_len_b=30), constraints=constraints, stop=stop)
+        translate(m, src, dataclasses.replace(options, max_len_b=30), constraints=constraints, gone=gone)
     assert len(asked) == 4  # three steps taken, the fourth refused
-    assert translate(m, src, options, constraints=constraints, stop=lambda: False)  # never: no effect
+    assert translate(m, src, options, constraints=constraints, gone=lambda: [False, False])  # no effect
+
+
+@pytest.mark.parametrize(
+    "options",
+    [DecodeOptions(beam=4), DecodeOptions(beam=1), DecodeOptions(sample=True, nbest=2), "constrained"],
+)
+def test_every_search_ends_the_sentences_nobody_waits_for_and_goes_on_with_the_rest(options):
+    """A sentence whose request has gone ends at the next step (its rows no longer decoded);
+    the others of its batch are searched as if it had stayed."""
+    m, src = model(), torch.tensor([[5, 6, 7, EOS], [8, 9, EOS, PAD], [10, 11, 12, EOS]])
+    constraints = [[[10, 11]], [[12, 13]], [[14]]] if options == "constrained" else None
+    options = DecodeOptions(beam=4) if options == "constrained" else options
+    options = dataclasses.replace(options, max_len_a=0.0, max_len_b=30)
+    asked = []
+
+    def gone() -> list[bool]:  # the second sentence's client leaves before the third step
+        asked.append(True)
+        return [False, len(asked) >= 3, False]
+
+    stayed = translate(m, src, options, constraints=constraints)
+    left = translate(m, src, options, constraints=constraints, gone=gone)
+    assert min(len(h.tokens) for h in stayed[1]) > 2  # it would have gone on
+    assert all(len(h.tokens) <= 2 for h in left[1])  # two tokens, then the EOS at the third step
+    for i in (0, 2):
+        assert [h.tokens for h in left[i]] == [h.tokens for h in stayed[i]]
+        assert [h.score for h in left[i]] == pytest.approx([h.score for h in stayed[i]], abs=1e-4)
