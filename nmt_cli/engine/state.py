@@ -1,5 +1,6 @@
 """What a training run is besides its tensors: its progress (saved with every checkpoint), the
-RNG streams an exact resume restores, the weights it may start from, and how it reports."""
+RNG streams an exact resume restores, the weights it may start from, where its results go and
+how it reports."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -29,6 +31,17 @@ class State:
     bad_evals: int = 0  # evaluations since the best one
     skipped: int = 0  # updates skipped for non-finite loss or gradients
     bad_in_a_row: int = 0
+
+
+class Outputs(Protocol):
+    """Where a run's results go: checkpoints, best models and figures (rundir.RunDir is one)."""
+
+    checkpoints: Path
+    best: Path
+
+    def add_metric(self, record: dict) -> None: ...
+
+    def truncate_metrics(self, step: int) -> None: ...
 
 
 class Reporter(Protocol):

@@ -9,14 +9,13 @@ moment and restarted ends with the same weights as one that never stopped (CPU, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -33,7 +32,7 @@ from nmt_cli.engine.device import (
 from nmt_cli.engine.ema import Average
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
-from nmt_cli.engine.state import Initial, Interrupted, Quiet, Reporter, State
+from nmt_cli.engine.state import Initial, Interrupted, Outputs, Quiet, Reporter, State
 from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.shards import Shard
@@ -58,17 +57,6 @@ class Data:
     corpora: tuple[dict, ...] = ()
 
 
-class Outputs(Protocol):
-    """Where a run's results go: checkpoints, best models and figures (rundir.RunDir is one)."""
-
-    checkpoints: Path
-    best: Path
-
-    def add_metric(self, record: dict) -> None: ...
-
-    def truncate_metrics(self, step: int) -> None: ...
-
-
 class Trainer:
     def __init__(
         self,
@@ -86,7 +74,6 @@ class Trainer:
         training.build_trainer hands a run directory's data and outputs to it."""
         self.config, self.out, self.reporter = config, out, reporter
         self.bleu_of, self.init = bleu_of, init
-        self.src_lang, self.tgt_lang = data.src, data.tgt
         if config.threads:
             torch.set_num_threads(config.threads)
         self.dist, self.device = distributed.setup(resolve_device(config.device))
@@ -110,6 +97,10 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, config)
         self.ema = Average(self.model, config.ema) if config.ema else None
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
+        self.parts = saving.Parts(self.model, self.optimizer, self.scaler, self.ema)
+        self.checkpoints = saving.Checkpoints(
+            out, config, self.model_config, (data.src, data.tgt), self.dist, self.device, reporter
+        )
         self.state = State()
         self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
         self.last: dict = {}  # the figures of the last read
@@ -135,10 +126,17 @@ class Trainer:
 
     # -- checkpoints (engine/saving.py)
     def save(self) -> None:
-        saving.save(self)
+        self.checkpoints.save(self.parts, dataclasses.replace(self.state, seconds=self.elapsed()))
+        self.saved_at = self.state.step
 
-    def resume(self) -> bool:
-        return saving.resume(self)
+    def resume(self) -> None:
+        """Go on from the newest checkpoint, else start from --init-from, if given."""
+        state = self.checkpoints.resume(self.parts)
+        if state is not None:
+            self.state, self.saved_at = state, state.step
+        elif self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
+            self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
+            saving.set_optimizer_options(self.optimizer, self.config)
 
     # -- metrics
     def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
@@ -271,7 +269,8 @@ class Trainer:
         else:
             self.state.bad_evals += 1
         if self.config.keep_best and self.dist.is_main:
-            saving.keep_if_best(self, score, metrics)
+            weights = self.ema.weights if self.ema is not None else self.model.state_dict()
+            self.checkpoints.keep_if_best(weights, self.state.step, score, metrics)
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
 
