@@ -1,6 +1,6 @@
 """The CTranslate2 backend of `nmt translate` (`--engine ctranslate2`, --int8, an export):
 CTranslate2's beam search answering as nmt's own does (translate.Backend). An nmt model is
-converted on the fly (export.save). Nothing here imports torch: a CTranslate2 export starts
+converted on the fly (ct2_spec.save). Nothing here imports torch: a CTranslate2 export starts
 without it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
+from nmt_cli.ct2_spec import pieces, require_ctranslate2, save
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty
 from nmt_cli.engine.hypothesis import limits as output_limits
 from nmt_cli.errors import NmtError, Stopped
-from nmt_cli.export import pieces, require_ctranslate2, save
 from nmt_cli.models import Model
 from nmt_cli.vocab import EOS
 

@@ -1,11 +1,6 @@
 """`nmt export`: a model written as one self-contained directory, in nmt's package format
-(models.py reads it) or as CTranslate2's model files with nmt's text settings beside them.
-
-CTranslate2: the weights go through `ctranslate2.specs.TransformerSpec` one for one: pre- or
-post-norm layers, the self-attention's Q/K/V as one fused projection, the encoder-decoder
-attention's K/V as one (as nmt computes them), embeddings scaled by sqrt(d_model), our sinusoid
-table, the tied output projection, LayerNorm eps 1e-6. The source gets its EOS from CTranslate2
-(add_source_eos) and the decoder starts from BOS, as nmt's own search does.
+(models.py reads it) or as CTranslate2's model files (ct2_spec.py converts them) with nmt's
+text settings beside them.
 """
 
 from __future__ import annotations
@@ -17,8 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-
+from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
 from nmt_cli.models import CT2, CT2_WEIGHTS, NMT, PROVENANCE, SETTINGS, SPM, VERSION, WEIGHTS, Model
@@ -84,83 +78,6 @@ def writing(model: Model, out: Path) -> Iterator[Path]:
 
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16")
-
-
-def require_ctranslate2():
-    try:
-        import ctranslate2
-    except ImportError:
-        raise NmtError(
-            "CTranslate2 is not installed: pip install 'nmt-cli[ct2]' (or pip install ctranslate2)"
-        ) from None
-    return ctranslate2
-
-
-def pieces(model: Model) -> list[str]:
-    """The vocabulary as CTranslate2 takes it: the sentencepiece pieces, in id order."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(model.spm))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-
-
-def save(model: Model, folder: Path, quantization: str = "float32") -> None:
-    """`model` as CTranslate2's model files in `folder`."""
-    spec = build_spec(model)
-    spec.validate()
-    spec.optimize(quantization=None if quantization == "float32" else quantization)
-    spec.save(str(folder))
-
-
-def build_spec(model: Model):
-    """A TransformerSpec holding `model`'s weights (float32), with its vocabulary."""
-    ct2 = require_ctranslate2()
-    from nmt_cli.engine.model import sinusoids
-
-    c, w = model.config, {k: v.float().numpy() for k, v in model.load_weights().items()}
-    spec = ct2.specs.TransformerSpec.from_config(
-        (c.num_encoder_layers, c.num_decoder_layers),
-        c.heads,
-        pre_norm=not c.post_norm,
-        alignment_heads=c.heads,  # its attention for --alignments: all heads, as nmt's engine takes
-    )
-    spec.config.layer_norm_epsilon = 1e-6
-    spec.config.add_source_eos = True
-    table = sinusoids(c.max_positions, c.d_model).numpy()
-
-    def norm(dst, name: str) -> None:
-        dst.gamma, dst.beta = w[f"{name}.weight"], w[f"{name}.bias"]
-
-    def linear(dst, *names: str) -> None:  # several names: fused along the output rows
-        dst.weight = np.concatenate([w[f"{n}.weight"] for n in names])
-        dst.bias = np.concatenate([w[f"{n}.bias"] for n in names])
-
-    for side, layers in (("encoder", spec.encoder), ("decoder", spec.decoder)):
-        embeddings = layers.embeddings[0] if side == "encoder" else layers.embeddings
-        embeddings.weight = w["embed.weight"]
-        layers.scale_embeddings = True
-        layers.position_encodings.encodings = table
-        if not c.post_norm:
-            norm(layers.layer_norm, f"{side}_norm")
-        for i, layer in enumerate(layers.layer):
-            p = f"{side}.{i}"
-            linear(layer.self_attention.linear[0], f"{p}.self_attn.q", f"{p}.self_attn.kv")
-            linear(layer.self_attention.linear[1], f"{p}.self_attn.out")
-            norm(layer.self_attention.layer_norm, f"{p}.res1.norm")
-            if side == "decoder":
-                linear(layer.attention.linear[0], f"{p}.cross_attn.q")
-                linear(layer.attention.linear[1], f"{p}.cross_attn.kv")
-                linear(layer.attention.linear[2], f"{p}.cross_attn.out")
-                norm(layer.attention.layer_norm, f"{p}.res2.norm")
-            linear(layer.ffn.linear_0, f"{p}.ffn.inner")
-            linear(layer.ffn.linear_1, f"{p}.ffn.outer")
-            norm(layer.ffn.layer_norm, f"{p}.res{3 if side == 'decoder' else 2}.norm")
-    spec.decoder.projection.weight = w["embed.weight"]
-    spec.decoder.projection.bias = np.zeros(c.vocab_size, dtype=np.float32)
-    vocabulary = pieces(model)
-    spec.register_source_vocabulary(vocabulary)
-    spec.register_target_vocabulary(vocabulary)
-    return spec
 
 
 def export_ct2(model: Model, out: Path, quantization: str = "float32") -> None:
