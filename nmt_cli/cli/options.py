@@ -55,24 +55,33 @@ EngineOption = Annotated[str, about(TranslateConfig, "engine")]
 ThreadsOption = Annotated[int, about(TranslateConfig, "threads")]
 
 
-def decoding_options(*leave_out: str, only: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
-    """The command takes every field of DecodeOptions (but `leave_out`; or `only` these) as an
-    option, with the field's type, default and help: a new decoding option reaches the CLI
-    without being declared again. config_of reads them back into the command's DecodeOptions."""
+def options_of(
+    config: type,
+    *leave_out: str,
+    only: tuple[str, ...] = (),
+    switches: tuple[str, ...] | None = None,
+    panel: str | None = None,
+    settings: dict[str, dict] | None = None,
+) -> Callable[[Callable], Callable]:
+    """The command takes every field of the dataclass `config` (but `leave_out`; or `only` these)
+    as an option, with the field's type, default and help: a new setting reaches the CLI without
+    being declared again, and the command's signature holds only what fills no config. A bool
+    field is a switch (--sample, not --sample/--no-sample) if named in `switches` (None: every
+    bool); `settings`: a field's further typer.Option settings (an environment variable). config_of
+    reads them back into the command's config."""
     import dataclasses
     import functools
     import inspect
     import typing
 
-    hints = typing.get_type_hints(DecodeOptions)
+    hints, settings = typing.get_type_hints(config), settings or {}
     fields = [
-        f
-        for f in dataclasses.fields(DecodeOptions)
-        if f.name not in leave_out and (not only or f.name in only)
+        f for f in dataclasses.fields(config) if f.name not in leave_out and (not only or f.name in only)
     ]
 
-    def flag(field: dataclasses.Field) -> tuple[str, ...]:  # a switch: --sample, not --sample/--no-sample
-        return (f"--{field.name.replace('_', '-')}",) if hints[field.name] is bool else ()
+    def flag(field: dataclasses.Field) -> tuple[str, ...]:
+        switch = hints[field.name] is bool and (switches is None or field.name in switches)
+        return (f"--{field.name.replace('_', '-')}",) if switch else ()
 
     def add(command: Callable) -> Callable:
         signature = inspect.signature(command, eval_str=True)
@@ -82,7 +91,10 @@ def decoding_options(*leave_out: str, only: tuple[str, ...] = ()) -> Callable[[C
                 inspect.Parameter.KEYWORD_ONLY,
                 default=f.default,
                 annotation=Annotated[
-                    hints[f.name], about(DecodeOptions, f.name, *flag(f), rich_help_panel="Decoding")
+                    hints[f.name],
+                    about(
+                        config, f.name, *flag(f), rich_help_panel=panel, **(settings or {}).get(f.name, {})
+                    ),
                 ],
             )
             for f in fields
@@ -98,6 +110,12 @@ def decoding_options(*leave_out: str, only: tuple[str, ...] = ()) -> Callable[[C
         return run
 
     return add
+
+
+def decoding_options(*leave_out: str, only: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Every field of DecodeOptions (but `leave_out`; or `only` these) as an option of the
+    command, in the "Decoding" panel of its --help."""
+    return options_of(DecodeOptions, *leave_out, only=only, panel="Decoding")
 
 
 def config_of(cls, ctx: typer.Context):

@@ -19,11 +19,11 @@ from nmt_cli.cli.options import (
     PrintConfigOption,
     RunDirOption,
     ThreadsOption,
-    about,
     app,
     config_of,
     decoding_options,
     done,
+    options_of,
     print_settings,
 )
 from nmt_cli.config import ServeConfig, TranslateConfig
@@ -32,6 +32,7 @@ from nmt_cli.errors import NmtError
 
 @app.command()
 @decoding_options()
+@options_of(TranslateConfig, only=("max_tokens", "batch_size"))
 def translate(
     ctx: typer.Context,
     run_dir: RunDirOption = Path("run"),
@@ -50,8 +51,6 @@ def translate(
             "this file of the same number; an empty line: none. nmt's engine, beam search.",
         ),
     ] = None,
-    max_tokens: Annotated[int, about(TranslateConfig, "max_tokens")] = 4096,
-    batch_size: Annotated[int, about(TranslateConfig, "batch_size")] = 32,
     device: DeviceOption = "auto",
     precision: PrecisionOption = "auto",
     int8: Int8Option = False,
@@ -193,6 +192,7 @@ def score(
 
 @app.command("score-pairs")
 @decoding_options(only=("alpha", "tag"))
+@options_of(TranslateConfig, only=("max_tokens", "batch_size"))
 def score_pairs(
     ctx: typer.Context,
     src: Annotated[Path, typer.Option(help="Source lines.")],
@@ -200,8 +200,6 @@ def score_pairs(
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
-    max_tokens: Annotated[int, about(TranslateConfig, "max_tokens")] = 4096,
-    batch_size: Annotated[int, about(TranslateConfig, "batch_size")] = 32,
     device: DeviceOption = "auto",
     precision: PrecisionOption = "auto",
     int8: Int8Option = False,
@@ -255,6 +253,15 @@ def export(
 
 
 @app.command()
+@options_of(
+    ServeConfig,
+    "max_chars",
+    "max_body",
+    "shutdown_timeout",
+    switches=(),
+    panel="Serving",
+    settings={"api_key": {"envvar": "NMT_API_KEY", "show_default": False}},
+)
 @decoding_options()
 def serve(
     ctx: typer.Context,
@@ -262,22 +269,6 @@ def serve(
         Path,
         typer.Option("--model", help="A directory from `nmt export`, a run directory or a checkpoint file."),
     ],
-    port: Annotated[int, about(ServeConfig, "port")] = 8080,
-    host: Annotated[str, about(ServeConfig, "host")] = "127.0.0.1",
-    max_wait_ms: Annotated[float, about(ServeConfig, "max_wait_ms")] = 5.0,
-    max_batch: Annotated[int, about(ServeConfig, "max_batch")] = 64,
-    batching: Annotated[bool, about(ServeConfig, "batching", "--batching/--no-batching")] = True,
-    max_queue: Annotated[int, about(ServeConfig, "max_queue")] = 1024,
-    max_sentences: Annotated[int, about(ServeConfig, "max_sentences")] = 256,
-    max_hypotheses: Annotated[int, about(ServeConfig, "max_hypotheses")] = 2048,
-    max_output_len: Annotated[int, about(ServeConfig, "max_output_len")] = 0,
-    request_timeout: Annotated[float, about(ServeConfig, "request_timeout")] = 60.0,
-    read_timeout: Annotated[float, about(ServeConfig, "read_timeout")] = 30.0,
-    header_timeout: Annotated[float, about(ServeConfig, "header_timeout")] = 10.0,
-    max_connections: Annotated[int, about(ServeConfig, "max_connections")] = 1000,
-    max_connections_per_client: Annotated[int, about(ServeConfig, "max_connections_per_client")] = 0,
-    write_timeout: Annotated[float, about(ServeConfig, "write_timeout")] = 30.0,
-    api_key: Annotated[str, about(ServeConfig, "api_key", envvar="NMT_API_KEY", show_default=False)] = "",
     engine: EngineOption = "auto",
     device: DeviceOption = "auto",
     threads: ThreadsOption = 0,

@@ -78,7 +78,7 @@ PRESETS: dict[str, dict] = {
 
 @dataclass(frozen=True)
 class TrainConfig:
-    size: str = knob("base", "Model preset: tiny, small (CPU), base, big.")
+    size: str = knob("base", f"Model preset: {', '.join(PRESETS)} (config/train.py's PRESETS).")
     # None: the preset's value
     num_encoder_layers: int | None = knob(None, "Override the preset.")
     num_decoder_layers: int | None = knob(None, "Override the preset.")
