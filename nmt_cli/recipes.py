@@ -150,6 +150,7 @@ def resolved(config: PrepConfig) -> PrepConfig:
     known = RECIPES.get(config.recipe)
     if known is None:
         raise NmtError(f"unknown recipe {config.recipe!r}: choose one of {', '.join(RECIPES)}")
+    config = dataclasses.replace(config, **_languages(config.src, config.tgt, known.languages))
     if known.languages and {config.src, config.tgt} != set(known.languages):
         a, b = known.languages
         names = "-".join(LANGUAGE_NAMES.get(x, x) for x in known.languages)
@@ -157,6 +158,20 @@ def resolved(config: PrepConfig) -> PrepConfig:
     if config.max_ratio is None:
         config = dataclasses.replace(config, max_ratio=known.max_ratio)
     return config
+
+
+def _languages(src: str | None, tgt: str | None, pair: tuple[str, str] | None) -> dict[str, str]:
+    """The languages not given: the recipe's pair in its order, or the other one of it when one
+    side is given (`--src de` of an en-de recipe is de-en); without a pair, en and de."""
+    if pair is None:
+        return {"src": src or "en", "tgt": tgt or "de"}
+    if src is None and tgt is None:
+        return {"src": pair[0], "tgt": pair[1]}
+    if src is None:
+        src = pair[0] if tgt == pair[1] else pair[1]
+    if tgt is None:
+        tgt = pair[1] if src == pair[0] else pair[0]
+    return {"src": src, "tgt": tgt}
 
 
 def recipe_for(config: PrepConfig) -> Recipe:

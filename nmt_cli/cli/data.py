@@ -22,8 +22,8 @@ def prep(
         RecipeName, typer.Argument(help=f"The corpus: {', '.join(RECIPES)} (custom: your own files).")
     ],
     run_dir: RunDirOption = Path("run"),
-    src: Annotated[str, about(PrepConfig, "src")] = "en",
-    tgt: Annotated[str, about(PrepConfig, "tgt")] = "de",
+    src: Annotated[Optional[str], about(PrepConfig, "src")] = None,
+    tgt: Annotated[Optional[str], about(PrepConfig, "tgt")] = None,
     mirror: Annotated[Optional[Path], about(PrepConfig, "mirror", envvar="NMT_MIRROR")] = None,
     max_words: Annotated[int, about(PrepConfig, "max_words")] = 250,
     max_ratio: Annotated[Optional[float], about(PrepConfig, "max_ratio", show_default=False)] = None,

@@ -12,8 +12,9 @@ from nmt_cli.errors import NmtError
 @dataclass(frozen=True)
 class PrepConfig:
     recipe: str  # one of recipes.RECIPES, which checks the rest against it (recipes.resolved)
-    src: str = knob("en", "Source language.")
-    tgt: str = knob("de", "Target language.")
+    # None: the recipe's own (the other one of its pair, if one side is given); custom: en, de
+    src: str | None = knob(None, "Source language (default: the recipe's; custom: en).")
+    tgt: str | None = knob(None, "Target language (default: the recipe's; custom: de).")
     mirror: str | None = knob(
         None,
         "Take the recipe's files from this local folder instead of the network (same names, same checksums).",
@@ -46,7 +47,7 @@ class PrepConfig:
         for name in ("train_src", "train_tgt", "tags", "weights"):  # a list from JSON, one path before
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
-        if self.src == self.tgt:
+        if self.src == self.tgt and self.src is not None:
             raise NmtError(f"--src and --tgt are both {self.src!r}: give two languages")
         if self.max_words < 1 or (self.max_ratio is not None and self.max_ratio < 1):
             raise NmtError("--max-words must be at least 1 and --max-ratio at least 1.0")

@@ -24,6 +24,13 @@ def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
     from nmt_cli.recipes import RECIPES, resolved
 
     assert resolved(PrepConfig("multi30k-en-de")).max_ratio == 9.0
+    # languages not given are the recipe's: its pair, or the other side of it
+    assert (resolved(PrepConfig("wmt14-en-de")).src, resolved(PrepConfig("wmt14-en-de")).tgt) == ("en", "de")
+    flipped = resolved(PrepConfig("wmt14-en-de", src="de"))
+    assert (flipped.src, flipped.tgt) == ("de", "en")
+    assert resolved(PrepConfig("wmt14-en-de", tgt="en")).src == "de"
+    own = resolved(PrepConfig("custom", src="fr", train_src=("a",), train_tgt=("b",)))
+    assert (own.src, own.tgt) == ("fr", "de")
     assert resolved(PrepConfig("wmt14-en-de", src="de", tgt="en")).max_ratio == 1.5
     assert resolved(PrepConfig("multi30k-en-de", max_ratio=2.0)).max_ratio == 2.0  # the user's stays
     with pytest.raises(NmtError, match="is English-German: use --src en --tgt de"):
