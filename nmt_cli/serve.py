@@ -280,7 +280,7 @@ def _guard(web, config: ServeConfig):
     loopback Host: a page in the operator's browser may reach 127.0.0.1 under a name of its own
     (DNS rebinding). A POST's Content-Type application/json: a browser sends another type from any
     page without asking the server first (a CORS "simple request"), never this one. With
-    --api-key, the key on /translate."""
+    --api-key, the key on every route but /health."""
     import hmac
 
     expected = f"Bearer {config.api_key}".encode()
@@ -292,7 +292,8 @@ def _guard(web, config: ServeConfig):
             return error(web, 403, "the Host header does not name this server's loopback address")
         if request.method == "POST" and request.content_type != "application/json":
             return error(web, 415, "send the request with Content-Type: application/json")
-        if config.api_key and request.path == "/translate":
+        # every route but /health: a decoding route added later is guarded without a word
+        if config.api_key and request.path != "/health":
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return error(web, 401, "a valid API key is required", **{"WWW-Authenticate": "Bearer"})

@@ -240,6 +240,9 @@ def test_an_api_key_guards_translate_but_not_health(package):
         assert server.post({"text": ["A dog runs."]}, Authorization="Bearer wrong")[0] == 401
         assert server.post({"text": ["A dog runs."]}, Authorization="Bearer s3cret")[0] == 200
         assert server.get("/health")[0] == 200
+        # any other route too: a decoding route added later is guarded without a word
+        assert server.post({"text": ["A dog runs."]}, path="/score")[0] == 401
+        assert server.post({"text": ["A dog runs."]}, path="/score", Authorization="Bearer s3cret")[0] == 404
     finally:
         assert server.stop() == 0
     assert b"s3cret" not in server.proc.stderr.read()

@@ -196,7 +196,7 @@ class ServeConfig:
     )
     api_key: str = knob(
         "",
-        "Require `Authorization: Bearer KEY` on /translate (better from the environment, "
+        "Require `Authorization: Bearer KEY` on every route but /health (better from the environment, "
         "NMT_API_KEY, than from a command line others can read).",
     )
     write_timeout: float = knob(
