@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from nmt_cli.config import DecodeOptions
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -19,7 +21,8 @@ class Source:
     stream: int = 0  # its random stream under --sample (stream_of: --seed and its line number)
     prefix: list[int] = field(default_factory=list)  # the ids its translation begins with
     constraints: list[list[int]] = field(default_factory=list)  # phrases (ids) it must contain
-    alpha: float = 0.6  # its length penalty's: sentences of one batch may rank differently
+    # its length penalty's: sentences of one batch may rank differently
+    alpha: float = DecodeOptions.alpha
 
 
 @dataclass
