@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli.cli.options import RunDirOption, about, app, done
+from nmt_cli.cli.options import RunDirOption, about, app, config_of, done, options_of
 from nmt_cli.config import BpeConfig, PrepConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.recipes import RECIPES, resolved
@@ -77,27 +77,13 @@ def prep(
 
 
 @app.command()
-def bpe(
-    run_dir: RunDirOption = Path("run"),
-    vocab_size: Annotated[int, about(BpeConfig, "vocab_size")] = 0,
-    sample_lines: Annotated[int, about(BpeConfig, "sample_lines")] = 500_000,
-    seed: Annotated[int, about(BpeConfig, "seed")] = 1,
-    threads: Annotated[int, about(BpeConfig, "threads")] = BpeConfig.threads,
-    from_model: Annotated[Optional[Path], about(BpeConfig, "from_model", "--from")] = None,
-    lowercase: Annotated[bool, about(BpeConfig, "lowercase", "--lowercase")] = False,
-) -> None:
+@options_of(BpeConfig, switches=("lowercase",), flags={"from_model": "--from"})
+def bpe(ctx: typer.Context, run_dir: RunDirOption = Path("run")) -> None:
     """Learn a joint sentencepiece BPE model and binarize every split."""
     from nmt_cli import bpe as bpe_mod
     from nmt_cli.rundir import RunDir
 
-    config = BpeConfig(
-        vocab_size=vocab_size,
-        sample_lines=sample_lines,
-        seed=seed,
-        threads=threads,
-        from_model=str(from_model) if from_model else None,
-        lowercase=lowercase,
-    )
+    config = config_of(BpeConfig, ctx)
     run = RunDir(run_dir)
     if not run.root.is_dir():
         raise NmtError(f"run directory {run.root} not found: run `nmt prep` first (or pass --run-dir)")

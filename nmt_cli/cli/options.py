@@ -62,13 +62,15 @@ def options_of(
     switches: tuple[str, ...] | None = None,
     panel: str | None = None,
     settings: dict[str, dict] | None = None,
+    flags: dict[str, str] | None = None,
 ) -> Callable[[Callable], Callable]:
     """The command takes every field of the dataclass `config` (but `leave_out`; or `only` these)
     as an option, with the field's type, default and help: a new setting reaches the CLI without
     being declared again, and the command's signature holds only what fills no config. A bool
     field is a switch (--sample, not --sample/--no-sample) if named in `switches` (None: every
-    bool); `settings`: a field's further typer.Option settings (an environment variable). config_of
-    reads them back into the command's config."""
+    bool); `settings`: a field's further typer.Option settings (an environment variable); `flags`:
+    a field's option under another name (from_model: --from). config_of reads them back into the
+    command's config."""
     import dataclasses
     import functools
     import inspect
@@ -80,6 +82,8 @@ def options_of(
     ]
 
     def flag(field: dataclasses.Field) -> tuple[str, ...]:
+        if flags and field.name in flags:
+            return (flags[field.name],)
         switch = hints[field.name] is bool and (switches is None or field.name in switches)
         return (f"--{field.name.replace('_', '-')}",) if switch else ()
 
