@@ -240,13 +240,12 @@ def padding_share() -> float | None:
     run = ROOT / "benchmarks" / "out" / "multi30k"
     if not (run / "data" / "train.en.idx").exists():
         return None
-    from nmt_cli.engine.data import make_batches
+    from nmt_cli.engine.data import Split
     from nmt_cli.engine.data import padding_share as share
     from nmt_cli.shards import Shard
 
-    s = Shard(run / "data" / "train.en").lengths + 1
-    t = Shard(run / "data" / "train.de").lengths + 1
-    return share(make_batches(s, t, 4096, 1, 0), s, t)
+    split = Split.of(Shard(run / "data" / "train.en"), Shard(run / "data" / "train.de"), 256)
+    return share(split.batches(4096, 1, 0), split.src_lengths, split.tgt_lengths)
 
 
 def main() -> None:

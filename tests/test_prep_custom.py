@@ -274,7 +274,8 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
     assert set(counts[na:]) == {2, 3} and (counts[na:] == 3).sum() == round(0.5 * nb)
     assert not np.array_equal(np.sort(e0), np.sort(e1))  # another half each epoch
     assert np.array_equal(e0, split.chosen(seed=1, epoch=0))
-    assert sorted(np.concatenate(split.batches(1024, 1, 0)).tolist()) == sorted(e0.tolist())
+    batched = np.concatenate([b.sentences for b in split.batches(1024, 1, 0)])
+    assert sorted(batched.tolist()) == sorted(e0.tolist())
     steps = ["--size", "tiny", "--d-model", "16", "--ffn", "32", "--heads", "2", "--max-steps", "3"]
     assert nmt("train", "--run-dir", run.root, *steps, "--max-tokens", "256", "--eval-every", "3").code == 0
 

@@ -20,21 +20,75 @@ from conftest import (
 from nmt_cli import training
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state, step, trainer
-from nmt_cli.engine.data import make_batches, padding_share
+from nmt_cli.engine.data import Epochs, Planned, Split, grid_length, make_batches, padding_share
+from nmt_cli.engine.distributed import Group
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
 
 
 def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
     run = RunDir(multi30k_bpe)
-    s, t = Shard(run.tokens("train", "en")).lengths + 1, Shard(run.tokens("train", "de")).lengths + 1
-    a = make_batches(s, t, 4096, seed=1, epoch=0)
-    b = make_batches(s, t, 4096, seed=1, epoch=1)
-    assert np.array_equal(np.sort(np.concatenate(a)), np.arange(len(s)))
-    assert all(len(x) * max(s[x].max(), t[x].max()) <= 4096 for x in a)
-    assert not all(np.array_equal(x, y) for x, y in zip(a, b))  # reshuffled each epoch
-    assert all(np.array_equal(x, y) for x, y in zip(a, make_batches(s, t, 4096, 1, 0)))
-    assert padding_share(a, s, t) <= 0.05
+    split = Split.of(Shard(run.tokens("train", "en")), Shard(run.tokens("train", "de")), 256)
+    s, t = split.src_lengths, split.tgt_lengths
+    a, b = split.batches(4096, seed=1, epoch=0), split.batches(4096, seed=1, epoch=1)
+    assert np.array_equal(np.sort(np.concatenate([x.sentences for x in a])), split.keep)
+    for x in a:
+        assert x.shape == (len(x.sentences), *(grid_length(int(y[x.sentences].max())) for y in (s, t)))
+    assert all(x.shape[0] * max(x.shape[1:]) <= 4096 for x in a)
+    assert not all(np.array_equal(x.sentences, y.sentences) for x, y in zip(a, b))  # reshuffled each epoch
+    assert [x.shape for x in a] == [x.shape for x in split.batches(4096, 1, 0)]
+    # Lengths on the grid: far fewer shapes over a few epochs than batches as long as their
+    # longest sentence, for a little more padding.
+    as_long = [make_batches(s, t, 4096, 1, e) for e in range(4)]
+    exact = [[Planned(g, (len(g), s[g].max(), t[g].max())) for g in epoch] for epoch in as_long]
+    grid = [split.batches(4096, 1, e) for e in range(4)]
+    assert len({x.shape for x in sum(grid, [])}) < 0.75 * len({x.shape for x in sum(exact, [])})
+    as_before = padding_share(exact[0], s, t)
+    assert as_before < padding_share(a, s, t) <= as_before + 0.02
+
+
+@pytest.mark.parametrize("world, update_freq", [(2, 1), (4, 1), (2, 3)])
+def test_the_batches_of_an_update_have_one_shape_and_every_sentence_is_trained_on(
+    multi30k_bpe, world, update_freq
+):
+    run = RunDir(multi30k_bpe)
+    split = Split.of(Shard(run.tokens("train", "en")), Shard(run.tokens("train", "de")), 256)
+    ranks = [Epochs(split, 2048, update_freq, 3, Group(rank, world)).batches(0) for rank in range(world)]
+    assert len({len(r) for r in ranks}) == 1 and len(ranks[0]) % update_freq == 0
+    for i in range(0, len(ranks[0]), update_freq):
+        update = [x for r in ranks for x in r[i : i + update_freq]]
+        assert len({x.shape for x in update}) == 1
+        assert all(len(x.sentences) <= x.shape[0] and x.shape[0] * max(x.shape[1:]) <= 2048 for x in update)
+    trained = np.concatenate([x.sentences for r in ranks for x in r])
+    assert np.array_equal(np.sort(trained), split.keep)
+    # N ranks train on the batches one process accumulates with --update-freq N.
+    alone = Epochs(split, 2048, world * update_freq, 3, Group(0, 1)).batches(0)
+    assert all(
+        np.array_equal(x.sentences, alone[i * world + r].sentences)
+        for r in range(world)
+        for i, x in enumerate(ranks[r])
+    )
+
+
+def test_filler_rows_and_columns_change_no_loss_and_no_gradient(run_copy):
+    from nmt_cli.engine.data import collate, to_device
+
+    t = tiny_trainer(run_copy)
+    t.model.eval()  # no dropout: the same function of the sentences
+    split, planned = t.epochs.fixed, t.epochs.batches(0)[0]
+    rows, s, tl = planned.shape
+    figures = []
+    for shape in (planned.shape, (rows + 3, s + 5, tl + 4)):
+        batch = to_device(collate(split.src, split.tgt, Planned(planned.sentences, shape)), t.device)
+        t.model.zero_grad()
+        loss, nll = step.batch_loss(t.model, t.model, batch, 0.1, t.autocast)
+        loss.backward()
+        grads = [p.grad.clone() for p in t.model.parameters()]
+        figures.append((batch.tokens, loss.item(), nll.item(), grads))
+    (tokens, loss, nll, grads), (tokens2, loss2, nll2, grads2) = figures
+    assert tokens == tokens2 and loss == pytest.approx(loss2, rel=1e-5)
+    assert nll == pytest.approx(nll2, rel=1e-5)
+    assert all(torch.allclose(g, h, rtol=1e-4, atol=1e-6) for g, h in zip(grads, grads2))
 
 
 def test_training_learns_and_logs(run_copy, nmt):

@@ -3,6 +3,12 @@ lengths; padded source arrays for decoding too), and each batch as tensors on th
 
 Everything the loss needs to know about a batch's shape (which target positions are real, how
 many) is worked out here on the host, so that training never asks the GPU for it.
+
+Training batches are padded to lengths on a grid, and the batches of one update have one shape
+on every rank: kernels that choose a plan per shape (cuDNN's, oneDNN's, a compiled graph's) meet
+a bounded set of shapes in a run instead of a new one every few batches, and no rank waits for
+another's longer batch. An update is one batch of similar lengths shared out in equal parts, one
+per rank and accumulated batch, so N ranks train on what one process does with --update-freq N.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nmt_cli.config import TrainConfig
 from nmt_cli.engine.distributed import Group
 from nmt_cli.shards import Shard
 from nmt_cli.vocab import BOS, EOS, PAD
@@ -61,25 +66,35 @@ class Split:
             parts.append(np.sort(rng.choice(mine, size=round(part * len(mine)), replace=False)))
         return np.concatenate(parts)
 
-    def batches(self, max_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
-        """Sentence indices of every batch of the epoch, in its shuffled order."""
+    def batches(self, max_tokens: int, seed: int, epoch: int, parts: int = 1) -> list[Planned]:
+        """Every batch of the epoch, in its shuffled order, padded to grid lengths, in runs of
+        `parts` batches of one shape: the sentences of one batch of similar lengths, `parts`
+        times as large, shared out (an update's batches, over its ranks and accumulations)."""
         chosen = self.chosen(seed, epoch)
-        groups = make_batches(self.src_lengths[chosen], self.tgt_lengths[chosen], max_tokens, seed, epoch)
-        return [chosen[g] for g in groups]
+        src, tgt = (on_grid(lengths[chosen], self.limit) for lengths in (self.src_lengths, self.tgt_lengths))
+        planned = []
+        for update in make_batches(src, tgt, max_tokens, seed, epoch, parts):
+            shape = (-(-len(update) // parts), int(src[update].max()), int(tgt[update].max()))
+            planned += [Planned(chosen[part], shape) for part in np.array_split(update, parts)]
+        return planned
 
 
 class Epochs:
     """The training data, epoch by epoch: the pairs of an epoch (always `fixed`, or with
-    BPE-dropout their encoding for that epoch, from `resample(epoch)`) and this rank's batches."""
+    BPE-dropout their encoding for that epoch, from `resample(epoch)`) and this rank's batches
+    of at most `max_tokens` tokens, `update_freq` of them an update, shuffled from `seed`."""
 
     def __init__(
         self,
         fixed: Split,
-        config: TrainConfig,
+        max_tokens: int,
+        update_freq: int,
+        seed: int,
         group: Group,
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
     ):
-        self.fixed, self.config, self.group, self.resample = fixed, config, group, resample
+        self.fixed, self.max_tokens, self.update_freq, self.seed = fixed, max_tokens, update_freq, seed
+        self.group, self.resample = group, resample
         self._last: tuple[int, Split] | None = None  # an epoch is encoded once
 
     def data(self, epoch: int) -> Split:
@@ -89,19 +104,12 @@ class Epochs:
             self._last = (epoch, self.fixed.reencoded(*self.resample(epoch)))
         return self._last[1]
 
-    def batches(self, epoch: int) -> list[np.ndarray]:
-        """This rank's batches of `epoch`."""
-        c = self.config
-        return training_share(
-            self.data(epoch).batches(c.max_tokens, c.seed, epoch), self.group.rank, self.group.world
-        )
-
-
-def training_share(batches: list[np.ndarray], rank: int, world: int) -> list[np.ndarray]:
-    """This rank's batches: every world-th one, the same number on every rank (so that every
-    update has a batch from each rank; the few left over are dropped)."""
-    usable = len(batches) // world * world
-    return batches[rank:usable:world]
+    def batches(self, epoch: int) -> list[Planned]:
+        """This rank's batches of `epoch`, each run of `update_freq` an update: every
+        world-th one, as many on every rank, the ranks' batches of one update of one shape."""
+        world = self.group.world
+        planned = self.data(epoch).batches(self.max_tokens, self.seed, epoch, world * self.update_freq)
+        return planned[self.group.rank :: world]
 
 
 @dataclass
@@ -126,25 +134,46 @@ def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.d
     return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
 
 
-def on_device(
-    split: Split, groups: Iterable[list[np.ndarray]], device: torch.device
-) -> Iterator[list[Batch]]:
+def on_device(split: Split, groups: Iterable[list[Planned]], device: torch.device) -> Iterator[list[Batch]]:
     """Each group of batches (the batches of one update) collated and copied to `device`.
 
     Lazily: the next group is collated while the device still runs the updates queued before
     it, which is all the prefetching a training loop without host syncs needs."""
     for group in groups:
-        yield [to_device(collate(split.src, split.tgt, indices), device) for indices in group]
+        yield [to_device(collate(split.src, split.tgt, planned), device) for planned in group]
 
 
 # -- batching: training batches of similar lengths, and padded arrays ---------------------------
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A training batch: its sentences, and the (rows, source length, target length) it is
+    padded to. Rows past its sentences are filler that no target token comes from."""
+
+    sentences: np.ndarray
+    shape: tuple[int, int, int]
+
+
+def grid_length(n: int) -> int:
+    """`n` tokens rounded up to the length grid: steps of 2 up to 64 tokens, then sixteen
+    steps per doubling (68, 72, ..., 128, 136, ...): past 32 tokens, at most a sixteenth longer."""
+    step = max(2, 1 << max(0, (n - 1).bit_length() - 5))
+    return -(-n // step) * step
+
+
+def on_grid(lengths: np.ndarray, limit: int) -> np.ndarray:
+    """Each length on the grid, but never past `limit` (the model's positions)."""
+    grid = np.array([grid_length(n) for n in range(int(lengths.max(initial=0)) + 1)], dtype=np.int64)
+    return np.minimum(grid[lengths], limit)
+
+
 def make_batches(
-    src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int, seed: int, epoch: int
+    src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int, seed: int, epoch: int, parts: int = 1
 ) -> list[np.ndarray]:
     """Sentence indices grouped into batches of similar lengths, at most `max_tokens` padded
-    tokens on either side, in an order shuffled from (seed, epoch).
+    tokens on either side in each of `parts` equal shares, in an order shuffled from
+    (seed, epoch).
 
     Lengths include the EOS (or BOS) each side gets. Sorting by the longer side, then source,
     then target length (ties broken at random) keeps padding small on both sides, smaller than
@@ -158,7 +187,7 @@ def make_batches(
     src_l, tgt_l = src_lengths[order], tgt_lengths[order]
     for i in range(n):
         longest_i = max(longest, int(src_l[i]), int(tgt_l[i]))
-        if i > start and longest_i * (i - start + 1) > max_tokens:
+        if i > start and longest_i * -(-(i - start + 1) // parts) > max_tokens:
             batches.append(order[start:i])
             start, longest_i = i, max(int(src_l[i]), int(tgt_l[i]))
         longest = longest_i
@@ -168,39 +197,46 @@ def make_batches(
     return batches
 
 
-def padding_share(batches: list[np.ndarray], src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> float:
+def padding_share(batches: list[Planned], src_lengths: np.ndarray, tgt_lengths: np.ndarray) -> float:
     """The share of batch positions (both sides) that are padding."""
     real = padded = 0
     for b in batches:
-        s, t = src_lengths[b], tgt_lengths[b]
-        real += int(s.sum() + t.sum())
-        padded += len(b) * int(s.max() + t.max())
+        real += int(src_lengths[b.sentences].sum() + tgt_lengths[b.sentences].sum())
+        rows, s, t = b.shape
+        padded += rows * (s + t)
     return 1 - real / padded if padded else 0.0
 
 
-def pad_sources(sentences: Sequence[Sequence[int]]) -> np.ndarray:
-    """(B, S): each sentence's ids and its EOS, then PAD."""
-    source = np.full((len(sentences), max(len(x) for x in sentences) + 1), PAD, dtype=np.int64)
+def pad_sources(sentences: Sequence[Sequence[int]], rows: int = 0, length: int = 0) -> np.ndarray:
+    """(B, S): each sentence's ids and its EOS, then PAD; at least `rows` x `length`, the rows
+    past the sentences an EOS alone (a row of PAD alone would leave attention nothing to see)."""
+    shape = (max(rows, len(sentences)), max(length, max((len(x) for x in sentences), default=0) + 1))
+    source = np.full(shape, PAD, dtype=np.int64)
+    source[len(sentences) :, 0] = EOS
     for row, x in enumerate(sentences):
         source[row, : len(x)] = x
         source[row, len(x)] = EOS
     return source
 
 
-def pad_targets(ys: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """(B, T) decoder input BOS + ids, and (B, T) output ids + EOS, PAD after them."""
-    t_len = max(len(y) for y in ys) + 1
-    tgt_in = np.full((len(ys), t_len), PAD, dtype=np.int64)
-    tgt_out = np.full((len(ys), t_len), PAD, dtype=np.int64)
+def pad_targets(ys: Sequence[Sequence[int]], rows: int = 0, length: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(B, T) decoder input BOS + ids, and (B, T) output ids + EOS, PAD after them; at least
+    `rows` x `length`, the rows past the sentences a BOS in and nothing to predict."""
+    shape = (max(rows, len(ys)), max(length, max((len(y) for y in ys), default=0) + 1))
+    tgt_in = np.full(shape, PAD, dtype=np.int64)
+    tgt_out = np.full(shape, PAD, dtype=np.int64)
+    tgt_in[:, 0] = BOS
     for row, y in enumerate(ys):
-        tgt_in[row, 0] = BOS
         tgt_in[row, 1 : len(y) + 1] = y
         tgt_out[row, : len(y)] = y
         tgt_out[row, len(y)] = EOS
     return tgt_in, tgt_out
 
 
-def collate(src: Shard, tgt: Shard, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS."""
-    tgt_in, tgt_out = pad_targets([tgt[int(i)] for i in indices])
-    return pad_sources([src[int(i)] for i in indices]), tgt_in, tgt_out
+def collate(src: Shard, tgt: Shard, planned: Planned) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Padded (B, S) source ids + EOS, (B, T) decoder input BOS + ids, (B, T) output ids + EOS,
+    of the planned shape."""
+    rows, s, t = planned.shape
+    indices = planned.sentences
+    tgt_in, tgt_out = pad_targets([tgt[int(i)] for i in indices], rows, t)
+    return pad_sources([src[int(i)] for i in indices], rows, s), tgt_in, tgt_out

@@ -92,7 +92,9 @@ class Group:
         torch's own advice: compiling the DDP module lets it split the graph at gradient
         buckets, so their all-reduce still overlaps the backward pass. Sizes are dynamic from the
         start: batches change shape at every step, and compiling for the first batch's shape
-        only to compile again once sizes vary costs a second compile of the whole model."""
+        only to compile again once sizes vary costs a second compile of the whole model. Each
+        size its own symbol: lengths on a grid are often equal on both sides, and a graph that
+        took them for one size would be compiled again at the first batch where they differ."""
         if self.active:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -103,7 +105,12 @@ class Group:
             options = inspect.signature(DistributedDataParallel).parameters
             no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers"
             model = DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
-        return torch.compile(model, dynamic=True) if compile else model
+        if not compile:
+            return model
+        from torch.fx.experimental import _config as shapes_config
+
+        shapes_config.use_duck_shape = False
+        return torch.compile(model, dynamic=True)
 
     def no_sync(self, model: torch.nn.Module):
         """Skip the gradient all-reduce (micro-batches before the last of an update)."""

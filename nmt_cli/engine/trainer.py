@@ -111,18 +111,14 @@ class Trainer:
         """The training epochs and the validation split, pairs over the length limit left out."""
         config, reporter = self.config, self.reporter
         limit = min(self.model_config.max_positions, config.max_tokens)
-        self.epochs = Epochs(Split.of(*data.train, limit, list(data.corpora)), config, self.dist, resample)
+        train = Split.of(*data.train, limit, list(data.corpora))
+        self.epochs = Epochs(train, config.max_tokens, config.update_freq, config.seed, self.dist, resample)
         self.valid_data = Split.of(*data.valid, limit) if data.valid is not None else None
         if len(self.epochs.fixed.keep) == 0:
             raise NmtError(f"no training pair fits --max-tokens {config.max_tokens}: raise it")
         dropped = len(self.epochs.fixed.src) - len(self.epochs.fixed.keep)
         if dropped:
             reporter.say(f"{dropped} training pairs are longer than {limit} tokens and are left out")
-        if not self.epochs.batches(0):
-            raise NmtError(
-                f"too little training data for one batch per rank ({self.dist.world} "
-                "ranks): use fewer processes or a smaller --max-tokens"
-            )
 
     # -- checkpoints (engine/saving.py)
     def save(self) -> None:
