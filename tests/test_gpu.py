@@ -89,6 +89,32 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
         assert all(math.isfinite(r[0]) and r[2] > 0 for r in rows)
 
 
+def test_the_loop_reads_its_figures_a_window_late_and_logs_every_window(run_copy, tmp_path):
+    """On a GPU the figures come a window late (engine/figures.py): every window logged once,
+    at its own step, with the figures reading at once gives (up to the GPU's rounding)."""
+    from nmt_cli.config import TrainConfig
+
+    def train(run, late: bool) -> list[dict]:
+        config = TrainConfig(
+            size="tiny", max_tokens=1024, device="cuda", precision="fp32", max_steps=45, eval_every=30,
+            save_every=1000, dropout=0.0, attention_dropout=0.0, relu_dropout=0.0,
+        )  # fmt: skip
+        t = training.build_trainer(config, RunDir(run), state.Quiet())
+        assert t.figures.late
+        t.figures.late = late
+        t.train()
+        return [r for r in _metrics(run) if r["kind"] in ("train", "valid")]
+
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    late, at_once = train(run_copy, True), train(other, False)
+    assert [(r["kind"], r["step"]) for r in late] == [(r["kind"], r["step"]) for r in at_once]
+    assert [r["step"] for r in late if r["kind"] == "train"] == [1, 10, 20, 30, 40, 45]
+    for a, b in zip(late, at_once):
+        key = "loss" if a["kind"] == "train" else "valid_nll"
+        assert a[key] == pytest.approx(b[key], rel=1e-3)
+
+
 def test_bf16_attention_takes_the_memory_efficient_kernel():
     """Training and decoding in bf16 attend with the kernel nmt chose (engine/device.py), not
     cuDNN's (a plan built per shape) or flash (slower for this model's heads)."""

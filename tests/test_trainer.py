@@ -287,6 +287,25 @@ def test_training_reads_its_figures_once_per_log_interval(run_copy):
     assert reads["n"] <= 40 // trainer.LOG_EVERY + 4, reads
 
 
+def test_figures_read_a_window_late_log_what_reading_at_once_logs(run_copy, tmp_path):
+    """The GPU's late reads (engine/figures.py), forced on the CPU: the same records, each at
+    its own step; only the timings differ."""
+    import shutil
+
+    def train(run, late: bool) -> list[dict]:
+        t = tiny_trainer(run, max_steps=45, eval_every=30, save_every=1000, lr_scale=4.0, clip_norm=1.0)
+        t.figures.late = late
+        t.train()
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in ("minutes", "tokens_per_s")} for r in rows]
+
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    at_once, late = train(run_copy, False), train(other, True)
+    assert [r["step"] for r in at_once if r["kind"] == "train"] == [1, 10, 20, 30, 40, 45]
+    assert late == at_once
+
+
 def test_a_skipped_update_changes_nothing(run_copy):
     from nmt_cli.engine.data import on_device
 

@@ -30,6 +30,7 @@ from nmt_cli.engine.device import (
     widen_onednn_cache,
 )
 from nmt_cli.engine.ema import Average
+from nmt_cli.engine.figures import Figures, Window
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Outputs, Quiet, Reporter, State
@@ -37,9 +38,8 @@ from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.shards import Shard
 
-# Updates between two reads of the training figures. A read waits for the device to finish
-# what was queued, so the host reads only this often (and at validations and checkpoints);
-# signals and the time budget are looked at then too.
+# Updates in a window of training figures (engine/figures.py): the host reads them only this
+# often (and at validations and checkpoints); signals and the time budget are looked at then too.
 LOG_EVERY = 10
 
 
@@ -102,7 +102,7 @@ class Trainer:
             out, config, self.model_config, (data.src, data.tgt), self.dist, self.device, reporter
         )
         self.state = State()
-        self.pending: list[torch.Tensor] = []  # train_step's figures not read yet
+        self.figures = Figures(late=self.device.type == "cuda")  # train_step's, not read yet
         self.last: dict = {}  # the figures of the last read
         self.saved_at = -1
         self._signal: int | None = None
@@ -135,13 +135,13 @@ class Trainer:
             saving.set_optimizer_options(self.optimizer, self.config)
 
     # -- metrics
-    def log(self, kind: str, metrics: dict, step: int | None = None) -> None:
+    def log(self, kind: str, metrics: dict, step: int | None = None, epoch: int | None = None) -> None:
         if not self.dist.is_main:
             return
         record = {
             "kind": kind,
             "step": self.state.step if step is None else step,
-            "epoch": self.state.epoch + 1,
+            "epoch": (self.state.epoch if epoch is None else epoch) + 1,
             "minutes": round(self.elapsed() / 60, 4),
             **metrics,
         }
@@ -151,14 +151,18 @@ class Trainer:
     def elapsed(self) -> float:
         return self.state.seconds + time.monotonic() - self._started
 
-    def read_figures(self) -> None:
-        """Read the figures of the updates since the last read (this waits for the device),
-        count the skipped ones, and log the rest as one "train" record."""
-        if not self.pending:
-            return
-        rows = torch.stack(self.pending).tolist()
-        self.pending = []
-        first = self.state.step - len(rows) + 1
+    def read_figures(self, wait: bool = True) -> None:
+        """Close the window of the updates since the last read and read the windows ready (all
+        of them when `wait`: that waits for the device); count the skipped updates, and log the
+        rest of each window as one "train" record."""
+        now = time.monotonic()
+        self.figures.close(self.state.step, self.state.epoch, now - self._window_start)
+        self._window_start = now
+        for window, rows in self.figures.ready(wait):
+            self._read_window(window, rows)
+
+    def _read_window(self, window: Window, rows: list[list[float]]) -> None:
+        first = window.last_step - len(rows) + 1
         loss = nll = tokens = 0.0
         updates = 0
         for i, row in enumerate(rows):
@@ -170,7 +174,6 @@ class Trainer:
             loss, nll = loss + figures["loss_sum"], nll + figures["nll_sum"]
             tokens += figures["tokens"]
             updates += 1
-        seconds = time.monotonic() - self._window_start
         if not updates:
             return
         c = self.config
@@ -178,13 +181,12 @@ class Trainer:
             "loss": loss / tokens,
             "nll": nll / tokens,
             "ppl": math.exp(min(nll / tokens, 50.0)),
-            "lr": self.rate(self.state.step),
+            "lr": self.rate(window.last_step),
             "grad_norm": figures["grad_norm"] if not figures["skipped"] else None,
             "tokens": round(tokens / updates),
-            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "tokens_per_s": tokens / window.seconds if window.seconds > 0 else 0.0,
         }
-        self._window_start = time.monotonic()
-        self.log("train", self.last)
+        self.log("train", self.last, window.last_step, window.epoch)
         self.reporter.progress(self.state, c.max_steps or None, self.last)
 
     def skipped(self, step: int) -> None:
@@ -216,7 +218,7 @@ class Trainer:
     def step(self, batches: list[Batch]) -> None:
         """Queue one update; its figures are read later (read_figures)."""
         lr = self.rate(self.state.step + 1)
-        self.pending.append(
+        self.figures.add(
             train_step(
                 self.model,
                 self.forward,
@@ -310,7 +312,8 @@ class Trainer:
         limit = self.limit_reached()
         if not (evaluate or save or limit or s.step % LOG_EVERY == 0 or s.step == 1):
             return None
-        self.read_figures()
+        # Between validations and checkpoints, the figures may come a window late.
+        self.read_figures(wait=bool(evaluate or save or limit))
         if evaluate:
             self.evaluate()
         if save:
