@@ -76,6 +76,15 @@ class Model:
         return {"normalize": "moses-punct+printable+spaces", "lang": self.src}
 
 
+def load(run_dir: Path, paths: list[Path] | None, checkpoint: str | None) -> Model:
+    """The model of --model (several: their ensemble), else the run's (--checkpoint)."""
+    if paths:
+        if checkpoint:
+            raise NmtError("--model and --checkpoint name two models: give --model for each")
+        return ensemble([locate(p) for p in paths])
+    return from_run(RunDir(run_dir), checkpoint)
+
+
 def ensemble(models: list[Model]) -> Model:
     """Several models that share a vocabulary, as one: translating with it averages their
     log-probabilities at every step of one beam search. One model stays itself."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from nmt_cli import metrics as measure
-from nmt_cli import ui
+from nmt_cli import ui, workers
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_json
@@ -176,13 +176,19 @@ def stream(
     lines: int | None = None,
     prefixes: Path | None = None,
     constraints: Path | None = None,
+    spread: workers.Spread | None = None,
 ) -> None:
     """`translator.stream` with a progress bar, then a warning for each kind of line it had
-    to change; `prefixes` and `constraints`: files aligned with the input."""
+    to change; `prefixes` and `constraints`: files aligned with the input; `spread`: worker
+    processes to decode in."""
     with contextlib.ExitStack() as files, ui.progress() as bar:
         starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
         task = bar.add_task(what, total=lines)
-        counts = translator.stream(source, sink, lambda n: bar.advance(task, n), starts, phrases)
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        if spread is not None and spread.workers:
+            counts = workers.stream(spread, translator.config, source, sink, advance, starts, phrases)
+        else:
+            counts = translator.stream(source, sink, advance, starts, phrases)
     report_counts(counts, translator.max_src)
 
 

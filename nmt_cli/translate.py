@@ -411,37 +411,58 @@ class Translator:
         """Translate `source` line by line into `sink`, in input order, as input arrives; each
         translation beginning with the line of `prefixes` of the same number and containing
         the tab-separated phrases of the line of `constraints`, where given."""
-        for chunk in arrivals(source, self.config.chunk):
-            first = self.counts.lines
-            lines = [decode_line(raw, first + i + 1, self.counts.damage) for i, raw in enumerate(chunk)]
-            starts = self._aligned(prefixes, "--prefix", len(chunk))
-            phrases = self._aligned(constraints, "--constraints", len(chunk))
-            if phrases is not None:
-                phrases = [[p for p in line.split("\t") if p.strip()] for line in phrases]
-            for text in self.output(lines, starts, phrases):
+        for request in requests(source, self.config.chunk, self.counts, prefixes, constraints):
+            for text in self.output(request.lines, request.prefixes, request.constraints):
                 sink.write(text + "\n")
             sink.flush()
-            self.counts.lines += len(chunk)
-            advance(len(chunk))
-        for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):
-            if file is not None and next(iter(file), None) is not None:
-                raise NmtError(
-                    f"{name} has more lines than the input's {self.counts.lines}: give one line per "
-                    "input line"
-                )
+            advance(len(request.lines))
         return self.counts
 
-    def _aligned(self, file: BinaryIO | None, name: str, n: int) -> list[str] | None:
-        """The next `n` lines of a file aligned with the input (None without one)."""
-        if file is None:
-            return None
-        first = self.counts.lines
-        got = [
-            decode_line(raw, first + i + 1, self.counts.damage)
-            for i, raw in enumerate(itertools.islice(file, n))
-        ]
-        if len(got) < n:
+
+@dataclass
+class Request:
+    """Lines to translate: the number (from 0) of the first, and the lines of the files aligned
+    with the input, where given (constraints split into their phrases)."""
+
+    first: int
+    lines: list[str]
+    prefixes: list[str] | None = None
+    constraints: list[list[str]] | None = None
+
+
+def requests(
+    source: BinaryIO,
+    chunk: int,
+    counts: Counts,
+    prefixes: BinaryIO | None = None,
+    constraints: BinaryIO | None = None,
+) -> Iterator[Request]:
+    """The input in chunks of at most `chunk` lines, each as soon as input pauses, with the lines
+    of the files aligned with it; `counts` counts them (each once its request is dealt with) and
+    the damage of their bytes. An aligned file of another length is an error."""
+    for raw in arrivals(source, chunk):
+        first = counts.lines
+        lines = [decode_line(x, first + i + 1, counts.damage) for i, x in enumerate(raw)]
+        starts = _aligned(prefixes, "--prefix", first, len(raw), counts.damage)
+        phrases = _aligned(constraints, "--constraints", first, len(raw), counts.damage)
+        if phrases is not None:
+            phrases = [[p for p in line.split("\t") if p.strip()] for line in phrases]
+        yield Request(first, lines, starts, phrases)
+        counts.lines += len(raw)
+    for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):
+        if file is not None and next(iter(file), None) is not None:
             raise NmtError(
-                f"{name} ends at line {first + len(got)}, before the input: give one line per input line"
+                f"{name} has more lines than the input's {counts.lines}: give one line per input line"
             )
-        return got
+
+
+def _aligned(file: BinaryIO | None, name: str, first: int, n: int, damage: Damage) -> list[str] | None:
+    """The next `n` lines of a file aligned with the input (None without one)."""
+    if file is None:
+        return None
+    got = [decode_line(raw, first + i + 1, damage) for i, raw in enumerate(itertools.islice(file, n))]
+    if len(got) < n:
+        raise NmtError(
+            f"{name} ends at line {first + len(got)}, before the input: give one line per input line"
+        )
+    return got

@@ -65,7 +65,7 @@ FILLED = {
     ),
     "translate": (
         [("TranslateConfig", {}, {"decode", "chunk"}), ("DecodeOptions", {}, set())],
-        {"run_dir", "model", "prefix", "constraints", "config_file", "print_config"},
+        {"run_dir", "model", "prefix", "constraints", "procs", "gpus", "config_file", "print_config"},
     ),
     "score": (
         [

@@ -7,6 +7,7 @@ import shutil
 import pytest
 from conftest import one_error_line
 
+from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 
 FAST = ["--max-len-b", "6"]  # a barely trained model would otherwise talk for 50 tokens
@@ -254,3 +255,51 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     assert "one --model" in one_error_line(
         nmt("export", str(tmp_path / "e"), "--model", package, "--model", last)
     )
+
+
+def test_worker_processes_give_the_lines_of_one_process_in_input_order(trained, tmp_path, nmt):
+    text = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:30]
+    text = b"".join([*text[:10], b"\n", *text[10:]])  # a blank line among them
+    prefixes = tmp_path / "prefixes"
+    prefixes.write_text("".join("Ein\n" if i % 3 == 0 else "\n" for i in range(31)))
+    for options in ([], ["--sample", "--seed", "5", "--nbest", "2"], ["--prefix", prefixes]):
+        one = nmt("translate", "--run-dir", trained, *FAST, *options, stdin=text)
+        two = nmt("translate", "--run-dir", trained, *FAST, *options, "--procs", "2", stdin=text)
+        assert one.code == two.code == 0, two.err
+        assert two.out == one.out and one.out.count("\n") == 31 * (2 if "--nbest" in options else 1)
+
+
+def test_shares_of_small_chunks_come_back_in_order_with_their_counts(trained, tmp_path):
+    import io
+
+    from nmt_cli import workers
+    from nmt_cli.config import DecodeOptions, TranslateConfig
+    from nmt_cli.models import from_run
+    from nmt_cli.translate import Translator
+
+    lines = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:23]
+    lines[4] = b"bad \xff byte\n"
+    config = TranslateConfig(decode=DecodeOptions(beam=2, sample=True, seed=1), chunk=7, threads=2)
+    one, translator = io.StringIO(), Translator(from_run(RunDir(trained), None), config)
+    alone = translator.stream(io.BytesIO(b"".join(lines)), one, lambda n: None)
+    two, advanced = io.StringIO(), []
+    spread = workers.Spread(trained, [], None, procs=2)
+    counts = workers.stream(spread, config, io.BytesIO(b"".join(lines)), two, advanced.append)
+    assert two.getvalue() == one.getvalue() and one.getvalue().count("\n") == 23
+    assert sum(advanced) == counts.lines == alone.lines == 23
+    assert len(advanced) == 8  # 4 chunks, 2 shares each
+    assert counts.damage.not_utf8 == alone.damage.not_utf8 == 1
+    # A worker that cannot start: its error, raised in the parent at the first share.
+    with pytest.raises(NmtError, match="nmt train"):
+        nowhere = workers.Spread(tmp_path, [], None, procs=2)
+        workers.stream(nowhere, config, io.BytesIO(b"A dog.\n"), io.StringIO(), advanced.append)
+
+
+def test_worker_options_that_cannot_be_had_are_one_line(trained, nmt):
+    for flags, said in (
+        (["--procs", "2", "--gpus", "1"], "give one of them"),
+        (["--gpus", "1"], "GPUs are visible"),
+        (["--procs", "2", "--device", "cuda"], "--procs decodes on the CPU"),
+        (["--procs", "2", "--engine", "ctranslate2"], "CTranslate2 decodes several batches"),
+    ):
+        assert said in one_error_line(nmt("translate", "--run-dir", trained, *flags, stdin=b"A dog.\n"))

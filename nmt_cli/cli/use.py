@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from nmt_cli import models, workers
 from nmt_cli.cli.options import (
     CheckpointOption,
     ConfigFileOption,
@@ -56,6 +57,18 @@ def translate(
     int8: Int8Option = False,
     engine: EngineOption = "auto",
     threads: ThreadsOption = 0,
+    procs: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Worker processes decoding shares of the input on the CPU, --threads split between "
+            "them; the output as from one process.",
+        ),
+    ] = 1,
+    gpus: Annotated[
+        int,
+        typer.Option(min=0, help="Worker processes decoding shares of the input, one GPU each (0: none)."),
+    ] = 0,
     config_file: ConfigFileOption = None,
     print_config: PrintConfigOption = False,
 ) -> None:
@@ -69,14 +82,20 @@ def translate(
     if print_config:
         print_settings(ctx, config, run_dir=run_dir, model=[str(m) for m in model or []])
         return
-    translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
+    workers.check(procs, gpus, config)
+    translator = Translator(models.load(run_dir, model, config.checkpoint), config)
+    if translator.engine == "ctranslate2" and (procs > 1 or gpus):
+        raise NmtError(
+            "--procs and --gpus are for nmt's engine: CTranslate2 decodes several batches at once "
+            "itself, one per --threads"
+        )
     for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
         if path is not None and not path.is_file():
             raise NmtError(f"{name} {path} not found")
     if constraints is not None:
         translator.check_constraints(config.decode)
-    stdin, stdout = sys.stdin.buffer, sys.stdout
-    score.stream(translator, stdin, stdout, "translate", prefixes=prefix, constraints=constraints)
+    spread = workers.Spread(run_dir, list(model or []), config.checkpoint, procs, gpus)
+    score.stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints, spread)
 
 
 @app.command()
@@ -154,7 +173,7 @@ def score(
         run,
         split,
         config,
-        lambda: _load_model(run_dir, model, config.checkpoint),
+        lambda: models.load(run_dir, model, config.checkpoint),
         bool(model),
         src=src,
         hyp=hyp,
@@ -215,7 +234,7 @@ def score_pairs(
     from nmt_cli.translate import Translator
 
     config = config_of(TranslateConfig, ctx)
-    translator = Translator(_load_model(run_dir, model, config.checkpoint), config)
+    translator = Translator(models.load(run_dir, model, config.checkpoint), config)
     score.score_pairs(translator, src, tgt, sys.stdout)
 
 
@@ -240,7 +259,7 @@ def export(
 
     if model and len(model) > 1:
         raise NmtError("export takes one --model (an ensemble's members are exported one by one)")
-    found = _load_model(run_dir, model, str(checkpoint) if checkpoint else None)
+    found = models.load(run_dir, model, str(checkpoint) if checkpoint else None)
     if fmt == "nmt":
         if quantization != "float32":
             raise NmtError("--quantization is for --format ctranslate2")
@@ -284,18 +303,6 @@ def serve(
         print_settings(ctx, translate_config, config, model=model)
         return
     serve_mod.run(models.locate(model), translate_config, config)
-
-
-def _load_model(run_dir: Path, model: Optional[list[Path]], checkpoint: Optional[str]):
-    """The model of --model (several: their ensemble), else the run's (--checkpoint)."""
-    from nmt_cli import models
-    from nmt_cli.rundir import RunDir
-
-    if model:
-        if checkpoint:
-            raise NmtError("--model and --checkpoint name two models: give --model for each")
-        return models.ensemble([models.locate(m) for m in model])
-    return models.from_run(RunDir(run_dir), checkpoint)
 
 
 def _stdin_lines() -> list[str]:

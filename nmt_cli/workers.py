@@ -1,0 +1,148 @@
+"""Decoding spread over worker processes: `nmt translate --procs N` (CPU) and `--gpus N`.
+
+The parent reads the input and writes the output; each worker loads the model once and
+translates shares of the input as they come, `--threads` split between them on a CPU, one GPU
+each with --gpus. Shares are answered in input order, so the output streams as from one process,
+and a line's translation is the same as one process gives it: batches are made within a share
+as within a chunk, and a sampled line draws from its own line number's stream.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import multiprocessing
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, TextIO
+
+from nmt_cli.config import TranslateConfig
+from nmt_cli.errors import NmtError
+from nmt_cli.translate import Counts, Request, Translator, requests
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Where the decoding goes: the model each worker loads (models.load's arguments), and
+    --procs CPU workers or --gpus GPU workers; one process decodes alone when neither is asked."""
+
+    run_dir: Path
+    paths: list[Path]
+    checkpoint: str | None
+    procs: int = 1
+    gpus: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.gpus or (self.procs if self.procs > 1 else 0)
+
+
+_translator: Translator | None = None
+_failed: BaseException | None = None
+
+
+def _start(spread: Spread, config: TranslateConfig, devices) -> None:
+    """A worker's start: load the model on the next free device. An error is kept for the first
+    share to raise (a pool restarts workers whose start raises, for ever)."""
+    global _translator, _failed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        import torch
+
+        from nmt_cli import models
+
+        config = dataclasses.replace(config, device=devices.get())
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        _translator = Translator(models.load(spread.run_dir, spread.paths, spread.checkpoint), config)
+    except BaseException as e:  # noqa: BLE001 - raised again in the parent
+        _failed = e
+
+
+def _translate(request: Request) -> tuple[list[str], int]:
+    """A share's output lines, and how many of its lines were truncated."""
+    if _failed is not None:
+        raise _failed
+    assert _translator is not None
+    _translator.counts.lines = request.first  # line numbers: seeds, --scores
+    before = _translator.counts.truncated
+    out = _translator.output(request.lines, request.prefixes, request.constraints)
+    return out, _translator.counts.truncated - before
+
+
+def shares(request: Request, n: int) -> list[Request]:
+    """`request` cut into at most `n` consecutive shares of nearly equal size."""
+    size = -(-len(request.lines) // n)
+
+    def cut(xs: list | None, i: int) -> list | None:
+        return None if xs is None else xs[i : i + size]
+
+    return [
+        Request(
+            request.first + i, cut(request.lines, i), cut(request.prefixes, i), cut(request.constraints, i)
+        )
+        for i in range(0, len(request.lines), size)
+    ]
+
+
+def check(procs: int, gpus: int, config: TranslateConfig) -> None:
+    """One line for a --procs or --gpus that cannot be had."""
+    if procs > 1 and gpus:
+        raise NmtError("--procs and --gpus both start workers: give one of them")
+    if procs > 1 and config.device not in ("auto", "cpu"):
+        raise NmtError(f"--procs decodes on the CPU: drop --device {config.device}, or give --gpus")
+    if gpus:
+        import torch
+
+        if config.device not in ("auto", "cuda"):
+            raise NmtError(f"--gpus gives each worker its GPU: drop --device {config.device}")
+        if gpus > torch.cuda.device_count():
+            raise NmtError(f"--gpus {gpus}, but {torch.cuda.device_count()} GPUs are visible")
+
+
+def stream(
+    spread: Spread,
+    config: TranslateConfig,
+    source: BinaryIO,
+    sink: TextIO,
+    advance: Callable[[int], None],
+    prefixes: BinaryIO | None = None,
+    constraints: BinaryIO | None = None,
+) -> Counts:
+    """Translator.stream over the workers of `spread`."""
+    workers = spread.workers
+    if spread.gpus:
+        devices = [f"cuda:{i}" for i in range(spread.gpus)]
+        threads = config.threads
+    else:
+        devices = ["cpu"] * workers
+        threads = max(1, (config.threads or len(os.sched_getaffinity(0))) // workers)
+    context = multiprocessing.get_context("spawn")  # not fork: torch's threads are not fork-safe
+    queue = context.Queue()
+    for device in devices:
+        queue.put(device)
+    counts = Counts()
+    worker_config = dataclasses.replace(config, threads=threads)
+    with context.Pool(workers, _start, (spread, worker_config, queue)) as pool:
+        waiting: collections.deque = collections.deque()
+
+        def write_oldest() -> None:
+            result, lines = waiting.popleft()
+            out, truncated = result.get()
+            for text in out:
+                sink.write(text + "\n")
+            sink.flush()
+            counts.truncated += truncated
+            advance(lines)
+
+        for request in requests(source, config.chunk, counts, prefixes, constraints):
+            for share in shares(request, workers):
+                while len(waiting) >= 2 * workers:  # read ahead of the workers, not the whole input
+                    write_oldest()
+                waiting.append((pool.apply_async(_translate, (share,)), len(share.lines)))
+        while waiting:
+            write_oldest()
+    return counts
