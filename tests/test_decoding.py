@@ -158,10 +158,12 @@ def _repeats(tokens: list[int], n: int) -> bool:
 def test_min_len_and_no_repeat_ngram_shape_every_search(trained_longer, sources, engine):
     """--min-len: no translation ends before it; --no-repeat-ngram N: no N-gram twice; in beam
     search, greedy search and sampling (and constrained search, nmt's engine) alike. The test
-    bites only where the plain outputs are shorter or repeat, which it checks."""
+    bites only where the plain outputs are shorter or repeat, which it checks: the bans are
+    tried on outputs made longer by --min-len, which repeat where the model's own need not."""
     plain = [h[0].tokens for h in translator(trained_longer, engine).hypotheses(sources)]
-    least = min(map(len, plain)) + 3
-    assert any(_repeats(t, 1) for t in plain)  # some token twice: what the ban must prevent
+    least = max(map(len, plain)) + 3
+    longer = [h[0].tokens for h in translator(trained_longer, engine, min_len=least).hypotheses(sources)]
+    assert any(_repeats(t, 1) for t in longer)  # some token twice: what the ban must prevent
     searches = [{}, {"beam": 1}, {"sample": True, "nbest": 2}]
     if engine == "nmt":
         searches.append({"constraints": [[s.split()[0]] for s in sources]})
@@ -170,7 +172,8 @@ def test_min_len_and_no_repeat_ngram_shape_every_search(trained_longer, sources,
         t = translator(trained_longer, engine, min_len=least, **search)
         assert min(len(h.tokens) for hs in t.hypotheses(sources, **kw) for h in hs) >= least, search
         for n in (1, 2):
-            found = translator(trained_longer, engine, no_repeat_ngram=n, **search).hypotheses(sources, **kw)
+            t = translator(trained_longer, engine, no_repeat_ngram=n, min_len=least, **search)
+            found = t.hypotheses(sources, **kw)
             assert not any(_repeats(h.tokens, n) for hs in found for h in hs), (search, n)
 
 
