@@ -220,6 +220,7 @@ def _rules(options: DecodeOptions, limit: int) -> dict:
     return {
         "min_decoding_length": min(options.min_len, limit),  # it refuses a minimum past the limit
         "no_repeat_ngram_size": options.no_repeat_ngram,
+        "repetition_penalty": options.repetition_penalty,
     }
 
 

@@ -24,6 +24,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "max_len": (0, 100_000),
     "min_len": (0, 100_000),
     "no_repeat_ngram": (0, 100),
+    "repetition_penalty": (0.01, 100.0),
     "nbest": (1, 1000),
     "topk": (0, 100_000),
     "temperature": (1e-6, 100.0),
@@ -53,6 +54,11 @@ class DecodeOptions:
     )
     no_repeat_ngram: int = knob(
         0, "No N-gram of tokens twice in one translation, as fairseq's --no-repeat-ngram-size (0: off)."
+    )
+    repetition_penalty: float = knob(
+        1.0,
+        "Each token the translation already holds scores lower: its logit divided by P if positive, "
+        "multiplied by P if negative (CTRL's, as CTranslate2's repetition_penalty; 1: off).",
     )
     nbest: int = knob(1, "Hypotheses per sentence, best first, each with its score.")
     scores: bool = knob(False, "Each translation with its score, also the 1-best (see --nbest).")

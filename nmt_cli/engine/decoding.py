@@ -71,8 +71,9 @@ def translate(
         alphas = [a for a in alphas for _ in range(o.nbest)]
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
-    step, reorder = _together([_decoder(m, src, k, max(max_lens) + 1, use_cache) for m in models])
     rules = NextToken(o, max_lens, k, src.device, forced, alphas)
+    decoders = [_decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits) for m in models]
+    step, reorder = _together(decoders)
     if gone is not None:
         step = _stoppable(step, gone, rules, o.nbest if o.sample else 1)
     if bound:
@@ -132,10 +133,20 @@ def _together(
     return step, reorder
 
 
+def _as_they_are(logits: Tensor) -> Tensor:
+    return logits
+
+
 def _decoder(
-    model: Transformer, src: Tensor, k: int, max_len: int, use_cache: bool
+    model: Transformer,
+    src: Tensor,
+    k: int,
+    max_len: int,
+    use_cache: bool,
+    shape: Callable[[Tensor], Tensor] = _as_they_are,
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
-    """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`."""
+    """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`;
+    `shape` changes the logits before their softmax (NextToken.logits)."""
     model.eval()
     memory, src_mask = model.encode(src)
     if use_cache:
@@ -143,7 +154,7 @@ def _decoder(
 
         def step(tokens: Tensor) -> Tensor:
             h = model.decode(tokens, cache.memory_kv, cache.src_mask, cache)
-            return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
+            return F.log_softmax(shape(model.logits(h[:, -1]).float()), dim=-1)
 
         return step, cache.reorder
     # The reference: rerun the decoder's self-attention on the whole prefix every step (the
@@ -157,7 +168,7 @@ def _decoder(
     def step_uncached(tokens: Tensor) -> Tensor:
         state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
         h = model.decode(state["prefix"], state["kv"], state["mask"])
-        return F.log_softmax(model.logits(h[:, -1]).float(), dim=-1)
+        return F.log_softmax(shape(model.logits(h[:, -1]).float()), dim=-1)
 
     def reorder(indices: Tensor) -> None:
         state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices)) for a, b in state["kv"]]

@@ -8,8 +8,10 @@ only the EOS; before `min_len` tokens it may not take the EOS (unless at its lim
 `no_repeat_ngram` N no token may complete an N-gram the row already holds; a row with a forced
 prefix takes the prefix's token while it lasts, whatever the other rules say. The bans are
 applied to the log-probs as they are, not renormalised (as fairseq's --min-len and
---no-repeat-ngram-size do). A new rule on the next token is one more here, with its option in
-config.use.DecodeOptions and its mapping in backend_ct2.py.
+--no-repeat-ngram-size do). One rule changes the logits before their softmax instead, as
+CTRL and CTranslate2 define it: `repetition_penalty` P scales down the logit of every token the
+row already holds (`logits`, which each model's step calls). A new rule on the next token is one
+more here, with its option in config.use.DecodeOptions and its mapping in backend_ct2.py.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ class NextToken:
             if options.no_repeat_ngram
             else None
         )
+        self.seen: Tensor | None = None  # (R, V) which tokens each row holds, for the penalty
+
+    def logits(self, logits: Tensor) -> Tensor:
+        """This step's `logits` (R, V) of the live rows with the repetition penalty applied."""
+        p = self.options.repetition_penalty
+        if p == 1.0:
+            return logits
+        if self.seen is None:
+            self.seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        return torch.where(self.seen, torch.where(logits < 0, logits * p, logits / p), logits)
 
     def __call__(self, lprobs: Tensor) -> Tensor:
         """This step's `lprobs` (R, V) of the live rows, in place, with what may not come next at
@@ -105,8 +117,12 @@ class NextToken:
                 self.forced = self.forced.index_select(0, index)
             if self.history is not None:
                 self.history = self.history.index_select(0, index)
+            if self.seen is not None:
+                self.seen = self.seen.index_select(0, index)
         if self.history is not None:
             self.history = torch.cat([self.history, chosen.reshape(-1, 1)], 1)
+        if self.seen is not None:
+            self.seen.scatter_(1, chosen.reshape(-1, 1), True)
         self.t += 1
 
 

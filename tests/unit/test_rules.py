@@ -81,3 +81,18 @@ def test_a_forced_prefix_token_is_taken_whatever_the_bans_say():
     rules.keep(None, None, torch.tensor([A]))
     got = rules(lprobs(1))  # A again: banned by no-repeat, forced by the prefix
     assert got[0, A] == math.log(1.0 / V) and int(torch.isfinite(got[0]).sum()) == 1
+
+
+def test_the_repetition_penalty_scales_the_logits_of_the_tokens_a_row_holds():
+    rules = NextToken(DecodeOptions(beam=2, repetition_penalty=2.0), max_lens=[20], rows=2)
+    logits = torch.tensor([[1.0, -1.0, 4.0, -4.0, 0.5, 2.0, -2.0, 3.0]]).repeat(2, 1)
+    assert torch.equal(rules.logits(logits.clone()), logits)  # nothing held yet
+    rules.keep(None, None, torch.tensor([A, 7]))
+    rules.keep(np.array([1, 1]), None, torch.tensor([B, 2]))  # row 1 goes on twice: 7 B / 7 2
+    got = rules.logits(logits.clone())
+    want = logits.clone()
+    want[:, 7] = 1.5  # both rows hold 7: a positive logit halved
+    want[0, B] = -4.0  # a negative one doubled
+    want[1, 2] = 2.0
+    assert torch.equal(got, want)
+    assert torch.equal(NextToken(DecodeOptions(), [20], 1).logits(logits[:1].clone()), logits[:1])
