@@ -104,7 +104,11 @@ class Group:
             # before every forward pass (torch 2.13 renamed the option).
             options = inspect.signature(DistributedDataParallel).parameters
             no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers"
-            model = DistributedDataParallel(model, device_ids=ids, **{no_sync: False})
+            # The gradients are views of the all-reduce buckets: no copy between them, and no
+            # second copy of every gradient in memory.
+            model = DistributedDataParallel(
+                model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False}
+            )
         if not compile:
             return model
         from torch.fx.experimental import _config as shapes_config
