@@ -30,11 +30,9 @@ def run(run_dir: Path, source: Path, procs: int, threads: int, extra: list[str])
     """Wall seconds of one `nmt translate`, and the sha256 of its output."""
     with open(source, "rb") as stdin, tempfile.TemporaryFile() as out:
         start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "nmt_cli", "translate", "--run-dir", str(run_dir), "--threads", str(threads),
-             "--procs", str(procs), *extra],
-            stdin=stdin, stdout=out, stderr=subprocess.PIPE, cwd=ROOT,
-        )  # fmt: skip
+        command = [sys.executable, "-m", "nmt_cli", "translate", "--run-dir", str(run_dir)]
+        command += ["--threads", str(threads), "--procs", str(procs), *extra]
+        done = subprocess.run(command, stdin=stdin, stdout=out, stderr=subprocess.PIPE, cwd=ROOT)
         seconds = time.perf_counter() - start
         if done.returncode:
             raise SystemExit(done.stderr.decode(errors="replace")[-2000:])
@@ -62,7 +60,8 @@ def main() -> None:
             for procs in order:
                 seconds, digest = run(args.run, Path(source.name), procs, args.threads, args.extra)
                 digests.add(digest)
-                row = {"round": r, "procs": procs, "threads": args.threads, "lines": len(lines), "seconds": seconds}
+                row = {"round": r, "procs": procs, "threads": args.threads, "lines": len(lines)}
+                row["seconds"] = seconds
                 print(json.dumps({**row, "lines_per_s": len(lines) / seconds, "output_sha256": digest[:16]}))
                 sys.stdout.flush()
         print(json.dumps({"outputs_identical": len(digests) == 1, "extra": args.extra}))
