@@ -306,6 +306,49 @@ def test_figures_read_a_window_late_log_what_reading_at_once_logs(run_copy, tmp_
     assert late == at_once
 
 
+def test_batches_collated_ahead_by_a_thread_are_the_same_batches(run_copy, tmp_path):
+    """The GPU's collation thread (data.on_device's `ahead`), forced on the CPU: the same batches
+    in the same order, its errors raised in the loop, the thread gone when the loop stops; and
+    a run trained through it ends with the same weights, bit for bit."""
+    import shutil
+    import threading
+
+    from nmt_cli.engine.data import on_device
+
+    def collated(ahead: int, groups) -> list:
+        return [
+            [(b.src, b.tgt_in, b.targets) for b in group]
+            for group in on_device(split, groups, t.device, ahead)
+        ]
+
+    t = tiny_trainer(run_copy)
+    split, batches = t.epochs.fixed, t.epochs.batches(0)
+    groups = [batches[i : i + 2] for i in range(0, 20, 2)]
+    for a, b in zip(collated(0, groups), collated(2, groups), strict=True):
+        assert all(all(torch.equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+
+    def broken():
+        yield groups[0]
+        raise OSError("the shard went away")
+
+    with pytest.raises(OSError, match="went away"):
+        collated(2, broken())
+    stopped = on_device(split, groups, t.device, 2)
+    next(stopped)
+    stopped.close()
+    assert not any(th.name == "nmt-collate" for th in threading.enumerate())
+
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    weights = []
+    for run, ahead in ((run_copy, 0), (other, 2)):
+        trained = tiny_trainer(run, max_steps=12, eval_every=1000, save_every=1000, update_freq=2)
+        trained.collate_ahead = ahead
+        trained.train()
+        weights.append(trained.model.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_a_skipped_update_changes_nothing(run_copy):
     from nmt_cli.engine.data import on_device
 

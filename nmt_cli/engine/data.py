@@ -13,8 +13,10 @@ per rank and accumulated batch, so N ranks train on what one process does with -
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from queue import Full, Queue
 
 import numpy as np
 import torch
@@ -134,13 +136,64 @@ def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.d
     return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
 
 
-def on_device(split: Split, groups: Iterable[list[Planned]], device: torch.device) -> Iterator[list[Batch]]:
+def on_device(
+    split: Split, groups: Iterable[list[Planned]], device: torch.device, ahead: int = 0
+) -> Iterator[list[Batch]]:
     """Each group of batches (the batches of one update) collated and copied to `device`.
 
     Lazily: the next group is collated while the device still runs the updates queued before
-    it, which is all the prefetching a training loop without host syncs needs."""
-    for group in groups:
-        yield [to_device(collate(split.src, split.tgt, planned), device) for planned in group]
+    it. With `ahead`, a thread of its own collates up to that many groups in advance, so that
+    the training thread only queues work (on a GPU, where the host is the bottleneck of a
+    small model's step)."""
+    made = (
+        [to_device(collate(split.src, split.tgt, planned), device) for planned in group] for group in groups
+    )
+    if not ahead:
+        yield from made
+        return
+    yield from _in_a_thread(made, ahead, device)
+
+
+def _in_a_thread(items: Iterator, ahead: int, device: torch.device) -> Iterator:
+    """`items`, made by a thread of their own up to `ahead` in advance; an error there is raised
+    here, and the thread stops when the consumer does."""
+    queue: Queue = Queue(maxsize=ahead)
+    stop = threading.Event()
+    done = object()
+
+    def put(entry: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                queue.put(entry, timeout=0.1)
+                return True
+            except Full:
+                pass
+        return False
+
+    def make() -> None:
+        try:
+            if device.type == "cuda":  # this rank's GPU, not a context on GPU 0
+                torch.cuda.set_device(device)
+            for item in items:
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as e:  # noqa: BLE001 - raised again in the consumer
+            put((done, e))
+
+    thread = threading.Thread(target=make, name="nmt-collate", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 # -- batching: training batches of similar lengths, and padded arrays ---------------------------

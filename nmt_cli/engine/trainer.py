@@ -103,6 +103,9 @@ class Trainer:
         )
         self.state = State()
         self.figures = Figures(late=self.device.type == "cuda")  # train_step's, not read yet
+        # Updates collated in advance by a thread of their own: on a GPU only, where the host
+        # feeds the device; on a CPU the thread would take cores from the step.
+        self.collate_ahead = 2 if self.device.type == "cuda" else 0
         self.last: dict = {}  # the figures of the last read
         self.saved_at = -1
         self._signal: int | None = None
@@ -340,7 +343,7 @@ class Trainer:
                     batches[i : i + c.update_freq]
                     for i in range(self.state.batch, len(batches), c.update_freq)
                 ]
-                for group in on_device(data, updates, self.device):
+                for group in on_device(data, updates, self.device, self.collate_ahead):
                     self.step(group)
                     reason = self.after_update()
                     if reason:
