@@ -188,15 +188,17 @@ def test_both_engines_apply_min_len_and_no_repeat_ngram_alike(trained_longer, so
 
 def test_both_engines_apply_the_repetition_penalty_alike(trained_longer, sources):
     """Both scale the logits of the tokens a row holds before their softmax (CTRL's penalty):
-    greedy and beam search choose alike, and the penalty changes what they choose (on outputs
-    made long enough by --min-len to hold repeats)."""
+    greedy and beam search choose alike. The penalty's effect is shown on greedy outputs made long
+    enough by --min-len to hold repeats (in a beam, --min-len itself ranks differently in the two
+    engines: CTranslate2 bans before its softmax)."""
     least = max(len(h[0].tokens) for h in translator(trained_longer).hypotheses(sources)) + 3
-    for search in ({"beam": 1, "min_len": least}, {"beam": 4, "min_len": least}):
-        plain = texts(translator(trained_longer, "nmt", **search), sources)
+    for search in ({"beam": 1, "min_len": least}, {"beam": 4}):
         ours = texts(translator(trained_longer, "nmt", repetition_penalty=1.5, **search), sources)
         theirs = texts(translator(trained_longer, "ctranslate2", repetition_penalty=1.5, **search), sources)
-        assert sum(a != b for a, b in zip(plain, ours)) >= 3, search  # the penalty is felt
         assert sum(a == b for a, b in zip(ours, theirs)) >= len(sources) - 1, search
+        if search["beam"] == 1:
+            plain = texts(translator(trained_longer, "nmt", **search), sources)
+            assert sum(a != b for a, b in zip(plain, ours)) >= 3  # the penalty is felt
 
 
 def test_scores_print_beside_the_1_best_as_the_n_best_prints_them(trained_longer, sources, nmt):
