@@ -1,15 +1,15 @@
 """Decoding spread over worker processes: `nmt translate --procs N` (CPU) and `--gpus N`.
 
 The parent reads the input and writes the output; each worker loads the model once and
-translates shares of the input as they come, `--threads` split between them on a CPU, one GPU
-each with --gpus. Shares are answered in input order, so the output streams as from one process,
+translates shares of each chunk of the input (what has arrived, up to 10,000 lines), `--threads`
+split between them on a CPU, one GPU each with --gpus. Shares are answered in input order, and a
+chunk's before more input is read, so the output streams as from one process,
 and a line's translation is the same as one process gives it: batches are made within a share
 as within a chunk, and a sampled line draws from its own line number's stream.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import multiprocessing
 import os
@@ -127,22 +127,15 @@ def stream(
     counts = Counts()
     worker_config = dataclasses.replace(config, threads=threads)
     with context.Pool(workers, _start, (spread, worker_config, queue)) as pool:
-        waiting: collections.deque = collections.deque()
-
-        def write_oldest() -> None:
-            result, lines = waiting.popleft()
-            out, truncated = result.get()
-            for text in out:
-                sink.write(text + "\n")
-            sink.flush()
-            counts.truncated += truncated
-            advance(lines)
-
+        # A chunk's shares are all answered before more input is read: on a pipe, the input
+        # may not come before its answers have gone out.
         for request in requests(source, config.chunk, counts, prefixes, constraints):
-            for share in shares(request, workers):
-                while len(waiting) >= 2 * workers:  # read ahead of the workers, not the whole input
-                    write_oldest()
-                waiting.append((pool.apply_async(_translate, (share,)), len(share.lines)))
-        while waiting:
-            write_oldest()
+            waiting = [(pool.apply_async(_translate, (s,)), len(s.lines)) for s in shares(request, workers)]
+            for result, lines in waiting:
+                out, truncated = result.get()
+                for text in out:
+                    sink.write(text + "\n")
+                sink.flush()
+                counts.truncated += truncated
+                advance(lines)
     return counts

@@ -205,10 +205,12 @@ def test_model_names_a_run_or_a_checkpoint_too(trained, multi30k_bpe, nmt):
 # -- streaming ---------------------------------------------------------------------------------
 
 
-def test_a_line_into_an_open_pipe_is_answered_before_more_input(package):
-    """The answer comes while stdin stays open: no waiting for 10,000 lines or EOF."""
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_a_line_into_an_open_pipe_is_answered_before_more_input(package, procs):
+    """The answer comes while stdin stays open: no waiting for 10,000 lines or EOF (also from
+    worker processes)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nmt_cli", "translate", "--model", str(package)],
+        [sys.executable, "-m", "nmt_cli", "translate", "--model", str(package), "--procs", procs],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
