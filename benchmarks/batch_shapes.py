@@ -5,10 +5,10 @@
 RUN is a run directory after `nmt bpe` (its train split). Two corpora: the split itself, and
 "joined", each of its pairs joined with a random other pair, repeated to 8 times the pairs (the
 length of a news sentence, the size of a bigger corpus). For each --max-tokens and number of
-ranks, over --epochs epochs: the distinct (rows, source, target) shapes, the padding share, and
-the share of steps whose ranks' batches have one shape, for the batches as `nmt train` makes them
-("grid") and as they were before lengths were put on a grid ("exact": each batch as long as its
-longest sentence, every world-th batch to a rank).
+parts of an update (ranks x --update-freq), over --epochs epochs: the distinct (rows, source,
+target) shapes, the padding share, and the share of updates whose batches have one shape, for
+the batches as `nmt train` makes them ("grid") and as long as their longest sentence
+("exact", each batch a part of an update).
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ def exact(split: Split, max_tokens: int, seed: int, epoch: int, parts: int) -> l
     return planned[: len(planned) // parts * parts]
 
 
-def figures(split: Split, max_tokens: int, world: int, epochs: int, how) -> dict:
+def figures(split: Split, max_tokens: int, parts: int, epochs: int, how) -> dict:
     shapes: set = set()
     shares, same = [], []
     for epoch in range(epochs):
-        batches = how(split, max_tokens, 1, epoch, world)
+        batches = how(split, max_tokens, 1, epoch, parts)
         shapes |= {b.shape for b in batches}
         shares.append(padding_share(batches, split.src_lengths, split.tgt_lengths))
-        steps = [batches[i : i + world] for i in range(0, len(batches), world)]
+        steps = [batches[i : i + parts] for i in range(0, len(batches), parts)]
         same.append(np.mean([len({b.shape for b in step}) == 1 for step in steps]))
     return {
         "batches_per_epoch": len(batches),
         "shapes": len(shapes),
         "padding": round(float(np.mean(shares)), 4),
-        "steps_of_one_shape": round(float(np.mean(same)), 4),
+        "updates_of_one_shape": round(float(np.mean(same)), 4),
     }
 
 
@@ -75,11 +75,11 @@ def main() -> None:
     split = Split.of(Shard(data / f"train.{langs[1]}"), Shard(data / f"train.{langs[0]}"), args.limit)
     for name, corpus in (("split", split), ("joined", joined(split, 8))):
         for max_tokens in args.max_tokens:
-            for world in args.parts:
+            for parts in args.parts:
                 for how_name, how in (("exact", exact), ("grid", Split.batches)):
-                    row = figures(corpus, max_tokens, world, args.epochs, how)
+                    row = figures(corpus, max_tokens, parts, args.epochs, how)
                     head = {"corpus": name, "pairs": len(corpus.keep), "max_tokens": max_tokens}
-                    print(json.dumps({**head, "world": world, "batching": how_name, **row}), flush=True)
+                    print(json.dumps({**head, "parts": parts, "batching": how_name, **row}), flush=True)
 
 
 if __name__ == "__main__":
