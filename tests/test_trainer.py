@@ -114,7 +114,10 @@ def test_training_learns_and_logs(run_copy, nmt):
     valid = [r for r in records if r["kind"] == "valid"]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
     assert [r["step"] for r in valid] == [30, 60]
-    assert valid[1]["valid_nll"] < valid[0]["valid_nll"]
+    # Both validations well below a model that knows nothing (ln V, uniform): at this learning
+    # rate the second need not beat the first, which depends on the CPU's rounding.
+    vocab = json.loads((run_copy / "bpe.json").read_text())["vocab_size"]
+    assert max(r["valid_nll"] for r in valid) < math.log(vocab) - 1.0
     epoch = [r for r in records if r["kind"] == "epoch"][0]
     assert epoch["padding"] < 0.1
     assert [p.name for p in checkpoint.listed(run_copy / "checkpoints")] == [
