@@ -5,12 +5,11 @@ without it."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_device_name, resolve_precision
+from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
 from nmt_cli.ct2_spec import pieces, require_ctranslate2, save
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty
 from nmt_cli.engine.hypothesis import limits as output_limits
@@ -228,10 +227,3 @@ def device_of(ct2, name: str) -> tuple[str, int]:
     """--device as CTranslate2's (kind, index), GPUs counted by CTranslate2 itself."""
     kind, _, index = resolve_device_name(name, ct2.get_cuda_device_count() > 0).partition(":")
     return kind, int(index or 0)
-
-
-def cpus() -> int:
-    """The CPUs this process may run on (all of them where the OS cannot say, as on macOS)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from nmt_cli.config import TranslateConfig
+from nmt_cli.config import TranslateConfig, cpus
 from nmt_cli.errors import NmtError
 from nmt_cli.translate import Counts, Request, Translator, requests
 
@@ -119,7 +118,7 @@ def stream(
         threads = config.threads
     else:
         devices = ["cpu"] * workers
-        threads = max(1, (config.threads or len(os.sched_getaffinity(0))) // workers)
+        threads = max(1, (config.threads or cpus()) // workers)
     context = multiprocessing.get_context("spawn")  # not fork: torch's threads are not fork-safe
     queue = context.Queue()
     for device in devices:

@@ -96,9 +96,7 @@ def options_of(
                 default=f.default,
                 annotation=Annotated[
                     hints[f.name],
-                    about(
-                        config, f.name, *flag(f), rich_help_panel=panel, **(settings or {}).get(f.name, {})
-                    ),
+                    about(config, f.name, *flag(f), rich_help_panel=panel, **settings.get(f.name, {})),
                 ],
             )
             for f in fields

@@ -8,7 +8,15 @@ precision).
 hand-edited config is an error, not a silently ignored setting.
 """
 
-from nmt_cli.config.common import PRECISIONS, from_json, knob, resolve_device_name, resolve_precision, to_json
+from nmt_cli.config.common import (
+    PRECISIONS,
+    cpus,
+    from_json,
+    knob,
+    resolve_device_name,
+    resolve_precision,
+    to_json,
+)
 from nmt_cli.config.data import BpeConfig, PrepConfig
 from nmt_cli.config.train import PRESETS, LaunchConfig, ModelConfig, TrainConfig
 from nmt_cli.config.use import ENGINES, DecodeOptions, ServeConfig, TranslateConfig
@@ -25,6 +33,7 @@ __all__ = [
     "ServeConfig",
     "TrainConfig",
     "TranslateConfig",
+    "cpus",
     "from_json",
     "knob",
     "resolve_device_name",

@@ -1,10 +1,11 @@
 """What every config shares: fields that are also command-line options, the JSON round trip, and
-the device and number format a command resolves."""
+the device, the CPUs and the number format a command resolves."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any, TypeVar
 
 from nmt_cli.errors import NmtError
@@ -27,6 +28,13 @@ def resolve_device_name(name: str, gpu: bool) -> str:
     if name.startswith("cuda") and not gpu:
         raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
     return name
+
+
+def cpus() -> int:
+    """The CPUs this process may run on (all of them where the OS cannot say, as on macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def resolve_precision(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nmt_cli.config import cpus
 from nmt_cli.engine.distributed import LOST_CONTACT
 from nmt_cli.errors import NmtError
 
@@ -117,7 +118,7 @@ def _worker_threads(nprocs: int):
     if "OMP_NUM_THREADS" in os.environ:
         yield
         return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nprocs))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cpus() // nprocs))
     try:
         yield
     finally:
