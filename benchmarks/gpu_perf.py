@@ -216,7 +216,7 @@ def section_attention(b: Bench) -> None:
         b.emit("attention_ms", call=name, **row)
 
 
-def make_step(b: Bench, model: Transformer, forward, padded: bool, sentences: int, length: int = 32):
+def make_step(b: Bench, model: Transformer, compiled: bool, padded: bool, sentences: int, length: int = 32):
     s_vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, s_vocab, (sentences, length), generator=g)
@@ -227,6 +227,9 @@ def make_step(b: Bench, model: Transformer, forward, padded: bool, sentences: in
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scaler = torch.amp.GradScaler(b.device.type, enabled=False)
     group = distributed.Group()
+    forward = step.Objective(model, 0.1)
+    if compiled:  # as the trainer's --compile does
+        forward = distributed.Group().wrap(forward, b.device, compile=True)
 
     def autocast():
         return torch.autocast(b.device.type, dtype=torch.bfloat16)
@@ -238,7 +241,6 @@ def make_step(b: Bench, model: Transformer, forward, padded: bool, sentences: in
             optimizer,
             scaler,
             [batch],
-            label_smoothing=0.1,
             clip_norm=0.0,
             lr=1e-4,
             autocast=autocast,
@@ -303,7 +305,7 @@ def section_step(b: Bench) -> None:
                     return b.emit("step", skipped="budget")
                 step.label_smoothed_loss = LOSSES[loss]
                 attention_kernels(kernels)
-                one, batch = make_step(b, model, model, False, sentences)
+                one, batch = make_step(b, model, False, False, sentences)
                 if b.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 runs[(loss, kernels)].append(b.timed(one, 3, 10))
@@ -382,7 +384,7 @@ def section_cold(b: Bench) -> None:
         attention_kernels(kernels)
         steps = []
         for s_len, t_len in shapes:
-            one, _ = make_step(b, model, model, True, max(1, tokens // max(s_len, t_len)), s_len)
+            one, _ = make_step(b, model, False, True, max(1, tokens // max(s_len, t_len)), s_len)
             steps.append(one)
         passes = []
         for _ in range(2):
@@ -403,12 +405,11 @@ def section_cold(b: Bench) -> None:
 
 
 def section_compile(b: Bench) -> None:
-    """The landed --compile (the model's forward) on big, its compile time and step."""
+    """--compile (the whole update: forward, logits, loss) on big, its compile time and step."""
     sentences = 16 if b.dry else 512
     for name in ("big",):
         model = b.model(name)
-        forward = torch.compile(model, dynamic=True)
-        one, batch = make_step(b, model, forward, False, sentences)
+        one, batch = make_step(b, model, True, False, sentences)
         t = time.perf_counter()
         one()
         b.sync()

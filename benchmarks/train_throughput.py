@@ -41,7 +41,7 @@ from nmt_cli.engine import distributed  # noqa: E402
 from nmt_cli.engine.data import Batch, to_device  # noqa: E402
 from nmt_cli.engine.device import keep_large_blocks_in_heap  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
-from nmt_cli.engine.step import train_step  # noqa: E402
+from nmt_cli.engine.step import Objective, train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def nmt_step(
 ) -> dict:
     shape = SHAPES[shape_name]
     model = model_of(shape_name, device)
-    forward = torch.compile(model) if compile else model
+    forward = distributed.Group().wrap(Objective(model, 0.1), device, compile)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     batches = [device_batch(shape["vocab"], device, sentences)]
@@ -84,7 +84,6 @@ def nmt_step(
             optimizer,
             scaler,
             batches,
-            label_smoothing=0.1,
             clip_norm=0.0,
             lr=1e-4,
             autocast=autocast,
@@ -202,7 +201,7 @@ def loop_against_bare(
             if on_gpu:
                 torch.cuda.synchronize()
 
-        step = dict(label_smoothing=0.1, clip_norm=0.0, lr=1e-4, autocast=t.autocast, group=t.dist)
+        step = dict(clip_norm=0.0, lr=1e-4, autocast=t.autocast, group=t.dist)
         windows = []  # (pass, tokens, seconds) of 10 updates
         for p in range(3):
             for i in range(0, len(updates) - 9, 10):

@@ -19,6 +19,7 @@ Layout (each step writes only its own part, and records it in manifest.json):
     scores/{split}.json         the scores `nmt score` computed for a split
     curves.png                  the training curves drawn by `nmt plot`
     log.txt                     what each command said while it held the run, timestamped
+    cache/compile/              torch.compile's kernels for `nmt train --compile`, reused on resume
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ class RunDir:
     @property
     def plot(self) -> Path:
         return self.root / "curves.png"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.root / "cache" / "compile"
 
     # -- helpers
     def relative(self, path: Path) -> str:

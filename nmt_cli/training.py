@@ -119,7 +119,32 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
             from nmt_cli.tensorboard import TensorBoard
 
             reporter = stack.enter_context(TensorBoard(display, run.tensorboard))
+        if config.compile:
+            stack.enter_context(compile_cache(run))
         return build_trainer(config, run, reporter, bleu_of, init, resample).train()
+
+
+@contextlib.contextmanager
+def compile_cache(run: RunDir):
+    """torch.compile's caches in the run directory while it trains: a resumed run (on another
+    machine too, or after /tmp was cleared) reuses the kernels compiled before instead of
+    compiling them again. A cache directory the user chose stays theirs (torch itself writes
+    its default into the variable once it has compiled something)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    key = "TORCHINDUCTOR_CACHE_DIR"
+    before = os.environ.get(key)
+    if before is not None and os.path.abspath(before) != os.path.abspath(default_cache_dir()):
+        yield
+        return
+    os.environ[key] = str(run.compile_cache)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def data_of(run: RunDir) -> trainer.Data:

@@ -74,7 +74,7 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
         groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 8, 2)]
         updates = list(on_device(t.epochs.fixed, groups, t.device))
         assert updates[0][0].src.is_cuda
-        step = dict(label_smoothing=0.1, clip_norm=1.0, lr=1e-4, autocast=t.autocast, group=t.dist)
+        step = dict(clip_norm=1.0, lr=1e-4, autocast=t.autocast, group=t.dist)
         trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, updates[0], **step)
         torch.cuda.synchronize()  # the first step initialises cuBLAS and the scaler
         torch.cuda.set_sync_debug_mode("error")

@@ -81,7 +81,7 @@ def test_filler_rows_and_columns_change_no_loss_and_no_gradient(run_copy):
     for shape in (planned.shape, (rows + 3, s + 5, tl + 4)):
         batch = to_device(collate(split.src, split.tgt, Planned(planned.sentences, shape)), t.device)
         t.model.zero_grad()
-        loss, nll = step.batch_loss(t.model, t.model, batch, 0.1, t.autocast)
+        loss, nll = step.batch_loss(step.Objective(t.model, 0.1), batch, t.autocast)
         loss.backward()
         grads = [p.grad.clone() for p in t.model.parameters()]
         figures.append((batch.tokens, loss.item(), nll.item(), grads))
@@ -205,18 +205,25 @@ def test_train_errors(tmp_path, run_copy, nmt):
 # -- the hot path does not wait for the device -------------------------------------------------
 
 
-def test_compile_traces_the_model_once_for_every_batch_shape(run_copy, nmt):
-    """`--compile` on batches of changing shapes: one graph, traced once and never again (sizes
-    dynamic from the start), with no break in it (the CPU's own dropout is left to the compiler)."""
+def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt):
+    """`--compile` on batches of changing shapes: one graph (the model, its logits and the
+    loss), traced once and never again (sizes dynamic from the start), with no break in it (the
+    CPU's own dropout is left to the compiler); its kernels cached in the run directory for a
+    resume, the time it took in the log."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     result = nmt("train", "--run-dir", run_copy, *TINY, "--compile", "--max-steps", "8", "--eval-every", "4")
     assert result.code == 0, result.err
     assert counters["frames"]["ok"] == 1, dict(counters["frames"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
+    cache = RunDir(run_copy).compile_cache
+    assert sum(1 for p in cache.rglob("*") if p.is_file()) > 0
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before  # the process's setting restored
+    assert re.search(r"compiled the update \(model, logits, loss\) in \d", RunDir(run_copy).log.read_text())
 
 
 @pytest.mark.parametrize("cpu_bf16", [True, False])
@@ -264,7 +271,6 @@ def test_train_step_reads_nothing_back_from_the_device(run_copy):
                 t.optimizer,
                 t.scaler,
                 batches,
-                label_smoothing=0.1,
                 clip_norm=1.0,
                 lr=1e-3,
                 autocast=t.autocast,
@@ -358,13 +364,13 @@ def test_a_skipped_update_changes_nothing(run_copy):
     t = tiny_trainer(run_copy)
     (batches,) = on_device(t.epochs.fixed, [t.epochs.batches(0)[:1]], t.device)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    t.forward.label_smoothing = float("nan")
     figures = trainer.train_step(
         t.model,
         t.forward,
         t.optimizer,
         t.scaler,
         batches,
-        label_smoothing=float("nan"),
         clip_norm=0.0,
         lr=1e-3,
         autocast=t.autocast,

@@ -98,6 +98,16 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         return grad, None, None
 
 
+def _as_formula(logits: torch.Tensor, target: torch.Tensor, epsilon: float):
+    """The same loss in plain operations, for an update traced by torch.compile: the compiler
+    fuses the passes over the scores, forward and backward, into a kernel each, and keeps no
+    float32 copy of them; the slices above would cut its graph at every one."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1)
+    nll = lse - x.gather(-1, target[:, None]).squeeze(-1)
+    return ((1.0 - epsilon) * nll + epsilon * (lse - x.mean(-1))).sum(), nll.sum()
+
+
 def label_smoothed_loss(
     logits: torch.Tensor, target: torch.Tensor, epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,4 +115,6 @@ def label_smoothed_loss(
 
     The smoothing mass epsilon is spread uniformly over the vocabulary (section 5.4).
     """
+    if torch.compiler.is_compiling():
+        return _as_formula(logits, target, epsilon)
     return _SmoothedCrossEntropy.apply(logits, target, epsilon)

@@ -14,15 +14,31 @@ from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.model import Transformer
 
 
-def batch_loss(
-    model: Transformer, forward: torch.nn.Module, batch: Batch, label_smoothing: float, autocast
-) -> tuple[torch.Tensor, torch.Tensor]:
+class Objective(torch.nn.Module):
+    """The model and its loss as one module: the forward pass, the output layer over the target
+    positions and the label-smoothed loss. It is what DDP wraps and what `--compile` traces, so
+    that the whole update is one graph (the logits and the loss included, where the compiler
+    fuses the passes over the (N, V) scores)."""
+
+    def __init__(self, model: Transformer, label_smoothing: float):
+        super().__init__()
+        self.model, self.label_smoothing = model, label_smoothing
+
+    def forward(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed smoothed loss and summed NLL of the target tokens at `positions` (flat indices
+        into tgt_in, found on the host: padding never reaches the output layer)."""
+        hidden = self.model(src, tgt_in)
+        logits = self.model.logits(hidden.flatten(0, 1).index_select(0, positions))
+        with torch.autocast(logits.device.type, enabled=False):  # the loss keeps its own float32
+            return label_smoothed_loss(logits, targets, self.label_smoothing)
+
+
+def batch_loss(objective: torch.nn.Module, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed smoothed loss and summed NLL of one batch's target tokens."""
     with autocast():
-        hidden = forward(batch.src, batch.tgt_in)
-        # Padding never reaches the output layer; its positions were found on the host.
-        logits = model.logits(hidden.flatten(0, 1).index_select(0, batch.positions))
-    return label_smoothed_loss(logits, batch.targets, label_smoothing)
+        return objective(batch.src, batch.tgt_in, batch.positions, batch.targets)
 
 
 # What train_step returns about an update, one number each, in this order.
@@ -36,7 +52,6 @@ def train_step(
     scaler: torch.amp.GradScaler,
     batches: list[Batch],
     *,
-    label_smoothing: float,
     clip_norm: float,
     lr: float,
     autocast,
@@ -47,8 +62,8 @@ def train_step(
     finite changes nothing (and counts as skipped).
 
     Nothing here waits for the device: the figures come back as one float64 tensor on it,
-    laid out as STEP_FIGURES, for the caller to read when it wants them. `forward` is the model
-    as called for training (DDP and/or compiled); gradients are all-reduced after the last
+    laid out as STEP_FIGURES, for the caller to read when it wants them. `forward` is the
+    model's Objective as called for training (DDP and/or compiled); gradients are all-reduced after the last
     batch only. The optimizer must be fused: it is told on the device whether to skip.
     """
     model.train()
@@ -56,7 +71,7 @@ def train_step(
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         with contextlib.nullcontext() if last else group.no_sync(forward):
-            loss, nll = batch_loss(model, forward, batch, label_smoothing, autocast)
+            loss, nll = batch_loss(forward, batch, autocast)
             scaler.scale(loss).backward()
         figures = torch.stack([loss.detach(), nll.detach()]).double()
         sums = figures if sums is None else sums + figures

@@ -34,7 +34,7 @@ from nmt_cli.engine.figures import Figures, Window
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Outputs, Quiet, Reporter, State
-from nmt_cli.engine.step import STEP_FIGURES, train_step
+from nmt_cli.engine.step import STEP_FIGURES, Objective, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.shards import Shard
 
@@ -93,7 +93,10 @@ class Trainer:
         self.model = Transformer(self.model_config).to(self.device)
         if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
             torch.manual_seed(config.seed + 7919 * self.dist.rank)
-        self.forward = self.dist.wrap(self.model, self.device, config.compile)
+        # The model with its loss, as an update calls it (DDP and/or compiled).
+        objective = Objective(self.model, config.label_smoothing)
+        self.forward = self.dist.wrap(objective, self.device, config.compile)
+        self.compiling = config.compile
         self.optimizer = make_optimizer(self.model, config)
         self.ema = Average(self.model, config.ema) if config.ema else None
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
@@ -221,6 +224,7 @@ class Trainer:
     def step(self, batches: list[Batch]) -> None:
         """Queue one update; its figures are read later (read_figures)."""
         lr = self.rate(self.state.step + 1)
+        start = time.perf_counter()
         self.figures.add(
             train_step(
                 self.model,
@@ -228,13 +232,16 @@ class Trainer:
                 self.optimizer,
                 self.scaler,
                 batches,
-                label_smoothing=self.config.label_smoothing,
                 clip_norm=self.config.clip_norm,
                 lr=lr,
                 autocast=self.autocast,
                 group=self.dist,
             )
         )
+        if self.compiling:  # the first update traced and compiled the model with its loss
+            self.compiling = False
+            seconds = time.perf_counter() - start
+            self.reporter.say(f"compiled the update (model, logits, loss) in {seconds:.1f} s")
         self.state.step += 1
         self.state.batch += len(batches)
         if self.ema is not None:

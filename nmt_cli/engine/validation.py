@@ -10,7 +10,7 @@ from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import decoding
 from nmt_cli.engine.data import Split, on_device, pad_sources
 from nmt_cli.engine.distributed import Group
-from nmt_cli.engine.step import batch_loss
+from nmt_cli.engine.step import Objective, batch_loss
 
 GREEDY = DecodeOptions(beam=1)  # validation BLEU: greedy, the default length limits
 
@@ -24,8 +24,9 @@ def nll(
     batches = data.batches(max_tokens, 0, 0)
     mine = batches[group.rank :: group.world]
     sums = torch.zeros(2, dtype=torch.float64, device=device)
+    objective = Objective(model, 0.0)
     for (batch,) in on_device(data, ([b] for b in mine), device):
-        _, nll_sum = batch_loss(model, model, batch, 0.0, autocast)
+        _, nll_sum = batch_loss(objective, batch, autocast)
         sums += torch.stack([nll_sum.double(), sums.new_full((), float(batch.tokens))])
     nll_sum, tokens = group.all_reduce(sums).tolist()
     return nll_sum / max(tokens, 1)
