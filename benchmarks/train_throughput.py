@@ -17,8 +17,8 @@ measured in the same run (an 8192^3 product).
 
 `--loop RUN_DIR` (any device): the trainer's whole loop (data, collation, copies to the device,
 logging) against the bare `train_step` on the same real batches of RUN_DIR's training data (a
-prepared and binarized run, e.g. Multi30k), both warm, the bare step's cold first pass beside
-them, and the time one checkpoint takes.
+prepared and binarized run, e.g. Multi30k), in alternated rounds and by the same statistic, the
+bare step's cold first pass beside them, and the time one checkpoint takes.
 """
 
 from __future__ import annotations
@@ -155,29 +155,53 @@ def copy_to_train_in(run_dir: Path, tmp: str) -> Path:
     return run
 
 
-def trained_tokens_per_s(loop, run: Path) -> float:
-    """Train with `loop` (a Trainer in `run`, validation and checkpoints out of reach) and give
-    the median target tokens/s of its logged windows after update 20."""
+# Both sides' statistic: the median target tokens/s of windows of LOG_EVERY updates, those
+# ending after update SETTLED (the first windows meet each batch shape's first kernels).
+SETTLED = 20
+
+
+def loop_windows(loop, run: Path) -> list[float]:
+    """Train with `loop` (a Trainer in `run`, validation and checkpoints out of reach); the
+    target tokens/s of its logged windows that end after update SETTLED."""
     loop.train()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > 20)
+    return [r["tokens_per_s"] for r in rows if r["kind"] == "train" and r["step"] > SETTLED]
+
+
+def bare_windows(t, updates: list, sync, every: int) -> list[tuple[int, float, float]]:
+    """train_step alone over `updates` (collated on the device beforehand) with t's model:
+    (last update, target tokens, seconds) of each window of `every` updates."""
+    step = dict(clip_norm=t.config.clip_norm, autocast=t.autocast, group=t.dist)
+    windows = []
+    for i in range(0, len(updates) - every + 1, every):
+        sync()
+        start = time.perf_counter()
+        for n, batches in enumerate(updates[i : i + every], start=i + 1):
+            train_step(t.model, t.forward, t.optimizer, t.scaler, batches, lr=t.rate(n), **step)
+        sync()
+        tokens = sum(b.tokens for batches in updates[i : i + every] for b in batches)
+        windows.append((i + every, tokens, time.perf_counter() - start))
+    return windows
 
 
 def loop_against_bare(
-    run_dir: Path, size: str, max_tokens: int, device: str, precision: str, steps: int = 200
+    run_dir: Path, size: str, max_tokens: int, device: str, precision: str, steps: int = 200, rounds: int = 2
 ) -> dict:
     """Target tokens/s of the trainer's loop and of bare train_step on the same real batches.
 
-    The bare step passes over the first `steps` batches three times: the first pass is cold (the
-    first epoch of a run meets every batch shape once, and kernels choose and cache their plans
-    per shape), the other two warm, timed in windows of 10 updates. The loop then trains afresh in
-    the same process, so it is warm too."""
+    Both train a fresh model on the first `steps` updates of the first epoch, and are measured
+    alike: the median over windows of 10 updates ending after update 20 (the loop's own logged
+    windows; the bare step's timed the same way, synchronised at their ends). The bare step runs
+    first, cold: the first epoch of a run meets every batch shape once, and kernels choose and
+    cache their plans per shape; that pass is reported on its own. Then the loop and the warm
+    bare step take turns, `rounds` times each, in the same process."""
     import tempfile
 
     from nmt_cli import training
     from nmt_cli.config import TrainConfig
     from nmt_cli.engine import state
     from nmt_cli.engine.data import on_device
+    from nmt_cli.engine.trainer import LOG_EVERY
     from nmt_cli.rundir import RunDir
 
     config = TrainConfig(
@@ -191,45 +215,47 @@ def loop_against_bare(
         warmup=100,
     )
     with tempfile.TemporaryDirectory() as tmp:
-        run = copy_to_train_in(run_dir, tmp)
-        t = training.build_trainer(config, RunDir(run), state.Quiet())
-        updates = list(on_device(t.epochs.fixed, [[b] for b in t.epochs.batches(0)[:steps]], t.device))
 
+        def fresh(name: str):
+            run = copy_to_train_in(run_dir, str(Path(tmp) / name))
+            return training.build_trainer(config, RunDir(run), state.Quiet()), run
+
+        t, _ = fresh("bare")
         on_gpu = t.device.type == "cuda"
 
         def sync():
             if on_gpu:
                 torch.cuda.synchronize()
 
-        step = dict(clip_norm=0.0, lr=1e-4, autocast=t.autocast, group=t.dist)
-        windows = []  # (pass, tokens, seconds) of 10 updates
-        for p in range(3):
-            for i in range(0, len(updates) - 9, 10):
-                sync()
+        updates = list(on_device(t.epochs.fixed, [[b] for b in t.epochs.batches(0)[:steps]], t.device))
+        cold = bare_windows(t, updates, sync, LOG_EVERY)
+        bare, looped = [], []
+        for r in range(rounds):
+            loop, run = fresh(f"loop{r}")
+            looped.append(loop_windows(loop, run))
+            if r == rounds - 1:
                 start = time.perf_counter()
-                for batches in updates[i : i + 10]:
-                    train_step(t.model, t.forward, t.optimizer, t.scaler, batches, **step)
-                sync()
-                tokens = sum(b[0].tokens for b in updates[i : i + 10])
-                windows.append((p, tokens, time.perf_counter() - start))
-        cold = sum(w[1] for w in windows if w[0] == 0) / sum(w[2] for w in windows if w[0] == 0)
-        bare = statistics.median(w[1] / w[2] for w in windows if w[0] > 0)
-        del t, updates
-        loop = training.build_trainer(config, RunDir(run), state.Quiet())
-        looped = trained_tokens_per_s(loop, run)
-        start = time.perf_counter()
-        loop.save()
-        save_seconds = time.perf_counter() - start
+                loop.save()
+                save_seconds = time.perf_counter() - start
+            del loop
+            t, _ = fresh(f"bare{r}")
+            bare.append([w[1] / w[2] for w in bare_windows(t, updates, sync, LOG_EVERY) if w[0] > SETTLED])
+            del t
+    bare_all = [x for round_ in bare for x in round_]
+    loop_all = [x for round_ in looped for x in round_]
     return {
         "size": size,
         "max_tokens": max_tokens,
         "device": device,
         "precision": precision,
         "steps": steps,
-        "bare_cold_first_pass_tgt_tokens_per_s": cold,
-        "bare_tgt_tokens_per_s": bare,
-        "loop_tgt_tokens_per_s": looped,
-        "loop_over_bare": looped / bare,
+        "rounds": rounds,
+        "bare_cold_first_pass_tgt_tokens_per_s": sum(w[1] for w in cold) / sum(w[2] for w in cold),
+        "bare_tgt_tokens_per_s": statistics.median(bare_all),
+        "loop_tgt_tokens_per_s": statistics.median(loop_all),
+        "loop_over_bare": statistics.median(loop_all) / statistics.median(bare_all),
+        "bare_rounds": [statistics.median(x) for x in bare],
+        "loop_rounds": [statistics.median(x) for x in looped],
         "checkpoint_seconds": save_seconds,
     }
 
