@@ -100,7 +100,7 @@ def test_the_loop_reads_its_figures_a_window_late_and_logs_every_window(run_copy
             save_every=1000, dropout=0.0, attention_dropout=0.0, relu_dropout=0.0,
         )  # fmt: skip
         t = training.build_trainer(config, RunDir(run), state.Quiet())
-        assert t.figures.late and t.collate_ahead  # batches collated by a thread of their own too
+        assert t.figures.late and t.collate_ahead and t.epochs.ahead  # threads collate, make epochs
         t.figures.late = late
         t.train()
         return [r for r in _metrics(run) if r["kind"] in ("train", "valid")]

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -45,6 +46,40 @@ def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
     assert len({x.shape for x in sum(grid, [])}) < 0.75 * len({x.shape for x in sum(exact, [])})
     as_before = padding_share(exact[0], s, t)
     assert as_before < padding_share(a, s, t) <= as_before + 0.02
+
+
+def test_the_next_epoch_made_ahead_by_a_thread_is_the_same_epoch(multi30k_bpe):
+    """What a GPU run does (Epochs' `ahead`), forced on the CPU: each next epoch's pairs
+    (re-encoded, as BPE-dropout does) and batches are made by a thread while this one trains,
+    the same as made when asked for; an error there is raised when that epoch is asked for."""
+    run = RunDir(multi30k_bpe)
+    split = Split.of(Shard(run.tokens("train", "en")), Shard(run.tokens("train", "de")), 256)
+    made_by: dict[int, str] = {}
+
+    def resample(epoch: int) -> tuple[Shard, Shard]:
+        made_by[epoch] = threading.current_thread().name
+        if epoch == 3:
+            raise OSError("the text went away")
+        # Each epoch's own encoding: the sources one word longer every other epoch.
+        src = [list(split.src[i]) + [7] * (epoch % 2) for i in range(len(split.src_lengths))]
+        return Shard.in_memory(src, 8000), split.tgt
+
+    def epochs(ahead: bool) -> list:
+        e = Epochs(split, 2048, 2, 3, Group(0, 1), resample, ahead)
+        made = [(e.data(n).src_lengths, [(x.sentences, x.shape) for x in e.batches(n)]) for n in range(3)]
+        with pytest.raises(OSError, match="went away"):
+            e.batches(3)
+        return made
+
+    asked = epochs(False)
+    assert set(made_by.values()) == {threading.current_thread().name}
+    ahead = epochs(True)
+    assert made_by[0] == threading.current_thread().name
+    assert made_by[1] == made_by[2] == made_by[3] == "nmt-next-epoch"
+    assert not np.array_equal(asked[0][0], asked[1][0])  # the epochs differ
+    for (lengths, batches), (lengths2, batches2) in zip(asked, ahead, strict=True):
+        assert np.array_equal(lengths, lengths2) and len(batches) == len(batches2)
+        assert all(np.array_equal(a, b) and s == t for (a, s), (b, t) in zip(batches, batches2))
 
 
 @pytest.mark.parametrize("world, update_freq", [(2, 1), (4, 1), (2, 3)])

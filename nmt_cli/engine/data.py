@@ -84,7 +84,10 @@ class Split:
 class Epochs:
     """The training data, epoch by epoch: the pairs of an epoch (always `fixed`, or with
     BPE-dropout their encoding for that epoch, from `resample(epoch)`) and this rank's batches
-    of at most `max_tokens` tokens, `update_freq` of them an update, shuffled from `seed`."""
+    of at most `max_tokens` tokens, `update_freq` of them an update, shuffled from `seed`.
+
+    With `ahead` (on a GPU, which would otherwise wait for them), the next epoch's pairs and
+    batches are made by a thread while this one trains; they are the same either way."""
 
     def __init__(
         self,
@@ -94,24 +97,57 @@ class Epochs:
         seed: int,
         group: Group,
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
+        ahead: bool = False,
     ):
         self.fixed, self.max_tokens, self.update_freq, self.seed = fixed, max_tokens, update_freq, seed
-        self.group, self.resample = group, resample
-        self._last: tuple[int, Split] | None = None  # an epoch is encoded once
+        self.group, self.resample, self.ahead = group, resample, ahead
+        self._current: tuple[int, tuple[Split, list[Planned]]] | None = None  # made once
+        self._next: tuple[int, _Later] | None = None
 
     def data(self, epoch: int) -> Split:
-        if self.resample is None:
-            return self.fixed
-        if self._last is None or self._last[0] != epoch:
-            self._last = (epoch, self.fixed.reencoded(*self.resample(epoch)))
-        return self._last[1]
+        return self._epoch(epoch)[0]
 
     def batches(self, epoch: int) -> list[Planned]:
         """This rank's batches of `epoch`, each run of `update_freq` an update: every
         world-th one, as many on every rank, the ranks' batches of one update of one shape."""
+        return self._epoch(epoch)[1]
+
+    def _epoch(self, epoch: int) -> tuple[Split, list[Planned]]:
+        if self._current is None or self._current[0] != epoch:
+            made = self._next[1].get() if self._next is not None and self._next[0] == epoch else None
+            self._current = (epoch, made or self._make(epoch))
+            self._next = (epoch + 1, _Later(self._make, epoch + 1)) if self.ahead else None
+        return self._current[1]
+
+    def _make(self, epoch: int) -> tuple[Split, list[Planned]]:
+        data = self.fixed if self.resample is None else self.fixed.reencoded(*self.resample(epoch))
         world = self.group.world
-        planned = self.data(epoch).batches(self.max_tokens, self.seed, epoch, world * self.update_freq)
-        return planned[self.group.rank :: world]
+        planned = data.batches(self.max_tokens, self.seed, epoch, world * self.update_freq)
+        return data, planned[self.group.rank :: world]
+
+
+class _Later:
+    """fn(*args) computed by a daemon thread (a run that stops does not wait for it); get()
+    waits for the result, or raises the error it met."""
+
+    def __init__(self, fn: Callable, *args):
+        self._done = threading.Event()
+        self._result, self._error = None, None
+        threading.Thread(target=self._run, args=(fn, args), name="nmt-next-epoch", daemon=True).start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        try:
+            self._result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised again in get()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def get(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 @dataclass

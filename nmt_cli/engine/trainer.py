@@ -118,7 +118,11 @@ class Trainer:
         config, reporter = self.config, self.reporter
         limit = min(self.model_config.max_positions, config.max_tokens)
         train = Split.of(*data.train, limit, list(data.corpora))
-        self.epochs = Epochs(train, config.max_tokens, config.update_freq, config.seed, self.dist, resample)
+        # On a GPU the next epoch's batches are made while this one trains (as collation is).
+        ahead = self.device.type == "cuda"
+        self.epochs = Epochs(
+            train, config.max_tokens, config.update_freq, config.seed, self.dist, resample, ahead
+        )
         self.valid_data = Split.of(*data.valid, limit) if data.valid is not None else None
         if len(self.epochs.fixed.keep) == 0:
             raise NmtError(f"no training pair fits --max-tokens {config.max_tokens}: raise it")
