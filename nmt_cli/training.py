@@ -31,7 +31,25 @@ def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
                 "hold: a resume keeps it (start a new run, or --init-from this one)"
             )
         return dataclasses.replace(saved, **{k: given[k] for k in explicit})
-    return TrainConfig(**given)
+    config = TrainConfig(**given)
+    if config.init_from and not config.init_schedule and not explicit & set(SCHEDULE_OPTIONS):
+        return fine_tuning_schedule(config)
+    return config
+
+
+# The options that shape the learning rate: give any of them and the schedule is yours.
+SCHEDULE_OPTIONS = ("schedule", "lr", "lr_scale", "warmup", "min_lr")
+
+
+def fine_tuning_schedule(config: TrainConfig) -> TrainConfig:
+    """--init-from's schedule unless one is asked for: a short warm-up to 1e-4 (about the rate
+    the paper's schedule has come down to after a base run's 100k steps), then a linear decay to
+    zero at --max-steps (held with no limit). The paper's schedule restarted would take a trained
+    model back up to several times that rate (7e-4 for base) over 4,000 steps."""
+    steps = config.max_steps
+    warmup = max(1, min(500, steps // 10)) if steps else 500
+    schedule = "linear" if steps > warmup else "constant"
+    return dataclasses.replace(config, schedule=schedule, lr=1e-4, warmup=warmup)
 
 
 def train_here(run: RunDir, config: TrainConfig, rank: int) -> dict:

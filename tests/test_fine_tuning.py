@@ -1,6 +1,8 @@
 """--init-from: fine-tuning from another model, with or without its optimizer and schedule."""
 
+import dataclasses
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -199,3 +201,28 @@ def test_an_interrupted_fine_tuning_resumes_from_its_own_checkpoint(trained_long
     b, _ = final_weights(run)
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
+
+
+def test_fine_tuning_warms_up_briefly_unless_a_schedule_is_asked_for(trained_longer, tmp_path, nmt):
+    """--init-from alone: a short warm-up to 1e-4 and a linear decay, not the paper's warm-up from
+    scratch; any schedule option given, --init-schedule, or no --init-from: the options as given.
+    The run records what it trains with."""
+    run = RunDir(tmp_path / "run")
+    given = dataclasses.asdict(TrainConfig())
+    init = {**given, "init_from": str(trained_longer)}
+    tuned = training.settings(run, {**init, "max_steps": 3000}, set())
+    assert (tuned.schedule, tuned.lr, tuned.warmup) == ("linear", 1e-4, 300)
+    assert training.settings(run, init, set()).warmup == 500  # at most 500
+    assert training.settings(run, {**init, "max_steps": 0}, set()).schedule == "constant"
+    assert learning_rate(1, 64, tuned.warmup, 1.0, tuned.schedule, tuned.lr, 3000) < 1e-6
+    paper = dataclasses.astuple(TrainConfig(**init))
+    for option in training.SCHEDULE_OPTIONS:
+        assert dataclasses.astuple(training.settings(run, init, {option})) == paper
+    for options in ({**init, "init_schedule": True}, given):
+        as_given = dataclasses.astuple(TrainConfig(**options))
+        assert dataclasses.astuple(training.settings(run, options, set())) == as_given
+    shown = nmt(
+        "train", "--run-dir", run.root, "--init-from", trained_longer, "--max-steps", "3000", "--print-config"
+    )
+    assert shown.code == 0, shown.err
+    assert re.search(r"schedule\W+linear", shown.out) and re.search(r"warmup\W+300\b", shown.out), shown.out

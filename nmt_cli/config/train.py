@@ -134,7 +134,8 @@ class TrainConfig:
     init_from: str | None = knob(
         None,
         "Start from this model's weights (a run directory, a checkpoint or a package from `nmt "
-        "export`) with a fresh optimizer and schedule; its BPE must be this run's (`nmt bpe --from`).",
+        "export`) with a fresh optimizer; its BPE must be this run's (`nmt bpe --from`). Without "
+        "schedule options: --schedule linear --lr 1e-4 --warmup 500 (a tenth of --max-steps at most).",
     )
     init_optimizer: bool = knob(False, "With --init-from: keep its Adam moments (a training checkpoint's).")
     init_schedule: bool = knob(
