@@ -24,10 +24,14 @@ COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class Backend:
     """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
 
-    def __init__(self, model: Model, config: TranslateConfig):
+    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
         ct2 = self._ct2 = require_ctranslate2()
         self._seeded = False
         kind, index = device_of(ct2, config.device)
+        if gpus:  # a replica on each GPU; search() hands over all its batches at once
+            if gpus > ct2.get_cuda_device_count():
+                raise NmtError(f"--gpus {gpus}, but CTranslate2 sees {ct2.get_cuda_device_count()} GPUs")
+            kind, index = "cuda", list(range(gpus))
         if config.int8:
             compute_type = "int8"
         elif config.precision == "auto" and model.ct2_dir is not None:
@@ -44,7 +48,7 @@ class Backend:
         try:
             # On a CPU, `threads` workers of one thread each decode `threads` batches at once:
             # CTranslate2's threads within one batch scale poorly on small matrices
-            # (docs/benchmarks.md). The workers share the weights.
+            # (docs/benchmarks.md). The workers share the weights. On GPUs, one worker each.
             cpu = kind == "cpu"
             self.translator = ct2.Translator(
                 str(where),

@@ -108,7 +108,9 @@ class Counts:
 class Translator:
     """A loaded model with its sentencepiece model, translating lists of raw lines."""
 
-    def __init__(self, model: Model, config: TranslateConfig):
+    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
+        """`gpus`: CTranslate2's replicas of the model, one on each of the first `gpus` GPUs,
+        sharing the batches (nmt's engine spreads over worker processes instead: workers.py)."""
         import sentencepiece as spm
 
         self.config = config
@@ -117,7 +119,7 @@ class Translator:
         if self.engine == "ctranslate2":  # imported here: neither backend needs the other's
             from nmt_cli import backend_ct2
 
-            self.backend = backend_ct2.Backend(model, config)
+            self.backend = backend_ct2.Backend(model, config, gpus)
         else:
             from nmt_cli import backend_nmt
 

@@ -113,3 +113,31 @@ def test_engine_errors(package, exported, tmp_path, nmt):
         nmt("export", tmp_path / "y", "--format", "ctranslate2", "--model", exported["int8"])
     )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_gpus_puts_a_replica_on_each_gpu_and_hands_them_every_batch(exported, multi30k_bpe, monkeypatch):
+    """`--gpus N` with CTranslate2: one translator with a replica on each of GPUs 0..N-1, one
+    worker each, every batch handed over at once so that the replicas share them. No GPU here:
+    CTranslate2 is told it has two, and its replicas become CPU workers (the same count) whose
+    output must be the one CPU translator's; asking for more GPUs than it has is one line."""
+    import ctranslate2
+    import pytest
+
+    from nmt_cli.errors import NmtError
+
+    real, made = ctranslate2.Translator, []
+
+    def on_the_cpu(path, device, device_index, **options):
+        made.append((device, device_index, options["inter_threads"]))
+        return real(path, device="cpu", **{**options, "inter_threads": len(device_index)})
+
+    lines = sources_of(multi30k_bpe)[:60]
+    config = TranslateConfig(decode=DecodeOptions(beam=4), threads=1)
+    alone = Translator(from_dir(exported["float32"]), config).translate(lines)
+    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", lambda: 2)
+    monkeypatch.setattr(ctranslate2, "Translator", on_the_cpu)
+    spread = Translator(from_dir(exported["float32"]), config, gpus=2)
+    assert made == [("cuda", [0, 1], 1)]
+    assert spread.translate(lines) == alone
+    with pytest.raises(NmtError, match="--gpus 3, but CTranslate2 sees 2 GPUs"):
+        Translator(from_dir(exported["float32"]), config, gpus=3)

@@ -5,6 +5,7 @@
 (benchmarks/gpu_check.sh does). Without a visible GPU every test here is skipped.
 """
 
+import contextlib
 import json
 import math
 import shutil
@@ -207,6 +208,27 @@ def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
     cpu = nmt("translate", "--run-dir", trained_on_cpu, "--device", "cpu", stdin=stdin)
     same = sum(a == b for a, b in zip(out, cpu.out.split("\n")[:-1]))
     assert same >= (190 if precision == "fp32" else 150), same
+
+
+def test_translate_gpus_one_worker_each_equals_one_process(trained_on_cpu, nmt, multi30k_dir):
+    """`--gpus 1` (nmt's engine: a worker process; CTranslate2: its replica on GPU 0, where
+    its wheel has CUDA) answers as one process on the GPU does."""
+    import gzip
+
+    lines = gzip.open(multi30k_dir / "test_2016_flickr.en.gz", "rt").read().splitlines()[:100]
+    stdin = ("\n".join(lines) + "\n").encode()
+    engines = [["--engine", "nmt"]]
+    with contextlib.suppress(ImportError):
+        import ctranslate2
+
+        if ctranslate2.get_cuda_device_count() > 0:
+            engines.append(["--engine", "ctranslate2"])
+    for engine in engines:
+        common = ["translate", "--run-dir", trained_on_cpu, "--precision", "fp32", *engine]
+        one = nmt(*common, *CUDA, stdin=stdin)
+        spread = nmt(*common, "--gpus", "1", stdin=stdin)
+        assert one.code == 0 and spread.code == 0, (engine, one.err, spread.err)
+        assert spread.out == one.out and one.out.count("\n") == 100, engine
 
 
 def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):

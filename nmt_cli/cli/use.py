@@ -67,7 +67,11 @@ def translate(
     ] = 1,
     gpus: Annotated[
         int,
-        typer.Option(min=0, help="Worker processes decoding shares of the input, one GPU each (0: none)."),
+        typer.Option(
+            min=0,
+            help="Worker processes decoding shares of the input, one GPU each (0: none); "
+            "CTranslate2: a replica of the model on each GPU, in this process.",
+        ),
     ] = 0,
     config_file: ConfigFileOption = None,
     print_config: PrintConfigOption = False,
@@ -83,12 +87,15 @@ def translate(
         print_settings(ctx, config, run_dir=run_dir, model=[str(m) for m in model or []])
         return
     workers.check(procs, gpus, config)
-    translator = Translator(models.load(run_dir, model, config.checkpoint), config)
-    if translator.engine == "ctranslate2" and (procs > 1 or gpus):
-        raise NmtError(
-            "--procs and --gpus are for nmt's engine: CTranslate2 decodes several batches at once "
-            "itself, one per --threads"
-        )
+    translator = Translator(models.load(run_dir, model, config.checkpoint), config, gpus)
+    if translator.engine == "ctranslate2":
+        if procs > 1:
+            raise NmtError(
+                "--procs is for nmt's engine: CTranslate2 decodes several batches at once itself, "
+                "one per --threads"
+            )
+        gpus = 0  # its replicas share the batches in this process
+
     for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
         if path is not None and not path.is_file():
             raise NmtError(f"{name} {path} not found")
