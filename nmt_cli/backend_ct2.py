@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
 from nmt_cli.ct2_spec import pieces, require_ctranslate2, save
-from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty
+from nmt_cli.engine.hypothesis import Hypothesis, Source, coverage_penalty, length_penalty
 from nmt_cli.engine.hypothesis import limits as output_limits
 from nmt_cli.errors import NmtError, Stopped
 from nmt_cli.models import Model
@@ -132,10 +132,45 @@ class Backend:
             if gone is not None and all(all(g()) for g in gone):
                 raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
+            found = [r.result() for r in results]
+            covered = (
+                self._coverage(batch, found, options.coverage_penalty)
+                if options.coverage_penalty
+                else [None] * len(batch)
+            )
             yield [
-                self.ranked(r.result(), options, offset, s.alpha)
-                for r, offset, s in zip(results, offsets, batch)
+                self.ranked(r, options, offset, s.alpha, c)
+                for r, offset, s, c in zip(found, offsets, batch, covered)
             ]
+
+    def _coverage(self, batch: list[Source], found: list, beta: float) -> list[list[float]]:
+        """The coverage penalty of each hypothesis of each sentence, from CTranslate2's attention
+        over it teacher-forced (its beam search's own first attention row differs from it in
+        batches of several sentences; the forced one is nmt's to 1e-7)."""
+        sources = [s.ids for s, r in zip(batch, found) for _ in r.hypotheses]
+        targets = [[self.ids[t] for t in h if t != self.pieces[EOS]] for r in found for h in r.hypotheses]
+        # a row for each token and one for the step after it, where its EOS comes
+        forced = zip(self._forced(sources, targets), targets)
+        rows = (r.result().attention[0][: len(y) + 1] for r, y in forced)
+        return [
+            [coverage_penalty([sum(c) for c in zip(*next(rows))], beta) for _ in r.hypotheses]
+            for s, r in zip(batch, found)
+        ]
+
+    def _forced(self, sources: list[list[int]], targets: list[list[int]]) -> list:
+        """CTranslate2's pass over each target forced as a prefix after its source (pending):
+        its attention has a row for each step and a column for each word of the source (its EOS
+        left out)."""
+        return self.translator.translate_batch(
+            self._as_pieces(sources),
+            target_prefix=self._as_pieces(targets),
+            beam_size=1,
+            max_decoding_length=max(map(len, targets)) + 1,
+            max_input_length=0,
+            return_attention=True,
+            return_end_token=True,
+            asynchronous=True,
+        )
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS; CTranslate2 adds it and scores
@@ -164,18 +199,7 @@ class Backend:
         """Each target's (source position, target position) pairs, as nmt's engine gives them
         (forced.aligned): the target forced as a prefix, each of its tokens paired with the
         source token (not the EOS) that the last decoder layer's attention weighs most."""
-        pending = [
-            self.translator.translate_batch(
-                self._as_pieces(batch),
-                target_prefix=self._as_pieces(batch_targets),
-                beam_size=1,
-                max_decoding_length=max(map(len, batch_targets)) + 1,
-                max_input_length=0,
-                return_attention=True,
-                asynchronous=True,
-            )
-            for batch, batch_targets in zip(batches, targets)
-        ]
+        pending = [self._forced(batch, batch_targets) for batch, batch_targets in zip(batches, targets)]
         for results, batch, batch_targets in zip(pending, batches, targets):
             found = [r.result().attention[0] for r in results]
             yield [
@@ -188,13 +212,18 @@ class Backend:
     def _as_pieces(self, rows: list[list[int]]) -> list[list[str]]:
         return [[self.pieces[i] for i in row] for row in rows]
 
-    def ranked(self, result, options: DecodeOptions, offset: float, alpha: float) -> list[Hypothesis]:
-        """`result`'s hypotheses ranked as nmt ranks them, by the sentence's own `alpha`."""
+    def ranked(
+        self, result, options: DecodeOptions, offset: float, alpha: float, covered: list[float] | None
+    ) -> list[Hypothesis]:
+        """`result`'s hypotheses ranked as nmt ranks them, by the sentence's own `alpha` (and
+        their coverage penalties, `covered`, where asked)."""
         hyps = []
-        for tokens, score in zip(result.hypotheses, result.scores):
+        for k, (tokens, score) in enumerate(zip(result.hypotheses, result.scores)):
             ids = [self.ids[t] for t in tokens]
             # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
             penalised = (float(score) + offset) / length_penalty(len(ids), alpha)
+            if covered is not None:
+                penalised += covered[k]
             hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
         hyps = sorted(hyps, key=lambda h: -h.score)
         return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw

@@ -123,6 +123,8 @@ def test_sampling_options_are_checked(trained_longer, nmt):
         (["--sample", "--topk", "-1"], "--topk must be from 0 to 100000, not -1"),
         (["--alpha", "nan"], "--alpha must be from 0 to 10, not nan"),
         (["--max-len-a", "inf"], "--max-len-a must be from 0 to 100, not inf"),
+        (["--sample", "--coverage-penalty", "0.2"], "--coverage-penalty ranks a search's translations"),
+        (["--coverage-penalty", "-1"], "--coverage-penalty must be from 0 to 10, not -1"),
     ):
         assert message in one_error_line(nmt("translate", "--run-dir", trained_longer, *flags, stdin=b"x\n"))
 
@@ -199,6 +201,45 @@ def test_both_engines_apply_the_repetition_penalty_alike(trained_longer, sources
         if search["beam"] == 1:
             plain = texts(translator(trained_longer, "nmt", **search), sources)
             assert sum(a != b for a, b in zip(plain, ours)) >= 3  # the penalty is felt
+
+
+def test_the_coverage_penalty_ranks_the_beam_by_the_attention_each_word_received(trained_longer, sources):
+    """--coverage-penalty B: each of the beam's translations scores B x the sum over source words
+    of log(min(attention received, 1)) more, recomputed here from the model's teacher-forced
+    attention (last layer, heads averaged, the translation's steps and its EOS, the source's EOS
+    left out); the n-best are ranked by it. Both engines give a translation they both find the
+    same penalty (CTranslate2 from its own attention)."""
+    import torch
+
+    from nmt_cli.engine.data import pad_targets
+
+    beta, found = 2.0, {}
+    for engine in ENGINES:
+        for b in (0.0, beta):
+            t = translator(trained_longer, engine, nbest=4, coverage_penalty=b)
+            found[engine, b] = t.hypotheses(sources)
+    ids, model = t.encode(sources), translator(trained_longer).backend.models[0]
+    shifts = {}
+    for engine in ENGINES:
+        for i, (plain, covered) in enumerate(zip(found[engine, 0.0], found[engine, beta])):
+            assert [h.score for h in covered] == sorted((h.score for h in covered), reverse=True)
+            before = {tuple(h.tokens): h.score for h in plain}
+            for h in covered:
+                if tuple(h.tokens) in before:
+                    shifts[engine, i, tuple(h.tokens)] = h.score - before[tuple(h.tokens)]
+    checked = [(i, y) for engine, i, y in shifts if engine == "nmt"]
+    assert len(checked) >= len(sources)
+    for i, y in checked:
+        tgt_in, _ = pad_targets([list(y)])
+        src = torch.tensor([ids[i] + [3]])
+        attention = model.cross_attention(src, torch.from_numpy(tgt_in))[0, :, :-1]  # words only
+        expected = beta * torch.log(attention.sum(0).clamp(max=1.0)).sum().item()
+        assert shifts["nmt", i, y] == pytest.approx(expected, rel=1e-5, abs=1e-4)
+        if ("ctranslate2", i, y) in shifts:
+            assert shifts["ctranslate2", i, y] == pytest.approx(expected, rel=1e-4, abs=1e-3)
+    assert sum(("ctranslate2", i, y) in shifts for i, y in checked) >= len(sources)
+    # The penalty re-ranks: some sentence's best translation is another than without it.
+    assert any(a[0].tokens != b[0].tokens for a, b in zip(found["nmt", 0.0], found["nmt", beta]))
 
 
 def test_scores_print_beside_the_1_best_as_the_n_best_prints_them(trained_longer, sources, nmt):

@@ -114,12 +114,13 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
             200,
             {"translations": capped.translate(sources[:4])},
         )
-        penalty = TranslateConfig(decode=DecodeOptions(repetition_penalty=2.0))
-        penalised = Translator(from_dir(package), penalty)
-        assert server.post({"text": sources[:6], "repetition_penalty": 2.0})[:2] == (
-            200,
-            {"translations": penalised.translate(sources[:6])},
-        )
+        for option, value in (("repetition_penalty", 2.0), ("coverage_penalty", 1.0)):
+            penalty = TranslateConfig(decode=DecodeOptions(**{option: value}))
+            penalised = Translator(from_dir(package), penalty)
+            assert server.post({"text": sources[:6], option: value})[:2] == (
+                200,
+                {"translations": penalised.translate(sources[:6])},
+            )
         status, body, _ = server.post({"text": sources[:2], "scores": True})
         assert status == 200 and [t["text"] for t in body["translations"]] == expected[:2]
         assert all(isinstance(t["score"], float) and t["score"] < 0 for t in body["translations"])
@@ -159,6 +160,7 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
             (b"[]", 400),
             (b'{"text": ["a"], "beam": 0}', 400),
             (b'{"text": ["a"], "repetition_penalty": 0}', 400),
+            (b'{"text": ["a"], "sample": true, "coverage_penalty": 1}', 400),
             (b'{"text": ["a"], "beam": 2, "nbest": 3}', 400),
             (b'{"txt": ["a"]}', 400),
             (b'{"text": ["\xff\xfe"]}', 400),

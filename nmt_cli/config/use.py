@@ -25,6 +25,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "min_len": (0, 100_000),
     "no_repeat_ngram": (0, 100),
     "repetition_penalty": (0.01, 100.0),
+    "coverage_penalty": (0.0, 10.0),
     "nbest": (1, 1000),
     "topk": (0, 100_000),
     "temperature": (1e-6, 100.0),
@@ -59,6 +60,12 @@ class DecodeOptions:
         1.0,
         "Each token the translation already holds scores lower: its logit divided by P if positive, "
         "multiplied by P if negative (CTRL's, as CTranslate2's repetition_penalty; 1: off).",
+    )
+    coverage_penalty: float = knob(
+        0.0,
+        "GNMT's coverage penalty B: the beam's finished translations ranked with B x the sum over "
+        "source tokens of log(min(attention each received, 1)) added to their scores (the last "
+        "decoder layer's attention; as CTranslate2's coverage_penalty; 0: off).",
     )
     nbest: int = knob(1, "Hypotheses per sentence, best first, each with its score.")
     scores: bool = knob(False, "Each translation with its score, also the 1-best (see --nbest).")
@@ -107,6 +114,8 @@ class DecodeOptions:
             raise NmtError(f"--topp must be in (0, 1], not {self.topp!r}")
         if self.nbest > self.beam and not self.sample:
             raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
+        if self.sample and self.coverage_penalty:
+            raise NmtError("--coverage-penalty ranks a search's translations: drop it with --sample")
         if not self.sample and (self.topk, self.topp, self.temperature) != (0, 1.0, 1.0):
             raise NmtError("--topk, --topp and --temperature shape --sample's draws: add --sample")
         if self.tag and self.tag.split() != [self.tag]:

@@ -4,6 +4,7 @@ greedy or sampling (sampling.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -15,11 +16,12 @@ from torch import Tensor
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import beam, constrained, sampling
 from nmt_cli.engine.cache import DecoderCache
-from nmt_cli.engine.hypothesis import Hypothesis, limits, stream_of
+from nmt_cli.engine.data import pad_targets
+from nmt_cli.engine.hypothesis import Hypothesis, coverage_penalty, limits, stream_of
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.rules import NextToken
 from nmt_cli.errors import Stopped
-from nmt_cli.vocab import BOS, PAD
+from nmt_cli.vocab import BOS, EOS, PAD
 
 
 @torch.no_grad()
@@ -46,8 +48,28 @@ def translate(
     waits for ends at that step (its hypotheses are for nobody), and once none is waited for,
     errors.Stopped (every search takes its steps from here)."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    hyps = _search(models, src, options, use_cache, streams, prefixes, constraints, gone, alphas)
+    if options.coverage_penalty:
+        return _covered(models, src, hyps, options)
+    return hyps
+
+
+def _search(
+    models: list[Transformer],
+    src: Tensor,
+    options: DecodeOptions,
+    use_cache: bool,
+    streams: Sequence[int] | None,
+    prefixes: Sequence[Sequence[int]] | None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None,
+    gone: Callable[[], Sequence[bool]] | None,
+    alphas: Sequence[float] | None,
+) -> list[list[Hypothesis]]:
+    """The search `options` ask for, on translate's arguments."""
     src_lengths = (src != PAD).sum(1).tolist()
     o = options
+    if o.coverage_penalty:  # every finished translation of the beam, ranked with it afterwards
+        o = dataclasses.replace(o, nbest=o.beam)
     ceiling = min([m.config.max_positions - 1 for m in models] + [o.max_len or math.inf])
     bound = constraints is not None and any(constraints)
     if bound and o.sample:
@@ -86,6 +108,29 @@ def translate(
     if o.beam == 1 and o.nbest == 1:
         return sampling.greedy(step, reorder, rules, src.device)
     return beam.search(step, reorder, rules, src.device)
+
+
+def _covered(
+    models: list[Transformer], src: Tensor, hyps: list[list[Hypothesis]], options: DecodeOptions
+) -> list[list[Hypothesis]]:
+    """Each sentence's translations ranked with the coverage penalty added to their scores, the
+    `options.nbest` best. The attention is the last decoder layer's (heads and models averaged),
+    teacher-forced over each translation and its EOS (what the search's own steps computed), to
+    the source's words: its EOS is left out, as CTranslate2 leaves it out."""
+    flat = [(i, h) for i, found in enumerate(hyps) for h in found]
+    if flat:
+        rows = torch.tensor([i for i, _ in flat], device=src.device)
+        tgt_in, tgt_out = pad_targets([h.tokens for _, h in flat])
+        tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
+        sources = src[rows]
+        weights = sum(m.cross_attention(sources, tgt_in_t).float() for m in models) / len(models)
+        steps = torch.from_numpy(tgt_out != PAD).to(src.device)  # the translation's and its EOS's
+        coverage = (weights * steps[..., None]).sum(1)  # (N, S)
+        words = (sources != EOS) & (sources != PAD)  # the source's EOS is not a word to cover
+        coverage = coverage.masked_fill(~words, 0.0).tolist()
+        for (_, h), received in zip(flat, coverage):
+            h.score += coverage_penalty(received, options.coverage_penalty)
+    return [sorted(found, key=lambda h: -h.score)[: options.nbest] for found in hyps]
 
 
 def _stoppable(

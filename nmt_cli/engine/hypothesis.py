@@ -3,6 +3,7 @@ CTranslate2's (backend_ct2.py); plain Python, so that decoding a CTranslate2 exp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,6 +36,15 @@ class Hypothesis:
 def length_penalty(length: int | Tensor, alpha: float):
     """GNMT's ((5 + |Y|) / 6) ** alpha, |Y| counting the EOS."""
     return ((5.0 + length) / 6.0) ** alpha
+
+
+def coverage_penalty(coverage: Sequence[float], beta: float) -> float:
+    """GNMT's coverage penalty (Wu et al. 2016, eq. 14), added to a finished translation's
+    score: beta x the sum over source words of log(min(attention received, 1)), `coverage` the
+    attention each source word received summed over the translation's steps (its EOS's
+    included). A position never attended to (padding, a left-out EOS) counts nothing, as in
+    CTranslate2."""
+    return beta * sum(math.log(min(c, 1.0)) for c in coverage if c > 0)
 
 
 def stream_of(seed: int, key: int) -> int:

@@ -338,3 +338,13 @@ def test_every_search_ends_the_sentences_nobody_waits_for_and_goes_on_with_the_r
     for i in (0, 2):
         assert [h.tokens for h in left[i]] == [h.tokens for h in stayed[i]]
         assert [h.score for h in left[i]] == pytest.approx([h.score for h in stayed[i]], abs=1e-4)
+
+
+def test_coverage_penalty_by_hand():
+    """beta x the sum of log(min(attention received, 1)) over the source words; a word given
+    more than its share counts 0, one never attended to (padding) nothing."""
+    from nmt_cli.engine.hypothesis import coverage_penalty
+
+    expected = 2.0 * (math.log(0.5) + math.log(0.25))
+    assert coverage_penalty([0.5, 1.5, 0.0, 0.25], 2.0) == pytest.approx(expected)
+    assert coverage_penalty([1.0, 3.0], 0.7) == 0.0
