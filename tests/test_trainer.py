@@ -240,7 +240,7 @@ def test_train_errors(tmp_path, run_copy, nmt):
 # -- the hot path does not wait for the device -------------------------------------------------
 
 
-def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt):
+def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt, monkeypatch):
     """`--compile` on batches of changing shapes: one graph (the model, its logits and the
     loss), traced once and never again (sizes dynamic from the start), with no break in it (the
     CPU's own dropout is left to the compiler); its kernels cached in the run directory for a
@@ -249,7 +249,7 @@ def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt):
 
     torch._dynamo.reset()
     counters.clear()
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # as a user who set none
     result = nmt("train", "--run-dir", run_copy, *TINY, "--compile", "--max-steps", "8", "--eval-every", "4")
     assert result.code == 0, result.err
     assert counters["frames"]["ok"] == 1, dict(counters["frames"])
@@ -257,8 +257,26 @@ def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt):
     torch._dynamo.reset()
     cache = RunDir(run_copy).compile_cache
     assert sum(1 for p in cache.rglob("*") if p.is_file()) > 0
-    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before  # the process's setting restored
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the process's setting restored
     assert re.search(r"compiled the update \(model, logits, loss\) in \d", RunDir(run_copy).log.read_text())
+
+
+def test_the_compile_cache_is_the_runs_unless_the_user_chose_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    run, key = RunDir(tmp_path), "TORCHINDUCTOR_CACHE_DIR"
+    for before in (None, default_cache_dir()):  # none set, or torch's default written in
+        if before is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, before)
+        with training.compile_cache(run):
+            assert os.environ[key] == str(run.compile_cache)
+        assert os.environ.get(key) == before
+    monkeypatch.setenv(key, str(tmp_path / "mine"))
+    with training.compile_cache(run):
+        assert os.environ[key] == str(tmp_path / "mine")
+    assert os.environ[key] == str(tmp_path / "mine")
 
 
 @pytest.mark.parametrize("cpu_bf16", [True, False])
