@@ -84,7 +84,7 @@ class Backend:
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
         batches meet its threads in the same order; the sentences' streams cannot seed them.
-        CTranslate2 has no lexical constraints: translate.Translator refuses them before.
+        CTranslate2 has no lexical constraints: translator.Translator refuses them before.
         """
         a, b = options.max_len_a, options.max_len_b
         ceiling = min(self.ceiling, options.max_len or self.ceiling)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.errors import Stopped
-from nmt_cli.translate import Translator
+from nmt_cli.translator import Translator
 
 
 @dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity

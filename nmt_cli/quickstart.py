@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 
-from nmt_cli import average, bpe, plot, prep, recipes, score, training, ui
+from nmt_cli import average, bpe, plot, prep, recipes, score, training, translate, ui
 from nmt_cli.config import BpeConfig, PrepConfig, TrainConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json
@@ -81,7 +81,7 @@ def run(
     with run_dir.lock("average"):
         average.average_run(run_dir, AVERAGE, ui.say)
     _step(5, "translate and score test2016")
-    hyp, ref = score.translate_split(run_dir, "test", TranslateConfig(threads=threads))
+    hyp, ref = translate.translate_split(run_dir, "test", TranslateConfig(threads=threads))
     hyps, refs = list(read_lines(hyp)), list(read_lines(ref))
     lowercase = score.writes_lowercase(None, run_dir, moses_lc=False)
     report = score.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"], lowercase=lowercase)

@@ -4,23 +4,19 @@ bootstrap against another system)."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import itertools
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TextIO
 
 from nmt_cli import metrics as measure
-from nmt_cli import ui, workers
+from nmt_cli import translate, ui
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_open, atomic_write_json
-from nmt_cli.models import Model, from_run
+from nmt_cli.models import Model
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import decode_line, read_lines
-from nmt_cli.translate import Counts, Translator
+from nmt_cli.translator import Translator
 
 
 def parse_metrics(values: list[str] | None) -> list[str]:
@@ -53,7 +49,7 @@ def inputs(
             raise NmtError("--src needs --ref, and not --hyp")
         model = load()
         return (
-            translate_lines(model, config, src),
+            translate.translate_lines(model, config, src),
             list(read_lines(ref)),
             (f"{src} translated", str(ref)),
             model,
@@ -62,7 +58,7 @@ def inputs(
         if hyp is not None:
             raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
         model = load() if model_given else None
-        hyp_path, ref_path = translate_split(run, split, config, model)
+        hyp_path, ref_path = translate.translate_split(run, split, config, model)
         return list(read_lines(hyp_path)), list(read_lines(ref_path)), (str(hyp_path), str(ref_path)), model
     hyps = list(read_lines(hyp)) if hyp is not None else stdin()
     return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None
@@ -141,57 +137,6 @@ def report(
     return out
 
 
-def translate_split(
-    run: RunDir, split: str, config: TranslateConfig, model: Model | None = None
-) -> tuple[Path, Path]:
-    """Translate the run's split with `model` (default: the run's) unless a translation by the
-    same model and settings exists."""
-    manifest = run.load_manifest().get("prep")
-    if not manifest:
-        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
-    if split not in manifest["splits"]:
-        raise NmtError(f"split {split!r} is not in {run.root} (it has {', '.join(manifest['splits'])})")
-    src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
-    ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
-    out = run.translation(split, manifest["tgt"])
-    model = model or from_run(run, config.checkpoint)
-    key = {"model": str(model.where), "model_sha256": model.sha256, "settings": dataclasses.asdict(config)}
-    key_path = out.with_suffix(out.suffix + ".json")
-    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
-        ui.say(f"reusing {out} (same model and settings)")
-        return out, ref_path
-    with open(src_path, "rb") as source, atomic_open(out) as sink:
-        stream(
-            Translator(model, config), source, sink, f"translate {split}", manifest["splits"][split]["kept"]
-        )
-    atomic_write_json(key_path, key)
-    return out, ref_path
-
-
-def stream(
-    translator: Translator,
-    source: BinaryIO,
-    sink: TextIO,
-    what: str,
-    lines: int | None = None,
-    prefixes: Path | None = None,
-    constraints: Path | None = None,
-    spread: workers.Spread | None = None,
-) -> None:
-    """`translator.stream` with a progress bar, then a warning for each kind of line it had
-    to change; `prefixes` and `constraints`: files aligned with the input; `spread`: worker
-    processes to decode in."""
-    with contextlib.ExitStack() as files, ui.progress() as bar:
-        starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
-        task = bar.add_task(what, total=lines)
-        advance = lambda n: bar.advance(task, n)  # noqa: E731
-        if spread is not None and spread.workers:
-            counts = workers.stream(spread, translator.config, source, sink, advance, starts, phrases)
-        else:
-            counts = translator.stream(source, sink, advance, starts, phrases)
-    report_counts(counts, translator.max_src)
-
-
 def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO) -> None:
     """`nmt score-pairs`: each pair's scores, one line each, `chunk` pairs at a time."""
     lines = [_count_lines(path) for path in (src, tgt)]
@@ -208,7 +153,7 @@ def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO) -> N
                 sink.write(f"{p.total:.4f}\t{p.per_token:.4f}\t{p.score:.4f}\n")
             sink.flush()
             bar.advance(task, len(chunk))
-    report_counts(translator.counts, translator.max_src)
+    translate.report_counts(translator.counts, translator.max_src)
 
 
 def _count_lines(path: Path) -> int:
@@ -217,29 +162,3 @@ def _count_lines(path: Path) -> int:
             return sum(1 for _ in f)
     except OSError as e:
         raise NmtError(f"cannot read {path}: {e.strerror}") from None
-
-
-def report_counts(counts: Counts, max_src: int) -> None:
-    """Warn about the lines a translation had to change."""
-    if counts.truncated:
-        ui.warn(
-            f"{counts.truncated} lines were longer than {max_src} tokens and were "
-            "truncated before translating"
-        )
-    if counts.damage.not_utf8:
-        ui.warn(
-            f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
-            f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD"
-        )
-
-
-def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[str]:
-    """The translations of the file `src`, one per line."""
-    import io
-
-    if not Path(src).is_file():
-        raise NmtError(f"{src} not found")
-    sink = io.StringIO()
-    with open(src, "rb") as source:
-        stream(Translator(model, config), source, sink, f"translate {Path(src).name}")
-    return sink.getvalue().splitlines()

@@ -46,7 +46,7 @@ from nmt_cli.config import DecodeOptions, ServeConfig, TranslateConfig
 from nmt_cli.connections import Connections, connection_limit, with_json_errors
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
-from nmt_cli.translate import Translator
+from nmt_cli.translator import Translator
 
 MAX_BEAM = 32
 # each constraint adds a bank to a sentence's search, and every token of them raises its length

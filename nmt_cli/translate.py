@@ -1,470 +1,96 @@
-"""`nmt translate`: read, clean, encode, length-sort, search, restore order, detokenize, write.
-
-A Unix filter that streams: it translates what has arrived as soon as input pauses (a line
-typed into a pipe is answered at once) and at most `chunk` lines at a time (a file goes in
-large length-sorted batches), writing the translations in input order before reading on, so
-memory stays bounded however long the input. Every input line gives exactly one output line;
-with scores (--scores, or --nbest above 1), `nbest` lines of line number, score and text.
-
-Two backends search the same way (`Backend`): nmt's own engine (backend_nmt.py) and CTranslate2
-(backend_ct2.py), on a run's model, a package or a CTranslate2 export (models.py).
-"""
+"""`nmt translate` below the CLI: a stream of lines, a file or a run's split translated with a
+progress bar (by one translator or its worker processes), and a warning for each kind of line
+the translation had to change."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import itertools
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+import json
 from pathlib import Path
-from typing import BinaryIO, Protocol, TextIO
+from typing import BinaryIO, TextIO
 
-from nmt_cli.config import DecodeOptions, TranslateConfig
-from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
+from nmt_cli import ui, workers
+from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.models import Model
-from nmt_cli.normalize import normalize
-from nmt_cli.textio import Damage, arrivals, decode_line
-
-# Characters that some readers take for a line break: an output line must stay one line.
-ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+from nmt_cli.files import atomic_open, atomic_write_json
+from nmt_cli.models import Model, from_run
+from nmt_cli.rundir import RunDir
+from nmt_cli.translator import Counts, Translator
 
 
-class Backend(Protocol):
-    """What searches for translations: nmt's own engine or CTranslate2."""
-
-    def search(
-        self,
-        batches: list[list[Source]],
-        options: DecodeOptions,
-        gone: list[Callable[[], list[bool]]] | None = None,
-    ) -> Iterator[list[list[Hypothesis]]]:
-        """The `options.nbest` best hypotheses of each sentence of each batch, best first, batch
-        by batch in order; each beginning with its prefix and holding its constraints. `gone`:
-        each batch's, for each of its sentences whether nobody waits for it any more: such a
-        sentence's rows stop as soon as they can, and once that is every sentence, the search
-        raises errors.Stopped."""
-        ...
-
-    def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
-        """The log-probability of each target (ids without EOS, its EOS counted) given its
-        source, batch by batch in order."""
-        ...
-
-    def align(
-        self, batches: list[list[list[int]]], targets: list[list[list[int]]]
-    ) -> Iterator[list[list[tuple[int, int]]]]:
-        """Each target's (source position, target position) pairs: each target token (ids
-        without EOS) with the source token the last decoder layer's attention to the source
-        (heads averaged) weighs most when it is predicted, batch by batch in order."""
-        ...
-
-
-def engine_of(model: Model, config: TranslateConfig) -> str:
-    if model.members:
-        if config.engine == "ctranslate2" or config.int8:
-            raise NmtError("an ensemble is decoded by nmt's engine: drop --engine ctranslate2 and --int8")
-        return "nmt"
-    if model.ct2_dir is not None:
-        if config.engine == "nmt":
-            raise NmtError(
-                f"{model.where} is a CTranslate2 export: use --engine ctranslate2 (or "
-                "translate from an nmt package or the run directory)"
-            )
-        return "ctranslate2"
-    if config.int8:
-        return "ctranslate2"
-    return "nmt" if config.engine == "auto" else config.engine
-
-
-@dataclass(frozen=True)
-class Translation:
-    text: str
-    score: float  # the log-probability divided by the length penalty, as the search ranks
-    alignment: str | None = None  # with alignments=True: Pharaoh "i-j" word pairs
-
-
-@dataclass(frozen=True)
-class PairScore:
-    """A target's log-probability given its source: the sum, the tokens it counts (its EOS
-    too), and the score a search gives it (the sum divided by the length penalty)."""
-
-    total: float
-    tokens: int
-    score: float
-
-    @property
-    def per_token(self) -> float:
-        return self.total / self.tokens if self.tokens else 0.0
-
-
-@dataclass
-class Counts:
-    lines: int = 0
-    truncated: int = 0
-    damage: Damage = dataclasses.field(default_factory=Damage)
-
-
-class Translator:
-    """A loaded model with its sentencepiece model, translating lists of raw lines."""
-
-    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
-        """`gpus`: CTranslate2's replicas of the model, one on each of the first `gpus` GPUs,
-        sharing the batches (nmt's engine spreads over worker processes instead: workers.py)."""
-        import sentencepiece as spm
-
-        self.config = config
-        self.engine = engine_of(model, config)
-        self.backend: Backend
-        if self.engine == "ctranslate2":  # imported here: neither backend needs the other's
-            from nmt_cli import backend_ct2
-
-            self.backend = backend_ct2.Backend(model, config, gpus)
-        else:
-            from nmt_cli import backend_nmt
-
-            self.backend = backend_nmt.Backend(model, config)
-        self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
-        if self.sp.get_piece_size() != model.config.vocab_size:
-            raise NmtError(
-                f"{model.where} has a vocabulary of {model.config.vocab_size} but "
-                f"{model.spm} has {self.sp.get_piece_size()}: they are from "
-                "different runs"
-            )
-        self.src_lang, self.tgt_lang = model.src, model.tgt
-        self.where, self.tags = model.where, model.tags
-        self.check_tag(config.decode.tag)
-        # room for the EOS in every model; a target also has its BOS before it
-        self.max_src = min(m.config.max_positions for m in model.parts) - 1
-        self.max_tgt = self.max_src - 1
-        self.counts = Counts()
-
-    def check_tag(self, tag: str) -> None:
-        if tag and tag not in self.tags:
-            raise NmtError(
-                f"--tag {tag!r} is not a tag of {self.where}: "
-                + (
-                    f"choose {', '.join(map(repr, self.tags))}"
-                    if self.tags
-                    else "it was trained without tags"
-                )
-            )
-
-    def encode(self, lines: list[str], tag: str = "") -> list[list[int]]:
-        """Source lines as ids, cleaned as training's were, `tag` before each (not an empty one)."""
-        cleaned = [normalize(line, self.src_lang) for line in lines]
-        if tag:
-            cleaned = [f"{tag} {line}" if line else line for line in cleaned]
-        ids = self.sp.encode(cleaned, out_type=int)
-        for i, x in enumerate(ids):
-            if len(x) > self.max_src:
-                ids[i] = x[: self.max_src]
-                self.counts.truncated += 1
-        return ids
-
-    def work(
-        self,
-        lines: list[str],
-        options: DecodeOptions,
-        prefixes: list[str] | None = None,
-        constraints: list[list[str]] | None = None,
-    ) -> list[int]:
-        """What decoding each line may cost, in tokens: its hypotheses at once (DecodeOptions.rows)
-        times its output limit (hypothesis.limits: what its length, prefix, constraints and
-        max_len allow); an empty line nothing. `nmt serve`'s queue is bounded by it, so it is
-        read on the server's event loop: the pieces of the raw text, not cleaned (cleaning would
-        cost most of the time and changes a count by a piece or two)."""
-        tagged = 1 if options.tag else 0
-        lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.sp.encode(lines)]
-        forced = self.sp.encode(prefixes) if prefixes is not None else None
-        phrases = [self.sp.encode(c) for c in constraints] if constraints else None
-        return self.work_of(lengths, options, forced, phrases)
-
-    def work_of(
-        self,
-        lengths: list[int],
-        options: DecodeOptions,
-        forced: list[list[int]] | None = None,
-        phrases: list[list[list[int]]] | None = None,
-    ) -> list[int]:
-        """`work` of sentences of `lengths` pieces, with those prefixes and constraints (ids)."""
-        ceiling = min(self.max_src, options.max_len or self.max_src)
-        found = limits(lengths, options.max_len_a, options.max_len_b, ceiling, forced, phrases)
-        return [options.rows * n if length else 0 for n, length in zip(found, lengths)]
-
-    def batches(self, ids: list[list[int]], among: Iterable[int] | None = None) -> Iterable[list[int]]:
-        """Indices of the sentences `among` (default: the non-empty ones), longest first, in
-        batches of bounded size."""
-        among = (i for i, x in enumerate(ids) if x) if among is None else among
-        order = sorted(among, key=lambda i: -len(ids[i]))
-        batch: list[int] = []
-        for i in order:
-            longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
-            if batch and (
-                len(batch) >= self.config.batch_size or longest * (len(batch) + 1) > self.config.max_tokens
-            ):
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
-
-    def hypotheses(
-        self,
-        lines: list[str],
-        options: DecodeOptions | list[DecodeOptions] | None = None,
-        keys: list[int] | None = None,
-        prefixes: list[str] | None = None,
-        constraints: list[list[str]] | None = None,
-        gone: Callable[[], list[bool]] | None = None,
-    ) -> list[list[Hypothesis]]:
-        """The nbest hypotheses of each line; an empty line gets empty ones. `options` replace
-        the config's for this call: one for all lines, or one per line alike but for the seed
-        and alpha (DecodeOptions.shared: `nmt serve` batches requests so); `keys`, with each
-        line's seed, make its random stream under --sample (default: the lines' numbers in the
-        input); `prefixes`: the text each translation begins with; `constraints`: the phrases
-        each must contain; `gone`: for each line, whether nobody waits for it any more: nmt's
-        engine ends such a line's rows at its next decoding step (CTranslate2 finishes a batch
-        it has begun); once no line is waited for, errors.Stopped."""
-        each = options if isinstance(options, list) else [options or self.config.decode] * len(lines)
-        options = each[0] if each else self.config.decode
-        if any(o.shared() != options.shared() for o in each):
-            raise ValueError("the lines of one call may differ in seed and alpha only")
-        self.check_tag(options.tag)
-        if constraints is not None and any(constraints):
-            self.check_constraints(options)
-        keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
-        ids = self.encode(lines, options.tag)
-        starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
-        # a phrase that cleaning leaves empty asks for nothing
-        phrases = [[x for x in self.encode_targets(c) if x] for c in constraints or [[] for _ in lines]]
-        sources = [
-            Source(x, stream_of(o.seed, key), start, c, o.alpha)
-            for x, key, start, c, o in zip(ids, keys, starts, phrases, each)
-        ]
-        out: list[list[Hypothesis]] = [[Hypothesis([], 0.0)] * options.nbest for _ in lines]
-        # constrained lines batch apart, so that the others are searched exactly as without them
-        bound = [i for i, x in enumerate(ids) if x and phrases[i]]
-        free = [i for i, x in enumerate(ids) if x and not phrases[i]]
-        batches = [*self.batches(ids, free), *self.batches(ids, bound)]
-        views = None
-        if gone is not None:  # each batch's view of the lines'
-
-            def view(batch: list[int]) -> Callable[[], list[bool]]:
-                def of_batch() -> list[bool]:
-                    now = gone()
-                    return [now[i] for i in batch]
-
-                return of_batch
-
-            views = [view(b) for b in batches]
-        found = self.backend.search([[sources[i] for i in b] for b in batches], options, views)
-        for batch, hyps in zip(batches, found, strict=True):  # strict: runs `found` to its end
-            for i, h in zip(batch, hyps):
-                out[i] = h
-        if options.alignments:
-            self.align(ids, out, options.tag)
-        return out
-
-    def check_constraints(self, options: DecodeOptions) -> None:
-        if self.engine == "ctranslate2":
-            raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
-        if options.sample:
-            raise NmtError("--constraints are met by beam search: drop --sample")
-
-    def align(self, ids: list[list[int]], hyps: list[list[Hypothesis]], tag: str) -> None:
-        """Set each hypothesis's word alignment (of the source `ids`)."""
-        rows = [(i, h) for i, hs in enumerate(hyps) if ids[i] for h in hs]
-        size = self.config.batch_size
-        groups = [rows[k : k + size] for k in range(0, len(rows), size)]
-        found = self.backend.align(
-            [[ids[i] for i, _ in g] for g in groups], [[h.tokens for _, h in g] for g in groups]
+def translate_split(
+    run: RunDir, split: str, config: TranslateConfig, model: Model | None = None
+) -> tuple[Path, Path]:
+    """Translate the run's split with `model` (default: the run's) unless a translation by the
+    same model and settings exists."""
+    manifest = run.load_manifest().get("prep")
+    if not manifest:
+        raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
+    if split not in manifest["splits"]:
+        raise NmtError(f"split {split!r} is not in {run.root} (it has {', '.join(manifest['splits'])})")
+    src_path = run.require(run.text(split, manifest["src"], raw=True), "prep")
+    ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
+    out = run.translation(split, manifest["tgt"])
+    model = model or from_run(run, config.checkpoint)
+    key = {"model": str(model.where), "model_sha256": model.sha256, "settings": dataclasses.asdict(config)}
+    key_path = out.with_suffix(out.suffix + ".json")
+    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+        ui.say(f"reusing {out} (same model and settings)")
+        return out, ref_path
+    with open(src_path, "rb") as source, atomic_open(out) as sink:
+        stream(
+            Translator(model, config), source, sink, f"translate {split}", manifest["splits"][split]["kept"]
         )
-        for group, pairs_of in zip(groups, found, strict=True):
-            for (i, h), pairs in zip(group, pairs_of):
-                source, target = self._words(ids[i], skip=1 if tag else 0), self._words(h.tokens)
-                words = sorted({(source[a], target[b]) for a, b in pairs if source[a] >= 0})
-                h.alignment = " ".join(f"{a}-{b}" for a, b in words)
-
-    def _words(self, ids: list[int], skip: int = 0) -> list[int]:
-        """The word of each piece (a piece that begins with '▁' begins one), the first `skip`
-        words (a tag) numbered below 0."""
-        out, word = [], -1 - skip
-        for i, piece in enumerate(self.sp.id_to_piece(ids)):
-            word += piece.startswith("▁") or i == 0
-            out.append(word)
-        return out
-
-    def encode_targets(self, lines: list[str]) -> list[list[int]]:
-        """Target-side text as ids, cleaned as the target side was for training, within the
-        model's positions (room for BOS and EOS)."""
-        cleaned = [normalize(line, self.tgt_lang) for line in lines]
-        return [y[: self.max_tgt] for y in self.sp.encode(cleaned, out_type=int)]
-
-    def score_pairs(self, sources: list[str], targets: list[str]) -> list[PairScore]:
-        """How likely the model finds each target line as the translation of its source line
-        (forced decoding), scored as the search scores its hypotheses."""
-        src_ids, tgt_ids = self.encode(sources, self.config.decode.tag), self.encode_targets(targets)
-        out: list[PairScore] = [PairScore(0.0, 0, 0.0)] * len(sources)
-        batches = list(self.batches(src_ids, range(len(src_ids))))
-        found = self.backend.score(
-            [[src_ids[i] for i in b] for b in batches], [[tgt_ids[i] for i in b] for b in batches]
-        )
-        alpha = self.config.decode.alpha
-        for batch, sums in zip(batches, found, strict=True):
-            for i, total in zip(batch, sums):
-                n = len(tgt_ids[i]) + 1  # with its EOS
-                out[i] = PairScore(total, n, total / length_penalty(n, alpha))
-        return out
-
-    def texts(self, hyps: list[list[Hypothesis]]) -> list[list[str]]:
-        """The text of each hypothesis, kept to one line."""
-        flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
-        return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
-
-    def output(
-        self, lines: list[str], prefixes: list[str] | None = None, constraints: list[list[str]] | None = None
-    ) -> list[str]:
-        """`nmt translate`'s output lines for `lines`: one per line; with scores (--scores, or
-        nbest > 1) `nbest` per line, as 'line<TAB>score<TAB>text' (the line numbered from 0)."""
-        hyps = self.hypotheses(lines, prefixes=prefixes, constraints=constraints)
-        texts = self.texts(hyps)
-        o = self.config.decode
-        if o.alignments:  # the alignment after the text, tab-separated
-            texts = [[f"{t}\t{h.alignment or ''}" for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
-        if o.nbest == 1 and not o.scores:
-            return [t[0] for t in texts]
-        first = self.counts.lines
-        return [
-            f"{first + i}\t{h.score:.4f}\t{text}"
-            for i, (hs, ts) in enumerate(zip(hyps, texts))
-            for h, text in zip(hs, ts)
-        ]
-
-    # -- the Python API: Translator.load(...), then translate, translations, score
-    @classmethod
-    def load(cls, model: str | Path | list[str | Path], **settings) -> Translator:
-        """A model ready to translate: a run directory, a package or export from `nmt export`, or
-        a checkpoint file (a list: their ensemble). `settings` are `nmt translate`'s options
-        (engine="ctranslate2", device="cuda", beam=5, ...): the translation defaults."""
-        from nmt_cli import models
-
-        paths = [model] if isinstance(model, (str, Path)) else list(model)
-        found = models.ensemble([models.locate(Path(p)) for p in paths])
-        decoding = {f.name for f in dataclasses.fields(DecodeOptions)}
-        unknown = sorted(set(settings) - decoding - {f.name for f in dataclasses.fields(TranslateConfig)})
-        if unknown or "decode" in settings:
-            raise NmtError(
-                f"unknown settings {unknown or ['decode']}: take `nmt translate`'s options, as beam=5"
-            )
-        decode = DecodeOptions(**{k: v for k, v in settings.items() if k in decoding})
-        return cls(
-            found, TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})
-        )
-
-    def translate(
-        self,
-        lines: list[str],
-        prefixes: list[str] | None = None,
-        constraints: list[list[str]] | None = None,
-        **options,
-    ) -> list[str]:
-        """The best translation of each line (beginning with its prefix, holding its
-        constraints, if given). `options` (beam=5, sample=True, ...) replace the defaults for
-        this call."""
-        return [t[0].text for t in self.translations(lines, prefixes, constraints, **options)]
-
-    def translations(
-        self,
-        lines: list[str],
-        prefixes: list[str] | None = None,
-        constraints: list[list[str]] | None = None,
-        **options,
-    ) -> list[list[Translation]]:
-        """The `nbest` best translations of each line (or draws, with sample=True), best first,
-        each with its score; each beginning with its line of `prefixes` and containing every
-        phrase of its list in `constraints`, if given."""
-        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(DecodeOptions)})
-        if unknown:
-            raise NmtError(f"unknown decoding options {unknown}: take `nmt translate`'s, as beam=5")
-        decode = dataclasses.replace(self.config.decode, **options)
-        for given, what in ((prefixes, "prefix"), (constraints, "list of constraints")):
-            if given is not None and len(given) != len(lines):
-                raise NmtError(f"{len(lines)} lines but {len(given)} of {what}: give one {what} per line")
-        hyps = self.hypotheses(lines, decode, list(range(len(lines))), prefixes, constraints)
-        texts = self.texts(hyps)
-        return [[Translation(t, h.score, h.alignment) for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
-
-    def score(self, sources: list[str], targets: list[str]) -> list[PairScore]:
-        """How likely the model finds each target as the translation of its source (what
-        `nmt score-pairs` prints)."""
-        if len(sources) != len(targets):
-            raise NmtError(f"{len(sources)} sources but {len(targets)} targets: give one target per source")
-        return self.score_pairs(sources, targets)
-
-    def stream(
-        self,
-        source: BinaryIO,
-        sink: TextIO,
-        advance: Callable[[int], None],
-        prefixes: BinaryIO | None = None,
-        constraints: BinaryIO | None = None,
-    ) -> Counts:
-        """Translate `source` line by line into `sink`, in input order, as input arrives; each
-        translation beginning with the line of `prefixes` of the same number and containing
-        the tab-separated phrases of the line of `constraints`, where given."""
-        for request in requests(source, self.config.chunk, self.counts, prefixes, constraints):
-            for text in self.output(request.lines, request.prefixes, request.constraints):
-                sink.write(text + "\n")
-            sink.flush()
-            advance(len(request.lines))
-        return self.counts
+    atomic_write_json(key_path, key)
+    return out, ref_path
 
 
-@dataclass
-class Request:
-    """Lines to translate: the number (from 0) of the first, and the lines of the files aligned
-    with the input, where given (constraints split into their phrases)."""
-
-    first: int
-    lines: list[str]
-    prefixes: list[str] | None = None
-    constraints: list[list[str]] | None = None
-
-
-def requests(
+def stream(
+    translator: Translator,
     source: BinaryIO,
-    chunk: int,
-    counts: Counts,
-    prefixes: BinaryIO | None = None,
-    constraints: BinaryIO | None = None,
-) -> Iterator[Request]:
-    """The input in chunks of at most `chunk` lines, each as soon as input pauses, with the lines
-    of the files aligned with it; `counts` counts them (each once its request is dealt with) and
-    the damage of their bytes. An aligned file of another length is an error."""
-    for raw in arrivals(source, chunk):
-        first = counts.lines
-        lines = [decode_line(x, first + i + 1, counts.damage) for i, x in enumerate(raw)]
-        starts = _aligned(prefixes, "--prefix", first, len(raw), counts.damage)
-        phrases = _aligned(constraints, "--constraints", first, len(raw), counts.damage)
-        if phrases is not None:
-            phrases = [[p for p in line.split("\t") if p.strip()] for line in phrases]
-        yield Request(first, lines, starts, phrases)
-        counts.lines += len(raw)
-    for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):
-        if file is not None and next(iter(file), None) is not None:
-            raise NmtError(
-                f"{name} has more lines than the input's {counts.lines}: give one line per input line"
-            )
+    sink: TextIO,
+    what: str,
+    lines: int | None = None,
+    prefixes: Path | None = None,
+    constraints: Path | None = None,
+    spread: workers.Spread | None = None,
+) -> None:
+    """`translator.stream` with a progress bar, then a warning for each kind of line it had
+    to change; `prefixes` and `constraints`: files aligned with the input; `spread`: worker
+    processes to decode in."""
+    with contextlib.ExitStack() as files, ui.progress() as bar:
+        starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
+        task = bar.add_task(what, total=lines)
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        if spread is not None and spread.workers:
+            counts = workers.stream(spread, translator.config, source, sink, advance, starts, phrases)
+        else:
+            counts = translator.stream(source, sink, advance, starts, phrases)
+    report_counts(counts, translator.max_src)
 
 
-def _aligned(file: BinaryIO | None, name: str, first: int, n: int, damage: Damage) -> list[str] | None:
-    """The next `n` lines of a file aligned with the input (None without one)."""
-    if file is None:
-        return None
-    got = [decode_line(raw, first + i + 1, damage) for i, raw in enumerate(itertools.islice(file, n))]
-    if len(got) < n:
-        raise NmtError(
-            f"{name} ends at line {first + len(got)}, before the input: give one line per input line"
+def report_counts(counts: Counts, max_src: int) -> None:
+    """Warn about the lines a translation had to change."""
+    if counts.truncated:
+        ui.warn(
+            f"{counts.truncated} lines were longer than {max_src} tokens and were "
+            "truncated before translating"
         )
-    return got
+    if counts.damage.not_utf8:
+        ui.warn(
+            f"{counts.damage.not_utf8} input lines had bytes that are not UTF-8 (first at "
+            f"line {counts.damage.first_bad_line}); they were replaced with U+FFFD"
+        )
+
+
+def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[str]:
+    """The translations of the file `src`, one per line."""
+    import io
+
+    if not Path(src).is_file():
+        raise NmtError(f"{src} not found")
+    sink = io.StringIO()
+    with open(src, "rb") as source:
+        stream(Translator(model, config), source, sink, f"translate {Path(src).name}")
+    return sink.getvalue().splitlines()

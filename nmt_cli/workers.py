@@ -20,7 +20,7 @@ from typing import BinaryIO, TextIO
 
 from nmt_cli.config import TranslateConfig, cpus
 from nmt_cli.errors import NmtError
-from nmt_cli.translate import Counts, Request, Translator, requests
+from nmt_cli.translator import Counts, Request, Translator, requests
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from conftest import DEADLINE, one_error_line, sources_of
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
 from nmt_cli.models import from_dir
-from nmt_cli.translate import Translator
+from nmt_cli.translator import Translator
 
 
 def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi30k_bpe):

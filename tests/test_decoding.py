@@ -16,7 +16,7 @@ from nmt_cli.config.use import RANGES
 from nmt_cli.errors import NmtError
 from nmt_cli.models import locate
 from nmt_cli.rundir import RunDir
-from nmt_cli.translate import Translator
+from nmt_cli.translator import Translator
 
 ENGINES = ("nmt", "ctranslate2")
 

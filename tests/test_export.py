@@ -15,7 +15,7 @@ from conftest import DEADLINE, one_error_line, read_line, sources_of
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import from_dir, locate
-from nmt_cli.translate import Translator
+from nmt_cli.translator import Translator
 
 
 def test_the_package_translates_as_the_run_did_without_unpickling(

@@ -17,7 +17,7 @@ from conftest import DEADLINE, read_line, sources_of
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.models import from_dir
-from nmt_cli.translate import Translator
+from nmt_cli.translator import Translator
 
 
 def _until_closed(sock) -> bytes:

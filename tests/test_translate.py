@@ -205,7 +205,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     from nmt_cli.config import DecodeOptions, TranslateConfig
     from nmt_cli.engine import decoding
     from nmt_cli.models import locate
-    from nmt_cli.translate import Translator
+    from nmt_cli.translator import Translator
     from nmt_cli.vocab import EOS
 
     first, last = sorted((trained / "checkpoints").glob("*.pt"))[-2:]
@@ -275,7 +275,7 @@ def test_shares_of_small_chunks_come_back_in_order_with_their_counts(trained, tm
     from nmt_cli import workers
     from nmt_cli.config import DecodeOptions, TranslateConfig
     from nmt_cli.models import from_run
-    from nmt_cli.translate import Translator
+    from nmt_cli.translator import Translator
 
     lines = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:23]
     lines[4] = b"bad \xff byte\n"

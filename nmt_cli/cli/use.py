@@ -79,8 +79,8 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli import score
-    from nmt_cli.translate import Translator
+    from nmt_cli.translate import stream
+    from nmt_cli.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
     if print_config:
@@ -95,14 +95,13 @@ def translate(
                 "one per --threads"
             )
         gpus = 0  # its replicas share the batches in this process
-
     for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
         if path is not None and not path.is_file():
             raise NmtError(f"{name} {path} not found")
     if constraints is not None:
         translator.check_constraints(config.decode)
     spread = workers.Spread(run_dir, list(model or []), config.checkpoint, procs, gpus)
-    score.stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints, spread)
+    stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints, spread)
 
 
 @app.command()
@@ -238,7 +237,7 @@ def score_pairs(
     Prints one line per pair: the log-probability (its EOS counted), the same per token, and the
     score a search gives it (divided by the length penalty of --alpha), tab-separated."""
     from nmt_cli import score
-    from nmt_cli.translate import Translator
+    from nmt_cli.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
     translator = Translator(models.load(run_dir, model, config.checkpoint), config)

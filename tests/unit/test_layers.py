@@ -93,8 +93,8 @@ def test_the_engine_and_translate_load_only_what_they_need():
         "nmt_cli.prep",
         "nmt_cli.ui",
     }
-    translate = _loaded_by("nmt_cli.translate")
-    assert not translate & {
+    translator = _loaded_by("nmt_cli.translator")
+    assert not translator & {
         "nmt_cli.engine.trainer",
         "nmt_cli.prep",
         "nmt_cli.fetch",
