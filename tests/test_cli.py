@@ -55,7 +55,7 @@ _DECODING = {f.name for f in dataclasses.fields(DecodeOptions)}
 # fields that are not options of that command); and the command's options that are no config's.
 FILLED = {
     "prep": (
-        [("PrepConfig", {"tags": "tag", "weights": "weight"}, {"recipe"})],
+        [("PrepConfig", {}, {"recipe"})],
         {"recipe", "run_dir", "workers"},
     ),
     "bpe": ([("BpeConfig", {}, set())], {"run_dir"}),

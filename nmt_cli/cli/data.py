@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli.cli.options import RunDirOption, about, app, config_of, done, options_of
+from nmt_cli.cli.options import RunDirOption, app, config_of, done, options_of
 from nmt_cli.config import BpeConfig, PrepConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.recipes import RECIPES, resolved
@@ -17,54 +17,30 @@ RecipeName = Enum("RecipeName", {name: name for name in RECIPES}, type=str)
 
 
 @app.command()
+@options_of(
+    PrepConfig,
+    "recipe",
+    flags={"tags": "--tag", "weights": "--weight"},
+    settings={"mirror": {"envvar": "NMT_MIRROR"}},
+)
 def prep(
+    ctx: typer.Context,
     recipe: Annotated[
         RecipeName, typer.Argument(help=f"The corpus: {', '.join(RECIPES)} (custom: your own files).")
     ],
     run_dir: RunDirOption = Path("run"),
-    src: Annotated[Optional[str], about(PrepConfig, "src")] = None,
-    tgt: Annotated[Optional[str], about(PrepConfig, "tgt")] = None,
-    mirror: Annotated[Optional[Path], about(PrepConfig, "mirror", envvar="NMT_MIRROR")] = None,
-    max_words: Annotated[int, about(PrepConfig, "max_words")] = 250,
-    max_ratio: Annotated[Optional[float], about(PrepConfig, "max_ratio", show_default=False)] = None,
-    train_src: Annotated[Optional[list[Path]], about(PrepConfig, "train_src")] = None,
-    train_tgt: Annotated[Optional[list[Path]], about(PrepConfig, "train_tgt")] = None,
-    tag: Annotated[Optional[list[str]], about(PrepConfig, "tags", "--tag")] = None,
-    weight: Annotated[Optional[list[float]], about(PrepConfig, "weights", "--weight")] = None,
-    valid_src: Annotated[Optional[Path], about(PrepConfig, "valid_src")] = None,
-    valid_tgt: Annotated[Optional[Path], about(PrepConfig, "valid_tgt")] = None,
-    test_src: Annotated[Optional[Path], about(PrepConfig, "test_src")] = None,
-    test_tgt: Annotated[Optional[Path], about(PrepConfig, "test_tgt")] = None,
     workers: Annotated[
         Optional[int],
         typer.Option(help="Processes for cleaning (default: 1 for small corpora, else up to 4)."),
     ] = None,
 ) -> None:
     """Fetch, verify, extract and clean a corpus into the run directory."""
+    import dataclasses
+
     from nmt_cli import prep as prep_mod
     from nmt_cli.rundir import RunDir
 
-    def opt(p: Optional[Path]) -> Optional[str]:
-        return str(p) if p is not None else None
-
-    config = resolved(
-        PrepConfig(
-            recipe=recipe.value,
-            src=src,
-            tgt=tgt,
-            mirror=opt(mirror),
-            max_words=max_words,
-            max_ratio=max_ratio,
-            train_src=tuple(str(p) for p in train_src or ()),
-            train_tgt=tuple(str(p) for p in train_tgt or ()),
-            tags=tuple(tag or ()),
-            weights=tuple(weight or ()),
-            valid_src=opt(valid_src),
-            valid_tgt=opt(valid_tgt),
-            test_src=opt(test_src),
-            test_tgt=opt(test_tgt),
-        )
-    )
+    config = resolved(dataclasses.replace(config_of(PrepConfig, ctx), recipe=recipe.value))
     if workers is not None and workers < 1:
         raise NmtError("--workers must be at least 1")
     prep_mod.check_inputs(config)

@@ -87,15 +87,24 @@ def options_of(
         switch = hints[field.name] is bool and (switches is None or field.name in switches)
         return (f"--{field.name.replace('_', '-')}",) if switch else ()
 
+    def option_type(field: dataclasses.Field) -> tuple[object, object]:
+        """The option's type and default: a tuple field (tuple[X, ...]) is an option given again
+        for each value, a list to typer (the config makes it a tuple again)."""
+        hint = hints[field.name]
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return Optional[list[args[0]]], None
+        return hint, field.default
+
     def add(command: Callable) -> Callable:
         signature = inspect.signature(command, eval_str=True)
         added = [
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=f.default,
+                default=option_type(f)[1],
                 annotation=Annotated[
-                    hints[f.name],
+                    option_type(f)[0],
                     about(config, f.name, *flag(f), rich_help_panel=panel, **settings.get(f.name, {})),
                 ],
             )
