@@ -12,14 +12,9 @@ from nmt_cli import models, workers
 from nmt_cli.cli.options import (
     CheckpointOption,
     ConfigFileOption,
-    DeviceOption,
-    EngineOption,
-    Int8Option,
     ModelOption,
-    PrecisionOption,
     PrintConfigOption,
     RunDirOption,
-    ThreadsOption,
     app,
     config_of,
     decoding_options,
@@ -30,15 +25,18 @@ from nmt_cli.cli.options import (
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 
+# TranslateConfig's settings of how a model is loaded and run, options of every command that
+# translates or scores with one
+LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads")
+
 
 @app.command()
 @decoding_options()
-@options_of(TranslateConfig, only=("max_tokens", "batch_size"))
+@options_of(TranslateConfig, only=(*LOADING, "max_tokens", "batch_size"), switches=("int8",))
 def translate(
     ctx: typer.Context,
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
-    checkpoint: CheckpointOption = None,
     prefix: Annotated[
         Optional[Path],
         typer.Option(
@@ -52,11 +50,6 @@ def translate(
             "this file of the same number; an empty line: none. nmt's engine, beam search.",
         ),
     ] = None,
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = "auto",
-    int8: Int8Option = False,
-    engine: EngineOption = "auto",
-    threads: ThreadsOption = 0,
     procs: Annotated[
         int,
         typer.Option(
@@ -106,6 +99,7 @@ def translate(
 
 @app.command()
 @decoding_options("nbest")
+@options_of(TranslateConfig, only=LOADING, switches=("int8",))
 def score(
     ctx: typer.Context,
     hyp: Annotated[
@@ -155,12 +149,6 @@ def score(
         Optional[Path], typer.Option(help="Another system's translations: paired bootstrap test against it.")
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = "auto",
-    int8: Int8Option = False,
-    engine: EngineOption = "auto",
-    threads: ThreadsOption = 0,
 ) -> None:
     """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
     import json
@@ -217,19 +205,13 @@ def score(
 
 @app.command("score-pairs")
 @decoding_options(only=("alpha", "tag"))
-@options_of(TranslateConfig, only=("max_tokens", "batch_size"))
+@options_of(TranslateConfig, only=(*LOADING, "max_tokens", "batch_size"), switches=("int8",))
 def score_pairs(
     ctx: typer.Context,
     src: Annotated[Path, typer.Option(help="Source lines.")],
     tgt: Annotated[Path, typer.Option(help="Their translations to score, line-aligned with --src.")],
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
-    checkpoint: CheckpointOption = None,
-    device: DeviceOption = "auto",
-    precision: PrecisionOption = "auto",
-    int8: Int8Option = False,
-    engine: EngineOption = "auto",
-    threads: ThreadsOption = 0,
 ) -> None:
     """Score given translations (forced decoding): how likely the model finds each --tgt line
     as the translation of its --src line, for filtering a noisy corpus or reranking.
@@ -288,15 +270,13 @@ def export(
     settings={"api_key": {"envvar": "NMT_API_KEY", "show_default": False}},
 )
 @decoding_options()
+@options_of(TranslateConfig, only=("engine", "device", "threads"))
 def serve(
     ctx: typer.Context,
     model: Annotated[
         Path,
         typer.Option("--model", help="A directory from `nmt export`, a run directory or a checkpoint file."),
     ],
-    engine: EngineOption = "auto",
-    device: DeviceOption = "auto",
-    threads: ThreadsOption = 0,
     config_file: ConfigFileOption = None,
     print_config: PrintConfigOption = False,
 ) -> None:
