@@ -141,13 +141,15 @@ def test_max_len_caps_every_translation(trained_longer, sources, engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_option_at_the_end_of_its_range_decodes(trained_longer, sources, engine):
     """The ranges' upper ends are answers, not errors or NaN (a top-k past the vocabulary, a
-    seed of 32 bits, the longest length allowed, a penalty of 10)."""
-    widest = {f"{name}": hi for name, (_, hi) in RANGES.items() if name not in ("beam", "nbest", "max_len")}
+    seed of 32 bits, the longest length allowed, penalties of 10)."""
+    searching = ("beam", "nbest", "max_len", "coverage_penalty")  # not options of sampling
+    widest = {f"{name}": hi for name, (_, hi) in RANGES.items() if name not in searching}
     found = translator(trained_longer, engine, sample=True, nbest=2, max_len=40, **widest).hypotheses(
         sources[:2]
     )
     assert all(len(h.tokens) <= 39 and math.isfinite(h.score) for hs in found for h in hs)
-    found = translator(trained_longer, engine, beam=8, alpha=10.0, max_len_a=100.0).hypotheses(sources[:2])
+    beam = dict(beam=8, alpha=10.0, max_len_a=100.0, coverage_penalty=10.0)
+    found = translator(trained_longer, engine, **beam).hypotheses(sources[:2])
     assert all(math.isfinite(h.score) for hs in found for h in hs)
 
 
