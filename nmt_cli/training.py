@@ -197,8 +197,11 @@ def build_trainer(
     init: state.Initial | None = None,
     resample=None,
 ) -> trainer.Trainer:
-    """A Trainer over `run`'s data, writing its checkpoints, best models and figures there."""
-    return trainer.Trainer(config, data_of(run), run, reporter, bleu_of, init, resample)
+    """A Trainer over `run`'s data, writing its checkpoints, best models and figures there,
+    handed the parts `config` asks for."""
+    data = data_of(run)
+    setup = trainer.build(config, data.vocab_size, reporter)
+    return trainer.Trainer(config, data, run, reporter, setup, bleu_of, init, resample)
 
 
 def _resample(run: RunDir, config: TrainConfig):

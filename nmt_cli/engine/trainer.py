@@ -57,6 +57,55 @@ class Data:
     corpora: tuple[dict, ...] = ()
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a Trainer is handed besides its data: where it runs (the process group, the device),
+    how it computes, and the parts it trains. `build` makes one from a TrainConfig."""
+
+    dist: distributed.Group
+    device: torch.device
+    precision: str  # resolved: fp32, bf16 or fp16
+    model_config: ModelConfig
+    model: Transformer
+    forward: torch.nn.Module  # the model with its loss as an update calls it (DDP and/or compiled)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: Average | None
+
+
+def build(config: TrainConfig, vocab_size: int, reporter: Reporter) -> Setup:
+    """The process group, device, precision, model (seeded alike on every rank), its DDP and
+    compiled wrapping, optimizer, loss scaler and moving average of `config`."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dist, device = distributed.setup(resolve_device(config.device))
+    if device.type == "cpu":
+        keep_large_blocks_in_heap()
+        widen_onednn_cache()
+    # bf16 training on a CPU with bf16 arithmetic makes more updates at the same loss per
+    # update (docs/benchmarks.md); decoding stays fp32, faster there.
+    precision = resolve_precision(config.precision, device.type, cpu_has_bf16())
+    if config.precision == "auto" and device.type == "cpu" and precision == "bf16" and dist.is_main:
+        reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
+    model_config = config.model_config(vocab_size)
+    torch.manual_seed(config.seed)
+    model = Transformer(model_config).to(device)
+    if dist.world > 1:  # same initial weights everywhere, different dropout per rank
+        torch.manual_seed(config.seed + 7919 * dist.rank)
+    forward = dist.wrap(Objective(model, config.label_smoothing), device, config.compile)
+    return Setup(
+        dist,
+        device,
+        precision,
+        model_config,
+        model,
+        forward,
+        make_optimizer(model, config),
+        torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=precision == "fp16"),
+        Average(model, config.ema) if config.ema else None,
+    )
+
+
 class Trainer:
     def __init__(
         self,
@@ -64,42 +113,25 @@ class Trainer:
         data: Data,
         out: Outputs,
         reporter: Reporter,
+        setup: Setup,
         bleu_of: Callable[[list[list[int]]], float] | None = None,
         init: Initial | None = None,
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
     ):
-        """`bleu_of` scores greedy translations of the validation set, given as token ids
-        (for --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training
-        pairs of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
+        """`setup`: the parts to train and where (`build(config, data.vocab_size, reporter)`).
+        `bleu_of` scores greedy translations of the validation set, given as token ids (for
+        --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training pairs
+        of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
         training.build_trainer hands a run directory's data and outputs to it."""
         self.config, self.out, self.reporter = config, out, reporter
         self.bleu_of, self.init = bleu_of, init
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.dist, self.device = distributed.setup(resolve_device(config.device))
-        if self.device.type == "cpu":
-            keep_large_blocks_in_heap()
-            widen_onednn_cache()
+        self.dist, self.device, self.precision = setup.dist, setup.device, setup.precision
         if not self.dist.is_main:  # rank 0 alone talks, logs and writes
             self.reporter = reporter = Quiet()
-        # bf16 training on a CPU with bf16 arithmetic makes more updates at the same loss per
-        # update (docs/benchmarks.md); decoding stays fp32, faster there.
-        self.precision = resolve_precision(config.precision, self.device.type, cpu_has_bf16())
-        if config.precision == "auto" and self.device.type == "cpu" and self.precision == "bf16":
-            reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
-        self.model_config: ModelConfig = config.model_config(data.vocab_size)
-        self._load_data(data, resample)
-        torch.manual_seed(config.seed)
-        self.model = Transformer(self.model_config).to(self.device)
-        if self.dist.world > 1:  # same initial weights everywhere, different dropout per rank
-            torch.manual_seed(config.seed + 7919 * self.dist.rank)
-        # The model with its loss, as an update calls it (DDP and/or compiled).
-        objective = Objective(self.model, config.label_smoothing)
-        self.forward = self.dist.wrap(objective, self.device, config.compile)
+        self.model_config, self.model, self.forward = setup.model_config, setup.model, setup.forward
+        self.optimizer, self.scaler, self.ema = setup.optimizer, setup.scaler, setup.ema
         self.compiling = config.compile
-        self.optimizer = make_optimizer(self.model, config)
-        self.ema = Average(self.model, config.ema) if config.ema else None
-        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=self.precision == "fp16")
+        self._load_data(data, resample)
         self.parts = saving.Parts(self.model, self.optimizer, self.scaler, self.ema)
         self.checkpoints = saving.Checkpoints(
             out, config, self.model_config, (data.src, data.tgt), self.dist, self.device, reporter
