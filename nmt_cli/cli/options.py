@@ -40,9 +40,6 @@ def about(config: type, name: str, *names: str, **settings) -> typer.models.Opti
 
 
 CheckpointOption = Annotated[Optional[Path], about(TranslateConfig, "checkpoint")]
-DeviceOption = Annotated[str, about(TranslateConfig, "device")]
-PrecisionOption = Annotated[str, about(TranslateConfig, "precision")]
-Int8Option = Annotated[bool, about(TranslateConfig, "int8", "--int8")]
 ModelOption = Annotated[
     Optional[list[Path]],
     typer.Option(
@@ -51,8 +48,6 @@ ModelOption = Annotated[
         "model); give it again for an ensemble of models that share a vocabulary.",
     ),
 ]
-EngineOption = Annotated[str, about(TranslateConfig, "engine")]
-ThreadsOption = Annotated[int, about(TranslateConfig, "threads")]
 
 
 def options_of(

@@ -63,8 +63,9 @@ def train_step(
 
     Nothing here waits for the device: the figures come back as one float64 tensor on it,
     laid out as STEP_FIGURES, for the caller to read when it wants them. `forward` is the
-    model's Objective as called for training (DDP and/or compiled); gradients are all-reduced after the last
-    batch only. The optimizer must be fused: it is told on the device whether to skip.
+    model's Objective as called for training (DDP and/or compiled); gradients are all-reduced
+    after the last batch only. The optimizer must be fused: it is told on the device whether to
+    skip.
     """
     model.train()
     sums = None
