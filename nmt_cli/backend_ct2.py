@@ -159,7 +159,7 @@ class Backend:
 
     def _forced(self, sources: list[list[int]], targets: list[list[int]]) -> list:
         """CTranslate2's pass over each target forced as a prefix after its source (pending):
-        its attention has a row for each step and a column for each word of the source (its EOS
+        its attention has a row for each step and a column for each token of the source (its EOS
         left out)."""
         return self.translator.translate_batch(
             self._as_pieces(sources),

@@ -206,7 +206,7 @@ def test_both_engines_apply_the_repetition_penalty_alike(trained_longer, sources
 
 
 def test_the_coverage_penalty_ranks_the_beam_by_the_attention_each_word_received(trained_longer, sources):
-    """--coverage-penalty B: each of the beam's translations scores B x the sum over source words
+    """--coverage-penalty B: each of the beam's translations scores B x the sum over source tokens
     of log(min(attention received, 1)) more, recomputed here from the model's teacher-forced
     attention (last layer, heads averaged, the translation's steps and its EOS, the source's EOS
     left out); the n-best are ranked by it. Both engines give a translation they both find the
@@ -234,7 +234,7 @@ def test_the_coverage_penalty_ranks_the_beam_by_the_attention_each_word_received
     for i, y in checked:
         tgt_in, _ = pad_targets([list(y)])
         src = torch.tensor([ids[i] + [3]])
-        attention = model.cross_attention(src, torch.from_numpy(tgt_in))[0, :, :-1]  # words only
+        attention = model.cross_attention(src, torch.from_numpy(tgt_in))[0, :, :-1]  # its tokens, not its EOS
         expected = beta * torch.log(attention.sum(0).clamp(max=1.0)).sum().item()
         assert shifts["nmt", i, y] == pytest.approx(expected, rel=1e-5, abs=1e-4)
         if ("ctranslate2", i, y) in shifts:

@@ -116,7 +116,7 @@ def _covered(
     """Each sentence's translations ranked with the coverage penalty added to their scores, the
     `options.nbest` best. The attention is the last decoder layer's (heads and models averaged),
     teacher-forced over each translation and its EOS (what the search's own steps computed), to
-    the source's words: its EOS is left out, as CTranslate2 leaves it out."""
+    the source's tokens: its EOS is left out, as CTranslate2 leaves it out."""
     flat = [(i, h) for i, found in enumerate(hyps) for h in found]
     if flat:
         rows = torch.tensor([i for i, _ in flat], device=src.device)

@@ -40,8 +40,8 @@ def length_penalty(length: int | Tensor, alpha: float):
 
 def coverage_penalty(coverage: Sequence[float], beta: float) -> float:
     """GNMT's coverage penalty (Wu et al. 2016, eq. 14), added to a finished translation's
-    score: beta x the sum over source words of log(min(attention received, 1)), `coverage` the
-    attention each source word received summed over the translation's steps (its EOS's
+    score: beta x the sum over source tokens of log(min(attention received, 1)), `coverage` the
+    attention each source token received summed over the translation's steps (its EOS's
     included). A position never attended to (padding, a left-out EOS) counts nothing, as in
     CTranslate2."""
     return beta * sum(math.log(min(c, 1.0)) for c in coverage if c > 0)

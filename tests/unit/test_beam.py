@@ -341,7 +341,7 @@ def test_every_search_ends_the_sentences_nobody_waits_for_and_goes_on_with_the_r
 
 
 def test_coverage_penalty_by_hand():
-    """beta x the sum of log(min(attention received, 1)) over the source words; a word given
+    """beta x the sum of log(min(attention received, 1)) over the source tokens; a token given
     more than its share counts 0, one never attended to (padding) nothing."""
     from nmt_cli.engine.hypothesis import coverage_penalty
 
