@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
+import gzip
 import hashlib
 import itertools
 import os
@@ -75,6 +76,9 @@ class SplitStats:
 
 
 def _read_part(part: Part, path: Path, damage: Damage) -> Iterator[str]:
+    if part.tmx:
+        yield from _read_tmx(path, part.tmx)
+        return
     if not part.sgm:
         yield from read_lines(path, damage)
         return
@@ -82,6 +86,30 @@ def _read_part(part: Part, path: Path, damage: Damage) -> Iterator[str]:
     for line in read_lines(path, damage):
         for text in seg.findall(line):
             yield " ".join(text.split())  # as sacrebleu reads WMT's SGML
+
+
+def _read_tmx(path: Path, lang: str) -> Iterator[str]:
+    """Each translation unit's segment in `lang` of a TMX file (plain or .gz), its whitespace
+    collapsed; '' for a unit without one, so that the two sides' readers stay aligned unit for
+    unit (cleaning drops the empty pair)."""
+    from xml.etree import ElementTree
+
+    xml_lang = "{http://www.w3.org/XML/1998/namespace}lang"
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            for _, unit in ElementTree.iterparse(f):
+                if unit.tag != "tu":
+                    continue
+                text = ""
+                for variant in unit.iter("tuv"):
+                    if (variant.get(xml_lang) or variant.get("lang") or "").lower().split("-")[0] == lang:
+                        seg = variant.find("seg")
+                        text = " ".join("".join(seg.itertext()).split()) if seg is not None else ""
+                yield text
+                unit.clear()
+    except (ElementTree.ParseError, OSError, EOFError) as e:
+        raise NmtError(f"{path.name} is not a readable TMX file: {e}") from None
 
 
 def _pairs(

@@ -21,11 +21,13 @@ class Part:
     member: str | None = None  # inside the archive; None: the file itself (plain or .gz)
     sgm: bool = False  # WMT's SGML test-set format
     path: str | None = None
+    tmx: str | None = None  # a TMX file (plain or .gz) holding both sides: this side's language
 
     def describe(self) -> str:
         if self.source is None:
             return str(self.path)
-        return f"{self.source.name}:{self.member}" if self.member else self.source.name
+        where = f"{self.source.name}:{self.member}" if self.member else self.source.name
+        return f"{where} ({self.tmx})" if self.tmx else where
 
 
 Corpus = dict[str, Part]  # lang -> part
@@ -73,6 +75,47 @@ WMT14_EN_DE: Recipe = {
     "test": [
         _pair(WMT_DEV, "dev/newstest2014-deen-src.en.sgm", "dev/newstest2014-deen-ref.de.sgm", sgm=True)
     ],
+}
+
+# -- WMT16 English-Romanian (Europarl v8 + SETIMES2; newsdev2016, newstest2016) -----------------
+# The archives as Hugging Face `datasets` reads them (datasets/wmt16/wmt_utils.py, config ro-en:
+# its copies of statmt.org's archives, OPUS's SETIMES2 TMX), with the checksums it records for
+# them (datasets/wmt16/dataset_infos.json); statmt.org publishes none (docs/data.md).
+EUROPARL_V8 = Source(
+    "https://huggingface.co/datasets/wmt/wmt16/resolve/main-zip/translation-task/training-parallel-ep-v8.zip",
+    "387e570a6812948e30c64885e64a1d3735a66b7c0bc424fcff1208ef11110149",
+    225190342,
+)
+SETIMES2_EN_RO = Source(
+    "https://opus.nlpl.eu/download.php?f=SETIMES/v2/tmx/en-ro.tmx.gz",
+    "56bfaa2a8c8bdfccb7b50cc926067e2291347d807004e81faab8762ddbf26302",
+    23458958,
+)
+WMT_DEV_ZIP = Source(
+    "https://huggingface.co/datasets/wmt/wmt19/resolve/main-zip/translation-task/dev.zip",
+    "d796e363740fdc4261aa6f5a3d2f8223e3adaee7d737b7724863325b8956dfd1",
+    38714274,
+)
+
+
+def _sgm_pair(source: Source, name: str) -> Corpus:
+    """A WMT dev/test set of the ro-en direction: its Romanian source and English reference."""
+    return {
+        "en": Part(source, f"dev/{name}-roen-ref.en.sgm", sgm=True),
+        "ro": Part(source, f"dev/{name}-roen-src.ro.sgm", sgm=True),
+    }
+
+
+WMT16_EN_RO: Recipe = {
+    TRAIN: [
+        {
+            "en": Part(EUROPARL_V8, "training-parallel-ep-v8/europarl-v8.ro-en.en"),
+            "ro": Part(EUROPARL_V8, "training-parallel-ep-v8/europarl-v8.ro-en.ro"),
+        },
+        {"en": Part(SETIMES2_EN_RO, tmx="en"), "ro": Part(SETIMES2_EN_RO, tmx="ro")},
+    ],
+    "valid": [_sgm_pair(WMT_DEV_ZIP, "newsdev2016")],
+    "test": [_sgm_pair(WMT_DEV_ZIP, "newstest2016")],
 }
 
 # -- Multi30k task 1, raw files of the multi30k/dataset repository, pinned to one commit ----------
@@ -136,13 +179,14 @@ class Known:
 # A new corpus recipe is one entry here (and its corpora above); the CLI's choice derives from it.
 RECIPES: dict[str, Known] = {
     "wmt14-en-de": Known(("en", "de"), 1.5, WMT14_EN_DE),
+    "wmt16-en-ro": Known(("en", "ro"), 1.5, WMT16_EN_RO),
     # Web-crawled corpora hold misaligned pairs that a 1.5 word-count ratio catches (fairseq's
     # WMT14 recipe); Multi30k is translated by people, and 1.5 would drop 888 of its 29,000
     # pairs, mostly short captions, so only Moses' own limit (9) applies there.
     "multi30k-en-de": Known(("en", "de"), 9.0, MULTI30K_EN_DE),
     "custom": Known(None, 1.5, None),
 }
-LANGUAGE_NAMES = {"en": "English", "de": "German"}
+LANGUAGE_NAMES = {"en": "English", "de": "German", "ro": "Romanian"}
 
 
 def resolved(config: PrepConfig) -> PrepConfig:

@@ -37,7 +37,9 @@ def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
         resolved(PrepConfig("multi30k-en-de", src="fr"))
     with pytest.raises(NmtError, match="unknown recipe 'wmt15'"):
         resolved(PrepConfig("wmt15"))
-    assert set(RECIPES) == {"wmt14-en-de", "multi30k-en-de", "custom"}
+    with pytest.raises(NmtError, match="is English-Romanian: use --src en --tgt ro"):
+        resolved(PrepConfig("wmt16-en-ro", src="de"))
+    assert set(RECIPES) == {"wmt14-en-de", "wmt16-en-ro", "multi30k-en-de", "custom"}
 
 
 @pytest.mark.parametrize("name", sorted(RANGES))
