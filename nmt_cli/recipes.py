@@ -77,12 +77,74 @@ WMT14_EN_DE: Recipe = {
     ],
 }
 
+
+# -- WMT14 English-French, the paper's second result (36M pairs there) ------------------------------
+# The archives as Hugging Face `datasets` reads WMT14 fr-en (datasets/wmt14: its zip copies of
+# statmt.org's archives), with the checksums it records for them (dataset_infos.json, fr-en).
+def _hf_zip(path: str, sha256: str, size: int) -> Source:
+    return Source(f"https://huggingface.co/datasets/wmt/{path}", sha256, size)
+
+
+EUROPARL_V7_ZIP = _hf_zip(
+    "wmt13/resolve/main-zip/training-parallel-europarl-v7.zip",
+    "5b2d8b32c2396da739b4e731871c597fcc6e75729becd74619d0712eecf7770e",
+    658092427,
+)
+COMMONCRAWL_ZIP = _hf_zip(
+    "wmt13/resolve/main-zip/training-parallel-commoncrawl.zip",
+    "5ffe980072ea29adfd84568d099bea366d9f72772b988e670794ae851b4e5627",
+    918734483,
+)
+UN_ZIP = _hf_zip(
+    "wmt13/resolve/main-zip/training-parallel-un.zip",
+    "74f07002e053c81bc7f73b4fdab58e7987e831338748f264cbda82a8b062d2e2",
+    2366237633,
+)
+NEWS_COMMENTARY_V9_ZIP = _hf_zip(
+    "wmt14/resolve/main-zip/training-parallel-nc-v9.zip",
+    "ce199f93ec56ff480137ba29f0819f9a22e70d88be6d7458f112303d67d623d5",
+    80462375,
+)
+GIGA_FREN_ZIP = _hf_zip(
+    "wmt10/resolve/main-zip/training-giga-fren.zip",
+    "9439f86523e5dff3f923526dbf6c6929da1786c18dbf64436d2b7564b83aaba3",
+    2595877717,
+)
+WMT_DEV_ZIP = _hf_zip(
+    "wmt19/resolve/main-zip/translation-task/dev.zip",
+    "d796e363740fdc4261aa6f5a3d2f8223e3adaee7d737b7724863325b8956dfd1",
+    38714274,
+)
+
+
+def _en_fr(source: Source, stem: str, en: str = ".en", fr: str = ".fr") -> Corpus:
+    return {"en": Part(source, stem + en), "fr": Part(source, stem + fr)}
+
+
+WMT14_EN_FR: Recipe = {
+    TRAIN: [
+        _en_fr(EUROPARL_V7_ZIP, "training/europarl-v7.fr-en"),
+        _en_fr(COMMONCRAWL_ZIP, "commoncrawl.fr-en"),
+        _en_fr(UN_ZIP, "un/undoc.2000.fr-en"),
+        _en_fr(NEWS_COMMENTARY_V9_ZIP, "training/news-commentary-v9.fr-en"),
+        _en_fr(GIGA_FREN_ZIP, "giga-fren.release2.fixed", ".en.gz", ".fr.gz"),
+    ],
+    "valid": [_en_fr(WMT_DEV_ZIP, "dev/newstest2013")],
+    # the full newstest2014 (3003 segments, both directions' halves), as its fr-en files hold it
+    "test": [
+        {
+            "en": Part(WMT_DEV_ZIP, "dev/newstest2014-fren-ref.en.sgm", sgm=True),
+            "fr": Part(WMT_DEV_ZIP, "dev/newstest2014-fren-src.fr.sgm", sgm=True),
+        }
+    ],
+}
+
 # -- WMT16 English-Romanian (Europarl v8 + SETIMES2; newsdev2016, newstest2016) -----------------
 # The archives as Hugging Face `datasets` reads them (datasets/wmt16/wmt_utils.py, config ro-en:
 # its copies of statmt.org's archives, OPUS's SETIMES2 TMX), with the checksums it records for
 # them (datasets/wmt16/dataset_infos.json); statmt.org publishes none (docs/data.md).
-EUROPARL_V8 = Source(
-    "https://huggingface.co/datasets/wmt/wmt16/resolve/main-zip/translation-task/training-parallel-ep-v8.zip",
+EUROPARL_V8 = _hf_zip(
+    "wmt16/resolve/main-zip/translation-task/training-parallel-ep-v8.zip",
     "387e570a6812948e30c64885e64a1d3735a66b7c0bc424fcff1208ef11110149",
     225190342,
 )
@@ -90,11 +152,6 @@ SETIMES2_EN_RO = Source(
     "https://opus.nlpl.eu/download.php?f=SETIMES/v2/tmx/en-ro.tmx.gz",
     "56bfaa2a8c8bdfccb7b50cc926067e2291347d807004e81faab8762ddbf26302",
     23458958,
-)
-WMT_DEV_ZIP = Source(
-    "https://huggingface.co/datasets/wmt/wmt19/resolve/main-zip/translation-task/dev.zip",
-    "d796e363740fdc4261aa6f5a3d2f8223e3adaee7d737b7724863325b8956dfd1",
-    38714274,
 )
 
 
@@ -179,6 +236,7 @@ class Known:
 # A new corpus recipe is one entry here (and its corpora above); the CLI's choice derives from it.
 RECIPES: dict[str, Known] = {
     "wmt14-en-de": Known(("en", "de"), 1.5, WMT14_EN_DE),
+    "wmt14-en-fr": Known(("en", "fr"), 1.5, WMT14_EN_FR),
     "wmt16-en-ro": Known(("en", "ro"), 1.5, WMT16_EN_RO),
     # Web-crawled corpora hold misaligned pairs that a 1.5 word-count ratio catches (fairseq's
     # WMT14 recipe); Multi30k is translated by people, and 1.5 would drop 888 of its 29,000
@@ -186,7 +244,7 @@ RECIPES: dict[str, Known] = {
     "multi30k-en-de": Known(("en", "de"), 9.0, MULTI30K_EN_DE),
     "custom": Known(None, 1.5, None),
 }
-LANGUAGE_NAMES = {"en": "English", "de": "German", "ro": "Romanian"}
+LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "ro": "Romanian"}
 
 
 def resolved(config: PrepConfig) -> PrepConfig:

@@ -39,7 +39,7 @@ def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
         resolved(PrepConfig("wmt15"))
     with pytest.raises(NmtError, match="is English-Romanian: use --src en --tgt ro"):
         resolved(PrepConfig("wmt16-en-ro", src="de"))
-    assert set(RECIPES) == {"wmt14-en-de", "wmt16-en-ro", "multi30k-en-de", "custom"}
+    assert set(RECIPES) == {"wmt14-en-de", "wmt14-en-fr", "wmt16-en-ro", "multi30k-en-de", "custom"}
 
 
 @pytest.mark.parametrize("name", sorted(RANGES))

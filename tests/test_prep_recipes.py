@@ -1,6 +1,7 @@
-"""The wmt16-en-ro code path, offline, on a miniature mirror with the real archive names and
-inner layout: Europarl v8 in a zip, SETIMES2 as OPUS's TMX, newsdev2016 and newstest2016 as WMT's
-SGML in the dev zip. The text is newstest2014's (German standing in for Romanian)."""
+"""The wmt14-en-fr and wmt16-en-ro code paths, offline, on miniature mirrors with the real
+archive names and inner layout: zip archives (a gzipped member among them), OPUS's TMX, WMT's
+plain and SGML dev and test sets. The text is newstest2014's (German standing in for the other
+language)."""
 
 import dataclasses
 import gzip
@@ -50,21 +51,20 @@ def build(folder: Path) -> dict:
     return {"train_read": 200 + len(units), "pairs": pairs, "test": (en[400:500], ro[400:500])}
 
 
-def pin(monkeypatch, folder: Path) -> None:
-    """The wmt16-en-ro recipe, its checksums those of the files in `folder`."""
+def pin(monkeypatch, folder: Path, name: str = "wmt16-en-ro") -> None:
+    """The recipe `name`, its checksums those of the files in `folder`."""
     sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
 
     def repin(part):
         source = dataclasses.replace(part.source, sha256=sums[part.source.name], size=None)
         return dataclasses.replace(part, source=source)
 
+    known = recipes.RECIPES[name]
     corpora = {
         split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
-        for split, corpora in recipes.WMT16_EN_RO.items()
+        for split, corpora in known.corpora.items()
     }
-    monkeypatch.setitem(
-        recipes.RECIPES, "wmt16-en-ro", dataclasses.replace(recipes.RECIPES["wmt16-en-ro"], corpora=corpora)
-    )
+    monkeypatch.setitem(recipes.RECIPES, name, dataclasses.replace(known, corpora=corpora))
 
 
 @pytest.fixture
@@ -117,3 +117,39 @@ def test_a_broken_tmx_is_one_error_line(mirror, tmp_path, monkeypatch, nmt):
     pin(monkeypatch, folder)
     line = one_error_line(nmt("prep", "wmt16-en-ro", "--run-dir", tmp_path / "run", "--mirror", folder))
     assert "en-ro.tmx.gz is not a readable TMX file" in line
+
+
+def test_wmt14_en_fr_end_to_end(tmp_path, monkeypatch, nmt):
+    """Five training archives (giga-fren's members gzipped inside its zip), newstest2013 as
+    plain text and the full newstest2014 as SGML from the dev zip."""
+    folder = tmp_path / "mirror"
+    folder.mkdir()
+    en, fr = real_lines(700)
+    corpora = {
+        "training-parallel-europarl-v7.zip": ("training/europarl-v7.fr-en", 0),
+        "training-parallel-commoncrawl.zip": ("commoncrawl.fr-en", 100),
+        "training-parallel-un.zip": ("un/undoc.2000.fr-en", 200),
+        "training-parallel-nc-v9.zip": ("training/news-commentary-v9.fr-en", 300),
+    }
+    for archive, (stem, start) in corpora.items():
+        with zipfile.ZipFile(folder / archive, "w") as z:
+            z.writestr(f"{stem}.en", "\n".join(en[start : start + 100]) + "\n")
+            z.writestr(f"{stem}.fr", "\n".join(fr[start : start + 100]) + "\n")
+    with zipfile.ZipFile(folder / "training-giga-fren.zip", "w") as z:
+        z.writestr("giga-fren.release2.fixed.en.gz", gzip.compress(("\n".join(en[400:500]) + "\n").encode()))
+        z.writestr("giga-fren.release2.fixed.fr.gz", gzip.compress(("\n".join(fr[400:500]) + "\n").encode()))
+    with zipfile.ZipFile(folder / "dev.zip", "w") as z:
+        z.writestr("dev/newstest2013.en", "\n".join(en[500:600]) + "\n")
+        z.writestr("dev/newstest2013.fr", "\n".join(fr[500:600]) + "\n")
+        z.writestr("dev/newstest2014-fren-src.fr.sgm", sgm(fr[600:700], "fr", "src"))
+        z.writestr("dev/newstest2014-fren-ref.en.sgm", sgm(en[600:700], "en", "ref"))
+    pin(monkeypatch, folder, "wmt14-en-fr")
+    run = RunDir(tmp_path / "run")
+    result = nmt("prep", "wmt14-en-fr", "--run-dir", run.root, "--mirror", folder)
+    assert result.code == 0, result.err
+    prep = run.load_manifest()["prep"]
+    assert (prep["src"], prep["tgt"]) == ("en", "fr")
+    assert prep["splits"]["train"]["read"] == 500 and prep["splits"]["valid"]["read"] == 100
+    assert [c["pairs"] for c in prep["splits"]["train"]["corpora"]][-1] > 0  # giga-fren read
+    assert run.text("test", "en", raw=True).read_text(encoding="utf-8").splitlines() == en[600:700]
+    assert run.text("test", "fr", raw=True).read_text(encoding="utf-8").splitlines() == fr[600:700]
