@@ -102,17 +102,18 @@ def ensemble(args, train_options: list[str], log: Path) -> dict:
     """--seeds N: N models of the recipe trained side by side on the cores (seeds F..F+N-1 for
     --first-seed F, the threads shared out), each averaged as the quickstart does, then decoded
     as one ensemble."""
-    from nmt_cli.quickstart import AVERAGE, TRAIN, VOCAB_SIZE
+    from nmt_cli.config import MULTI30K_CPU
 
     base = args.out / "data"
     if not (base / "manifest.json").exists():
         nmt("prep", "multi30k-en-de", "--run-dir", str(base), "--mirror", str(MULTI30K), log=log)
         lowercase = ["--lowercase"] if args.lowercase else []
-        nmt("bpe", "--run-dir", str(base), "--vocab-size", str(VOCAB_SIZE), *lowercase, log=log)
+        nmt("bpe", "--run-dir", str(base), "--vocab-size", str(MULTI30K_CPU.vocab_size), *lowercase, log=log)
     runs = [args.out / f"run{k}" for k in range(1, args.seeds + 1)]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.seeds)
     recipe = [
-        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in TRAIN.items()
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}"
+        for k, v in MULTI30K_CPU.train.items()
     ]
     procs = []
     for k, run in enumerate(runs, 1):
@@ -127,7 +128,7 @@ def ensemble(args, train_options: list[str], log: Path) -> dict:
     if any(p.wait() for p in procs):
         sys.exit(f"a training run failed; see {log}")
     for run in runs:
-        nmt("average", "--run-dir", str(run), "--last", str(AVERAGE), log=log)
+        nmt("average", "--run-dir", str(run), "--last", str(MULTI30K_CPU.average), log=log)
     models = [run / "averaged.pt" for run in runs]
     return {
         "members_valid": [scores(run, "valid", log) for run in runs],

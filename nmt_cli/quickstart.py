@@ -8,19 +8,12 @@ import json
 import time
 
 from nmt_cli import average, bpe, plot, prep, recipes, score, training, translate, ui
-from nmt_cli.config import BpeConfig, PrepConfig, TrainConfig, TranslateConfig
+from nmt_cli.config import MULTI30K_CPU, BpeConfig, PrepConfig, TrainConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import read_lines
 
-# The CPU recipe measured in docs/benchmarks.md (Multi30k quality). Small batches: on Multi30k
-# in a fixed CPU time, more updates beat bigger ones.
-VOCAB_SIZE = 8000
-TRAIN = dict(
-    size="small", max_tokens=1024, warmup=1000, eval_bleu=True, eval_every=500, save_every=250, keep_last=10
-)
-AVERAGE = 5
 # Prep, BPE, decoding the test set and scoring take about 30 s on 2 CPU cores; the rest trains.
 RESERVE_MINUTES = 1.0
 STEPS = 6
@@ -71,7 +64,7 @@ def run(
             )
         ui.say(f"{run_dir.root} already has this step's output (manifest.json): kept")
     else:
-        config = BpeConfig(vocab_size=VOCAB_SIZE, lowercase=lowercase)
+        config = BpeConfig(vocab_size=MULTI30K_CPU.vocab_size, lowercase=lowercase)
         with run_dir.lock("bpe"):
             run_dir.save_config("bpe", config)
             bpe.show(bpe.run_bpe(config, run_dir))
@@ -79,7 +72,7 @@ def run(
     _train(run_dir, minutes - RESERVE_MINUTES, threads, train_options)
     _step(4, "average checkpoints")
     with run_dir.lock("average"):
-        average.average_run(run_dir, AVERAGE, ui.say)
+        average.average_run(run_dir, MULTI30K_CPU.average, ui.say)
     _step(5, "translate and score test2016")
     hyp, ref = translate.translate_split(run_dir, "test", TranslateConfig(threads=threads))
     hyps, refs = list(read_lines(hyp)), list(read_lines(ref))
@@ -96,7 +89,9 @@ def run(
 
 
 def _train(run_dir: RunDir, minutes: float, threads: int, options: dict) -> None:
-    recipe = {**TRAIN, "max_steps": 0, "max_time": minutes, **({"threads": threads} if threads else {})}
+    recipe = {**MULTI30K_CPU.train, "max_steps": 0, "max_time": minutes}
+    if threads:
+        recipe["threads"] = threads
     given = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **recipe, **options}
     with run_dir.lock("train"):
         config = training.settings(run_dir, given, set(recipe) | set(options))

@@ -18,14 +18,16 @@ from nmt_cli.config.common import (
     to_json,
 )
 from nmt_cli.config.data import BpeConfig, PrepConfig
-from nmt_cli.config.train import PRESETS, LaunchConfig, ModelConfig, TrainConfig
+from nmt_cli.config.train import MULTI30K_CPU, PRESETS, CpuRecipe, LaunchConfig, ModelConfig, TrainConfig
 from nmt_cli.config.use import ENGINES, DecodeOptions, ServeConfig, TranslateConfig
 
 __all__ = [
     "ENGINES",
+    "MULTI30K_CPU",
     "PRECISIONS",
     "PRESETS",
     "BpeConfig",
+    "CpuRecipe",
     "DecodeOptions",
     "LaunchConfig",
     "ModelConfig",

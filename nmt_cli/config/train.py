@@ -77,6 +77,33 @@ PRESETS: dict[str, dict] = {
 
 
 @dataclass(frozen=True)
+class CpuRecipe:
+    """A whole Multi30k run on a CPU: the BPE vocabulary, the training settings (a run trains for
+    a fixed time), the checkpoints averaged."""
+
+    vocab_size: int
+    train: dict  # TrainConfig's fields
+    average: int
+
+
+# `nmt quickstart`'s recipe, measured in docs/benchmarks.md (Multi30k quality). Small batches:
+# on Multi30k in a fixed CPU time, more updates beat bigger ones.
+MULTI30K_CPU = CpuRecipe(
+    vocab_size=8000,
+    train=dict(
+        size="small",
+        max_tokens=1024,
+        warmup=1000,
+        eval_bleu=True,
+        eval_every=500,
+        save_every=250,
+        keep_last=10,
+    ),
+    average=5,
+)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     size: str = knob("base", f"Model preset: {', '.join(PRESETS)} (config/train.py's PRESETS).")
     # None: the preset's value
