@@ -59,22 +59,25 @@ WMT_DEV = Source(
 )
 
 
-def _pair(source: Source, en: str, de: str, sgm: bool = False) -> Corpus:
-    return {"en": Part(source, en, sgm), "de": Part(source, de, sgm)}
+def _pair(source: Source, stem: str, langs: tuple[str, str], suffix: str = "") -> Corpus:
+    """A corpus whose two members differ only in their language: STEM.LANG[SUFFIX] each."""
+    return {lang: Part(source, f"{stem}.{lang}{suffix}") for lang in langs}
 
 
+def _sgm(source: Source, **members: str) -> Corpus:
+    """A WMT dev or test set in SGML: each language's member."""
+    return {lang: Part(source, member, sgm=True) for lang, member in members.items()}
+
+
+EN_DE = ("en", "de")
 WMT14_EN_DE: Recipe = {
     TRAIN: [
-        _pair(EUROPARL, "training/europarl-v7.de-en.en", "training/europarl-v7.de-en.de"),
-        _pair(COMMONCRAWL, "commoncrawl.de-en.en", "commoncrawl.de-en.de"),
-        _pair(
-            NEWS_COMMENTARY, "training/news-commentary-v9.de-en.en", "training/news-commentary-v9.de-en.de"
-        ),
+        _pair(EUROPARL, "training/europarl-v7.de-en", EN_DE),
+        _pair(COMMONCRAWL, "commoncrawl.de-en", EN_DE),
+        _pair(NEWS_COMMENTARY, "training/news-commentary-v9.de-en", EN_DE),
     ],
-    "valid": [_pair(WMT_DEV, "dev/newstest2013.en", "dev/newstest2013.de")],
-    "test": [
-        _pair(WMT_DEV, "dev/newstest2014-deen-src.en.sgm", "dev/newstest2014-deen-ref.de.sgm", sgm=True)
-    ],
+    "valid": [_pair(WMT_DEV, "dev/newstest2013", EN_DE)],
+    "test": [_sgm(WMT_DEV, en="dev/newstest2014-deen-src.en.sgm", de="dev/newstest2014-deen-ref.de.sgm")],
 }
 
 
@@ -117,26 +120,18 @@ WMT_DEV_ZIP = _hf_zip(
 )
 
 
-def _en_fr(source: Source, stem: str, en: str = ".en", fr: str = ".fr") -> Corpus:
-    return {"en": Part(source, stem + en), "fr": Part(source, stem + fr)}
-
-
+EN_FR = ("en", "fr")
 WMT14_EN_FR: Recipe = {
     TRAIN: [
-        _en_fr(EUROPARL_V7_ZIP, "training/europarl-v7.fr-en"),
-        _en_fr(COMMONCRAWL_ZIP, "commoncrawl.fr-en"),
-        _en_fr(UN_ZIP, "un/undoc.2000.fr-en"),
-        _en_fr(NEWS_COMMENTARY_V9_ZIP, "training/news-commentary-v9.fr-en"),
-        _en_fr(GIGA_FREN_ZIP, "giga-fren.release2.fixed", ".en.gz", ".fr.gz"),
+        _pair(EUROPARL_V7_ZIP, "training/europarl-v7.fr-en", EN_FR),
+        _pair(COMMONCRAWL_ZIP, "commoncrawl.fr-en", EN_FR),
+        _pair(UN_ZIP, "un/undoc.2000.fr-en", EN_FR),
+        _pair(NEWS_COMMENTARY_V9_ZIP, "training/news-commentary-v9.fr-en", EN_FR),
+        _pair(GIGA_FREN_ZIP, "giga-fren.release2.fixed", EN_FR, ".gz"),
     ],
-    "valid": [_en_fr(WMT_DEV_ZIP, "dev/newstest2013")],
+    "valid": [_pair(WMT_DEV_ZIP, "dev/newstest2013", EN_FR)],
     # the full newstest2014 (3003 segments, both directions' halves), as its fr-en files hold it
-    "test": [
-        {
-            "en": Part(WMT_DEV_ZIP, "dev/newstest2014-fren-ref.en.sgm", sgm=True),
-            "fr": Part(WMT_DEV_ZIP, "dev/newstest2014-fren-src.fr.sgm", sgm=True),
-        }
-    ],
+    "test": [_sgm(WMT_DEV_ZIP, en="dev/newstest2014-fren-ref.en.sgm", fr="dev/newstest2014-fren-src.fr.sgm")],
 }
 
 # -- WMT16 English-Romanian (Europarl v8 + SETIMES2; newsdev2016, newstest2016) -----------------
@@ -155,24 +150,18 @@ SETIMES2_EN_RO = Source(
 )
 
 
-def _sgm_pair(source: Source, name: str) -> Corpus:
+def _ro_en_sgm(name: str) -> Corpus:
     """A WMT dev/test set of the ro-en direction: its Romanian source and English reference."""
-    return {
-        "en": Part(source, f"dev/{name}-roen-ref.en.sgm", sgm=True),
-        "ro": Part(source, f"dev/{name}-roen-src.ro.sgm", sgm=True),
-    }
+    return _sgm(WMT_DEV_ZIP, en=f"dev/{name}-roen-ref.en.sgm", ro=f"dev/{name}-roen-src.ro.sgm")
 
 
 WMT16_EN_RO: Recipe = {
     TRAIN: [
-        {
-            "en": Part(EUROPARL_V8, "training-parallel-ep-v8/europarl-v8.ro-en.en"),
-            "ro": Part(EUROPARL_V8, "training-parallel-ep-v8/europarl-v8.ro-en.ro"),
-        },
+        _pair(EUROPARL_V8, "training-parallel-ep-v8/europarl-v8.ro-en", ("en", "ro")),
         {"en": Part(SETIMES2_EN_RO, tmx="en"), "ro": Part(SETIMES2_EN_RO, tmx="ro")},
     ],
-    "valid": [_sgm_pair(WMT_DEV_ZIP, "newsdev2016")],
-    "test": [_sgm_pair(WMT_DEV_ZIP, "newstest2016")],
+    "valid": [_ro_en_sgm("newsdev2016")],
+    "test": [_ro_en_sgm("newstest2016")],
 }
 
 # -- Multi30k task 1, raw files of the multi30k/dataset repository, pinned to one commit ----------
