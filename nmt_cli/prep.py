@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import gzip
 import hashlib
 import itertools
 import os
@@ -32,7 +31,7 @@ from nmt_cli.files import atomic_open
 from nmt_cli.normalize import normalize
 from nmt_cli.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
 from nmt_cli.rundir import RunDir
-from nmt_cli.textio import Damage, chunks, read_lines
+from nmt_cli.textio import Damage, chunks, open_binary, read_lines
 
 # -- cleaning ----------------------------------------------------------------------------------
 
@@ -89,15 +88,14 @@ def _read_part(part: Part, path: Path, damage: Damage) -> Iterator[str]:
 
 
 def _read_tmx(path: Path, lang: str) -> Iterator[str]:
-    """Each translation unit's segment in `lang` of a TMX file (plain or .gz), its whitespace
+    """Each translation unit's segment in `lang` of a TMX file (plain or gzip), its whitespace
     collapsed; '' for a unit without one, so that the two sides' readers stay aligned unit for
     unit (cleaning drops the empty pair)."""
     from xml.etree import ElementTree
 
     xml_lang = "{http://www.w3.org/XML/1998/namespace}lang"
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as f:
+        with open_binary(path) as f:
             for _, unit in ElementTree.iterparse(f):
                 if unit.tag != "tu":
                     continue
