@@ -229,7 +229,7 @@ def make_step(b: Bench, model: Transformer, compiled: bool, padded: bool, senten
     group = distributed.Group()
     forward = step.Objective(model, 0.1)
     if compiled:  # as the trainer's --compile does
-        forward = distributed.Group().wrap(forward, b.device, compile=True)
+        forward = group.wrap(forward, b.device, compile=True)
 
     def autocast():
         return torch.autocast(b.device.type, dtype=torch.bfloat16)

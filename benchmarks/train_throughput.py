@@ -66,7 +66,8 @@ def nmt_step(
 ) -> dict:
     shape = SHAPES[shape_name]
     model = model_of(shape_name, device)
-    forward = distributed.Group().wrap(Objective(model, 0.1), device, compile)
+    group = distributed.Group()
+    forward = group.wrap(Objective(model, 0.1), device, compile)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     batches = [device_batch(shape["vocab"], device, sentences)]
@@ -74,8 +75,6 @@ def nmt_step(
 
     def autocast():
         return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-    group = distributed.Group()
 
     def step():
         train_step(

@@ -153,8 +153,7 @@ class Backend:
         forced = zip(self._forced(sources, targets), targets)
         rows = (r.result().attention[0][: len(y) + 1] for r, y in forced)
         return [
-            [coverage_penalty([sum(c) for c in zip(*next(rows))], beta) for _ in r.hypotheses]
-            for s, r in zip(batch, found)
+            [coverage_penalty([sum(c) for c in zip(*next(rows))], beta) for _ in r.hypotheses] for r in found
         ]
 
     def _forced(self, sources: list[list[int]], targets: list[list[int]]) -> list:
