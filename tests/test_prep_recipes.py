@@ -3,18 +3,16 @@ archive names and inner layout: zip archives (a gzipped member among them), OPUS
 plain and SGML dev and test sets. The text is newstest2014's (German standing in for the other
 language)."""
 
-import dataclasses
 import gzip
-import hashlib
 import zipfile
 from pathlib import Path
 from xml.sax.saxutils import escape
 
 import pytest
+import wmt14_mirror
 from conftest import one_error_line
 from wmt14_mirror import real_lines, sgm
 
-from nmt_cli import recipes
 from nmt_cli.rundir import RunDir
 
 
@@ -52,19 +50,7 @@ def build(folder: Path) -> dict:
 
 
 def pin(monkeypatch, folder: Path, name: str = "wmt16-en-ro") -> None:
-    """The recipe `name`, its checksums those of the files in `folder`."""
-    sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
-
-    def repin(part):
-        source = dataclasses.replace(part.source, sha256=sums[part.source.name], size=None)
-        return dataclasses.replace(part, source=source)
-
-    known = recipes.RECIPES[name]
-    corpora = {
-        split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
-        for split, corpora in known.corpora.items()
-    }
-    monkeypatch.setitem(recipes.RECIPES, name, dataclasses.replace(known, corpora=corpora))
+    wmt14_mirror.pin(monkeypatch, folder, name)
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """The whole wmt14-en-de code path, offline, on a miniature mirror with the real layout."""
 
-import dataclasses
 import io
 import tarfile
 
@@ -8,30 +7,13 @@ import pytest
 import wmt14_mirror
 from conftest import one_error_line
 
-from nmt_cli import fetch, recipes
+from nmt_cli import fetch
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 
 
-def pinned_to(folder):
-    """The wmt14 recipe with its checksums pinned to the miniature archives in `folder`."""
-    sums = wmt14_mirror.checksums(folder)
-
-    def repin(part):
-        return dataclasses.replace(
-            part, source=dataclasses.replace(part.source, sha256=sums[part.source.name], size=None)
-        )
-
-    return {
-        split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
-        for split, corpora in recipes.WMT14_EN_DE.items()
-    }
-
-
 def pin(monkeypatch, folder) -> None:
-    """The wmt14-en-de recipe, its checksums those of the files in `folder`."""
-    known = dataclasses.replace(recipes.RECIPES["wmt14-en-de"], corpora=pinned_to(folder))
-    monkeypatch.setitem(recipes.RECIPES, "wmt14-en-de", known)
+    wmt14_mirror.pin(monkeypatch, folder, "wmt14-en-de")
 
 
 @pytest.fixture

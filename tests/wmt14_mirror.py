@@ -104,3 +104,24 @@ def build(folder: Path) -> dict:
 
 def checksums(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+def pin(monkeypatch, folder: Path, name: str) -> None:
+    """The recipe `name` with its checksums those of the miniature archives in `folder` (the
+    mirrors of tests/test_prep_wmt14.py and tests/test_prep_recipes.py)."""
+    import dataclasses
+
+    from nmt_cli import recipes
+
+    sums = checksums(folder)
+
+    def repin(part):
+        source = dataclasses.replace(part.source, sha256=sums[part.source.name], size=None)
+        return dataclasses.replace(part, source=source)
+
+    known = recipes.RECIPES[name]
+    corpora = {
+        split: [{lang: repin(p) for lang, p in corpus.items()} for corpus in corpora]
+        for split, corpora in known.corpora.items()
+    }
+    monkeypatch.setitem(recipes.RECIPES, name, dataclasses.replace(known, corpora=corpora))
