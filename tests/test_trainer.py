@@ -48,10 +48,12 @@ def test_batches_cover_every_sentence_once_with_little_padding(multi30k_bpe):
     assert as_before < padding_share(a, s, t) <= as_before + 0.02
 
 
-def test_the_next_epoch_made_ahead_by_a_thread_is_the_same_epoch(multi30k_bpe):
+@pytest.mark.parametrize("rank, world", [(0, 1), (1, 2)])
+def test_the_next_epoch_made_ahead_by_a_thread_is_the_same_epoch(multi30k_bpe, rank, world):
     """What a GPU run does (Epochs' `ahead`), forced on the CPU: each next epoch's pairs
     (re-encoded, as BPE-dropout does) and batches are made by a thread while this one trains,
-    the same as made when asked for; an error there is raised when that epoch is asked for."""
+    the same as made when asked for, alone and as the second of 2 ranks; an error there is
+    raised when that epoch is asked for."""
     run = RunDir(multi30k_bpe)
     split = Split.of(Shard(run.tokens("train", "en")), Shard(run.tokens("train", "de")), 256)
     made_by: dict[int, str] = {}
@@ -65,7 +67,7 @@ def test_the_next_epoch_made_ahead_by_a_thread_is_the_same_epoch(multi30k_bpe):
         return Shard.in_memory(src, 8000), split.tgt
 
     def epochs(ahead: bool) -> list:
-        e = Epochs(split, 2048, 2, 3, Group(0, 1), resample, ahead)
+        e = Epochs(split, 2048, 2, 3, Group(rank, world), resample, ahead)
         made = [(e.data(n).src_lengths, [(x.sentences, x.shape) for x in e.batches(n)]) for n in range(3)]
         with pytest.raises(OSError, match="went away"):
             e.batches(3)
