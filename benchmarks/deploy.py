@@ -137,7 +137,7 @@ def random_model(run: Path, shape: str, out: Path) -> None:
     config = ModelConfig(vocab_size=trained.config.vocab_size, **PRESETS[shape])
     torch.manual_seed(0)
     weights = Transformer(config).state_dict()
-    export_nmt(Model(out, config, trained.spm, trained.src, trained.tgt, "random", lambda: weights), out)
+    export_nmt(Model(out, config, trained.vocabs, trained.src, trained.tgt, "random", lambda: weights), out)
 
 
 def speed(args, work: Path) -> None:

@@ -62,8 +62,8 @@ class Backend:
             raise NmtError(
                 f"CTranslate2 cannot load {model.where} on {config.device} as {compute_type}: {e}"
             ) from None
-        self.pieces = pieces(model)
-        self.ids = {p: i for i, p in enumerate(self.pieces)}
+        self.source_pieces, self.pieces = pieces(model.vocabs.source), pieces(model.vocabs.target)
+        self.ids = {p: i for i, p in enumerate(self.pieces)}  # the target's
         self.ceiling = model.config.max_positions - 1
 
     def search(
@@ -107,7 +107,7 @@ class Backend:
         limits = [max(1, max(own) - 1) for own in owns]
         pending = [
             self.translator.translate_batch(
-                self._as_pieces(batch),
+                self._as_pieces(batch, self.source_pieces),
                 target_prefix=self._as_pieces(starts) if starts else None,
                 length_penalty=0.0,
                 max_decoding_length=limit,
@@ -161,7 +161,7 @@ class Backend:
         its attention has a row for each step and a column for each token of the source (its EOS
         left out)."""
         return self.translator.translate_batch(
-            self._as_pieces(sources),
+            self._as_pieces(sources, self.source_pieces),
             target_prefix=self._as_pieces(targets),
             beam_size=1,
             max_decoding_length=max(map(len, targets)) + 1,
@@ -181,7 +181,7 @@ class Backend:
     ) -> Iterator[list[float]]:
         pending = [
             self.translator.score_batch(
-                self._as_pieces(batch),
+                self._as_pieces(batch, self.source_pieces),
                 self._as_pieces(batch_targets),
                 max_input_length=0,
                 asynchronous=True,
@@ -208,8 +208,10 @@ class Backend:
                 for weights, x, y in zip(found, batch, batch_targets)
             ]
 
-    def _as_pieces(self, rows: list[list[int]]) -> list[list[str]]:
-        return [[self.pieces[i] for i in row] for row in rows]
+    def _as_pieces(self, rows: list[list[int]], pieces: list[str] | None = None) -> list[list[str]]:
+        """Ids as pieces: the target's, or those of `pieces`."""
+        pieces = self.pieces if pieces is None else pieces
+        return [[pieces[i] for i in row] for row in rows]
 
     def ranked(
         self, result, options: DecodeOptions, offset: float, alpha: float, covered: list[float] | None

@@ -1,4 +1,5 @@
-"""`nmt bpe`: a joint sentencepiece BPE model, and every split encoded into binarized shards.
+"""`nmt bpe`: a joint sentencepiece BPE model (or one per side, `--separate`), and every split
+encoded into binarized shards.
 
 The model is learned from a bounded random sample of both training sides, so memory does not
 grow with the corpus. Normalisation is the identity (prep already normalised the text), which
@@ -22,9 +23,9 @@ from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open
 from nmt_cli.rundir import RunDir
-from nmt_cli.shards import Shard, ShardWriter, dtype_for
+from nmt_cli.shards import Shard, ShardWriter
 from nmt_cli.textio import chunks, read_lines
-from nmt_cli.vocab import BOS, EOS, PAD, UNK
+from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies
 
 ENCODE_CHUNK = 20_000
 
@@ -56,14 +57,17 @@ def sample_lines(paths: list[Path], k: int, seed: int) -> list[str]:
     return reservoir
 
 
-def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int, tags: list[str]) -> None:
-    """The joint BPE model; each corpus tag (`nmt prep custom --tag`) is one piece of its own."""
+def learn(
+    config: BpeConfig, texts: list[Path], vocab_size: int, tags: list[str], dest: Path, what: str
+) -> None:
+    """A BPE model of `vocab_size` pieces learned from `texts`, written to `dest` (and its pieces
+    beside it, .vocab); each corpus tag (`nmt prep custom --tag`) is one piece of its own."""
     import sentencepiece as spm
 
-    sample = sample_lines([run.text("train", src), run.text("train", tgt)], config.sample_lines, config.seed)
-    ui.say(f"learning a joint BPE model of {vocab_size} pieces from {len(sample):,} sentences")
-    run.spm_model.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=run.spm_model.parent) as tmp:
+    sample = sample_lines(texts, config.sample_lines, config.seed)
+    ui.say(f"learning {what} BPE model of {vocab_size} pieces from {len(sample):,} sentences")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         text = Path(tmp) / "sample.txt"
         text.write_text("".join(line + "\n" for line in sample), encoding="utf-8")
         del sample
@@ -95,10 +99,10 @@ def learn(config: BpeConfig, run: RunDir, src: str, tgt: str, vocab_size: int, t
         except RuntimeError as e:
             message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             fix = " (choose a smaller --vocab-size)" if "vocab" in message.lower() else ""
-            raise NmtError(f"sentencepiece could not learn the BPE model: {message}{fix}") from None
+            raise NmtError(f"sentencepiece could not learn the {what} BPE model: {message}{fix}") from None
         # Both files appear together, each atomically.
-        for name, dest in (("spm.vocab", run.spm_vocab), ("spm.model", run.spm_model)):
-            (Path(tmp) / name).replace(dest)
+        for name, target in (("spm.vocab", dest.with_suffix(".vocab")), ("spm.model", dest)):
+            (Path(tmp) / name).replace(target)
 
 
 def _lowercase_rules() -> str:
@@ -123,50 +127,64 @@ def folds_case(spm_model: Path) -> bool:
     return sp.decode(sp.encode("A")) == "a"
 
 
-def spm_of(where: Path) -> Path:
-    """The sentencepiece model of a run directory, a package or export, or a .model file."""
-    for candidate in (where, where / "spm.model", where / "bpe" / "spm.model"):
-        if candidate.is_file():
-            return candidate
+def vocabularies_of(where: Path) -> Vocabularies:
+    """The sentencepiece models of a run directory, a package or export, or one .model file."""
+    if where.is_file():
+        return Vocabularies.joint_model(where)
+    for folder in (where, where / "bpe"):
+        found = Vocabularies.in_folder(folder)
+        if all(p.is_file() for p in found.files()):
+            return found
     raise NmtError(
         f"no sentencepiece model at {where} (give a run directory, a directory from "
         "`nmt export`, or an .model file)"
     )
 
 
-def adopt(where: Path, run: RunDir, tags: list[str]) -> None:
-    """Take another model's sentencepiece model as this run's (for fine-tuning that model); it
-    must hold the run's corpus `tags` as pieces."""
+def adopt(where: Path, run: RunDir, tags: list[str]) -> Vocabularies:
+    """Take another model's sentencepiece models as this run's (for fine-tuning that model); its
+    source side must hold the run's corpus `tags` as pieces."""
     import sentencepiece as spm
 
-    path = spm_of(where)
-    try:
-        sp = spm.SentencePieceProcessor(model_file=str(path))
-    except (OSError, RuntimeError) as e:
-        raise NmtError(f"{path} is not a sentencepiece model ({e})") from None
-    if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD, UNK, BOS, EOS):
-        raise NmtError(f"{path} was not made by `nmt bpe`: its special pieces have other ids")
-    for tag in tags:
-        if sp.piece_to_id(tag) == UNK:
-            raise NmtError(
-                f"the BPE model of {where} has no piece {tag!r} (a --tag of this run's corpora), so "
-                "the tag would be cut into pieces: prep without it, or learn a BPE model here"
-            )
-    ui.say(f"encoding with the BPE model of {where} ({sp.get_piece_size()} pieces)")
-    run.spm_model.parent.mkdir(parents=True, exist_ok=True)
-    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
-    with atomic_open(run.spm_vocab) as f:
-        f.write(vocab)
-    with atomic_open(run.spm_model, "wb") as f:
-        f.write(path.read_bytes())
+    found = vocabularies_of(where)
+    mine = Vocabularies.in_folder(run.spm_folder, found.joint)
+    run.spm_folder.mkdir(parents=True, exist_ok=True)
+    for path, dest in zip(found.files(), mine.files()):
+        try:
+            sp = spm.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise NmtError(f"{path} is not a sentencepiece model ({e})") from None
+        if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD, UNK, BOS, EOS):
+            raise NmtError(f"{path} was not made by `nmt bpe`: its special pieces have other ids")
+        for tag in tags if path == found.source else ():
+            if sp.piece_to_id(tag) == UNK:
+                raise NmtError(
+                    f"the BPE model of {where} has no piece {tag!r} (a --tag of this run's corpora), "
+                    "so the tag would be cut into pieces: prep without it, or learn a BPE model here"
+                )
+        ui.say(f"encoding with the BPE model {path} ({sp.get_piece_size()} pieces)")
+        vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+        with atomic_open(dest.with_suffix(".vocab")) as f:
+            f.write(vocab)
+        with atomic_open(dest, "wb") as f:
+            f.write(path.read_bytes())
+    return mine
 
 
-def load(run: RunDir):
-    """The run's sentencepiece processor."""
+def _drop_other_layout(run: RunDir, kept: Vocabularies) -> None:
+    """Remove the sentencepiece models of the layout not made now (a joint model after
+    separate ones, or the reverse), so that the run holds one layout."""
+    other = Vocabularies.in_folder(run.spm_folder, not kept.joint)
+    for path in other.files():
+        path.unlink(missing_ok=True)
+        path.with_suffix(".vocab").unlink(missing_ok=True)
+
+
+def load(run: RunDir, side: str = "target"):
+    """The sentencepiece processor of the run's `side` ("source" or "target")."""
     import sentencepiece as spm
 
-    run.require(run.spm_model, "bpe")
-    return spm.SentencePieceProcessor(model_file=str(run.spm_model))
+    return spm.SentencePieceProcessor(model_file=str(getattr(run.vocabularies(), side)))
 
 
 def dropout_encoding(run: RunDir, lang: str, p: float, seed: int, epoch: int) -> Shard:
@@ -180,8 +198,9 @@ def dropout_encoding(run: RunDir, lang: str, p: float, seed: int, epoch: int) ->
     across a word's leading U+2581); at p = 0 it gives sentencepiece's encoding exactly. Encoded
     on the fly, not from pre-sampled copies: a small share of an epoch's time, and no number of
     epochs is fixed ahead."""
-    sp = load(run)
-    tags = {sp.piece_to_id(tag) for tag in corpus_tags(run.load_manifest()["prep"])}
+    prep = run.load_manifest()["prep"]
+    sp = load(run, "source" if lang == prep["src"] else "target")
+    tags = {sp.piece_to_id(tag) for tag in corpus_tags(prep)} if lang == prep["src"] else set()
     dropout = _Dropout(sp, p, random.Random(f"{seed}/{epoch}/{lang}"), tags)
     ids: list[list[int]] = []
     for chunk in chunks(read_lines(run.text("train", lang)), ENCODE_CHUNK):
@@ -283,7 +302,8 @@ def corpus_tags(prep: dict) -> list[str]:
 
 
 def run_bpe(config: BpeConfig, run: RunDir) -> dict:
-    """Learn the BPE model and binarize every split; returns per-file token statistics."""
+    """Learn the BPE model(s) and binarize every split; returns the vocabulary sizes and
+    per-file token statistics."""
     splits = run.splits()
     manifest = run.load_manifest()["prep"]
     src, tgt = manifest["src"], manifest["tgt"]
@@ -292,32 +312,41 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
             run.require(run.text(split, lang), "prep")
     tags = corpus_tags(manifest)
     if config.from_model:
-        adopt(Path(config.from_model), run, tags)
-        sp = load(run)
-        vocab_size = sp.get_piece_size()
+        vocabs = adopt(Path(config.from_model), run, tags)
     else:
-        vocab_size = config.vocab_size or auto_vocab_size(manifest["splits"]["train"]["kept"])
-        learn(config, run, src, tgt, vocab_size, tags)
-        sp = load(run)
+        vocabs = Vocabularies.in_folder(run.spm_folder, joint=not config.separate)
+        auto = auto_vocab_size(manifest["splits"]["train"]["kept"])
+        if vocabs.joint:
+            texts = [run.text("train", src), run.text("train", tgt)]
+            learn(config, texts, config.vocab_size or auto, tags, vocabs.source, "a joint")
+        else:
+            sizes = config.side_sizes(auto)
+            learn(config, [run.text("train", src)], sizes[0], tags, vocabs.source, f"the source ({src})")
+            learn(config, [run.text("train", tgt)], sizes[1], [], vocabs.target, f"the target ({tgt})")
+    _drop_other_layout(run, vocabs)
+    source, target = vocabs.processors()
     stats: dict = {}
-    produced: list[Path] = [run.spm_model, run.spm_vocab]
+    produced: list[Path] = [q for p in vocabs.files() for q in (p, p.with_suffix(".vocab"))]
     total = sum(manifest["splits"][s]["kept"] for s in splits) * 2
     with ui.progress() as bar:
         task = bar.add_task("encode", total=total)
         for split in splits:
-            for lang in (src, tgt):
+            for lang, sp in ((src, source), (tgt, target)):
                 stats[f"{split}.{lang}"] = encode_file(
                     sp, run.text(split, lang), run.tokens(split, lang), config.threads, bar, task
                 )
                 produced += [Path(f"{run.tokens(split, lang)}.bin"), Path(f"{run.tokens(split, lang)}.idx")]
-    run.record("bpe", produced, vocab_size=vocab_size, dtype=dtype_for(vocab_size).name, stats=stats)
-    return {"vocab_size": vocab_size, "stats": stats}
+    sizes = {"src_vocab_size": source.get_piece_size(), "vocab_size": target.get_piece_size()}
+    run.record("bpe", produced, joint=vocabs.joint, **sizes, stats=stats)
+    return {"joint": vocabs.joint, **sizes, "stats": stats}
 
 
 def show(result: dict) -> None:
     """The table of what `run_bpe` encoded."""
     ui.table(
-        f"nmt bpe: {result['vocab_size']} pieces",
+        f"nmt bpe: {result['vocab_size']} pieces"
+        if result["joint"]
+        else f"nmt bpe: {result['src_vocab_size']} source and {result['vocab_size']} target pieces",
         ["file", "sentences", "tokens", "mean length", "max", "unknown", "byte fallback"],
         [
             [

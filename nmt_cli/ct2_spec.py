@@ -1,9 +1,10 @@
 """nmt's model as CTranslate2's: the weights go through `ctranslate2.specs.TransformerSpec` one
 for one: pre- or post-norm layers, the self-attention's Q/K/V as one fused projection, the
 encoder-decoder attention's K/V as one (as nmt computes them), embeddings scaled by
-sqrt(d_model), our sinusoid table, the tied output projection, LayerNorm eps 1e-6. The source
-gets its EOS from CTranslate2 (add_source_eos) and the decoder starts from BOS, as nmt's own
-search does. `nmt export` writes the result; backend_ct2.py converts a model on the fly."""
+sqrt(d_model), our sinusoid table, the tied output projection, the source's own embedding and
+vocabulary where they are separate, LayerNorm eps 1e-6. The source gets its EOS from CTranslate2
+(add_source_eos) and the decoder starts from BOS, as nmt's own search does. `nmt export` writes
+the result; backend_ct2.py converts a model on the fly."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ def require_ctranslate2():
     return ctranslate2
 
 
-def pieces(model: Model) -> list[str]:
-    """The vocabulary as CTranslate2 takes it: the sentencepiece pieces, in id order."""
+def pieces(spm_model: Path) -> list[str]:
+    """A vocabulary as CTranslate2 takes it: the sentencepiece model's pieces, in id order."""
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(model.spm))
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
@@ -66,7 +67,8 @@ def build_spec(model: Model):
 
     for side, layers in (("encoder", spec.encoder), ("decoder", spec.decoder)):
         embeddings = layers.embeddings[0] if side == "encoder" else layers.embeddings
-        embeddings.weight = w["embed.weight"]
+        own = side == "encoder" and c.src_vocab_size  # the source's own embedding
+        embeddings.weight = w["src_embed.weight" if own else "embed.weight"]
         layers.scale_embeddings = True
         layers.position_encodings.encodings = table
         if not c.post_norm:
@@ -86,7 +88,6 @@ def build_spec(model: Model):
             norm(layer.ffn.layer_norm, f"{p}.res{3 if side == 'decoder' else 2}.norm")
     spec.decoder.projection.weight = w["embed.weight"]
     spec.decoder.projection.bias = np.zeros(c.vocab_size, dtype=np.float32)
-    vocabulary = pieces(model)
-    spec.register_source_vocabulary(vocabulary)
-    spec.register_target_vocabulary(vocabulary)
+    spec.register_source_vocabulary(pieces(model.vocabs.source))
+    spec.register_target_vocabulary(pieces(model.vocabs.target))
     return spec

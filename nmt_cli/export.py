@@ -15,7 +15,8 @@ from pathlib import Path
 from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
-from nmt_cli.models import CT2, CT2_WEIGHTS, NMT, PROVENANCE, SETTINGS, SPM, VERSION, WEIGHTS, Model
+from nmt_cli.models import CT2, CT2_WEIGHTS, NMT, PROVENANCE, SETTINGS, VERSION, WEIGHTS, Model, sha_key
+from nmt_cli.vocab import Vocabularies
 
 
 def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
@@ -23,20 +24,28 @@ def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
     from nmt_cli.config import DecodeOptions
 
     d = DecodeOptions()
+    shape = dataclasses.asdict(model.config)
+    tied = shape.pop("src_vocab_size") == 0
     return {
         "format": fmt,
-        "version": VERSION,
+        # a model of one tied embedding stays readable by an nmt from before version 2
+        "version": 1 if tied else VERSION,
         "nmt": __version__,
         "exported": now(),
-        "model": dataclasses.asdict(model.config),
+        "model": shape if tied else dataclasses.asdict(model.config),
         "src": model.src,
         "tgt": model.tgt,
         "text": model.text_settings,
         "sha256": sha256,
-        "spm_sha256": sha256_file(model.spm),
+        **{sha_key(name): sha256_file(held) for held, name in _packaged(model, Path("."))},
         "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a, "max_len_b": d.max_len_b},
         **extra,
     }
+
+
+def _packaged(model: Model, folder: Path) -> list[tuple[Path, Path]]:
+    """Each sentencepiece model of `model` with its name in a package at `folder`."""
+    return list(zip(model.vocabs.files(), Vocabularies.in_folder(folder, model.vocabs.joint).files()))
 
 
 def export_nmt(model: Model, out: Path) -> None:
@@ -64,7 +73,8 @@ def writing(model: Model, out: Path) -> Iterator[Path]:
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    shutil.copyfile(model.spm, staging / SPM)
+    for held, dest in _packaged(model, staging):
+        shutil.copyfile(held, dest)
     atomic_write_json(staging / PROVENANCE, model.provenance)
     yield staging
     for written in staging.iterdir():  # durable before the rename makes the export visible

@@ -130,8 +130,8 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     if not path.exists():
         path = run.text("valid", tgt_lang)
     refs = path.read_text(encoding="utf-8").splitlines()
-    sp = bpe.load(run)
-    lowercase = bpe.folds_case(run.spm_model)
+    sp = bpe.load(run, "target")
+    lowercase = bpe.folds_case(run.vocabularies().target)
 
     def bleu(ids: list[list[int]]) -> float:
         return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score

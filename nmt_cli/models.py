@@ -4,13 +4,13 @@ the packages read here.
 
 A package is one directory:
     nmt.json           what it is: format, model shape, languages, text normalisation, the
-                       decoding defaults, the sha256 of the weights and of spm.model
+                       decoding defaults, the sha256 of the weights and of each sentencepiece model
     model.safetensors  the weights, float32 (safetensors: tensors only, nothing to unpickle)
-    spm.model          the sentencepiece model
+    spm.model          the joint sentencepiece model, or spm.source.model and spm.target.model
     provenance.json    how it was made: the data recipe and its checksums, the BPE and training
                        configs, the checkpoint(s) and step, the test scores with their signatures
-A CTranslate2 export (export.py) has the same nmt.json (format "ctranslate2"), spm.model and
-provenance.json beside CTranslate2's own files.
+A CTranslate2 export (export.py) has the same nmt.json (format "ctranslate2"), sentencepiece
+models and provenance.json beside CTranslate2's own files.
 """
 
 from __future__ import annotations
@@ -28,15 +28,27 @@ from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import check_regular, read_regular, sha256_file
 from nmt_cli.rundir import RunDir
+from nmt_cli.vocab import Vocabularies
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
     import torch
 
-SETTINGS, WEIGHTS, SPM, PROVENANCE = "nmt.json", "model.safetensors", "spm.model", "provenance.json"
+SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.json"
 CT2_WEIGHTS = "model.bin"
 MAX_SPM_BYTES = 64 << 20  # a sentencepiece model of a million pieces is ~20 MB
 NMT, CT2 = "nmt", "ctranslate2"
-VERSION = 1
+VERSION = 2  # 2: separate vocabularies (a package with a joint one is still written as 1)
+
+
+def same_vocabularies(a: Vocabularies, b: Vocabularies) -> bool:
+    """Whether two models read and write the same ids: the same layout, each file the same."""
+    return a.joint == b.joint and [sha256_file(p) for p in a.files()] == [sha256_file(p) for p in b.files()]
+
+
+def sha_key(spm_file: Path) -> str:
+    """The setting that holds a sentencepiece model's sha256: spm_sha256 for the joint
+    spm.model, spm_source_sha256 and spm_target_sha256 for separate ones."""
+    return spm_file.name.removesuffix(".model").replace(".", "_") + "_sha256"
 
 
 @dataclass
@@ -45,7 +57,7 @@ class Model:
 
     where: Path  # what the user named: a checkpoint file or a directory
     config: ModelConfig
-    spm: Path
+    vocabs: Vocabularies
     src: str
     tgt: str
     sha256: str  # of the weights: identifies the model in caches
@@ -91,7 +103,6 @@ def ensemble(models: list[Model]) -> Model:
     if len(models) == 1:
         return models[0]
     first = models[0]
-    spm_sha = sha256_file(first.spm)
     for m in models[1:]:
         if m.ct2_dir is not None or first.ct2_dir is not None:
             raise NmtError(
@@ -103,7 +114,7 @@ def ensemble(models: list[Model]) -> Model:
                 f"{m.where} translates {m.src}-{m.tgt}, {first.where} {first.src}-{first.tgt}: "
                 "an ensemble needs one language pair"
             )
-        if m.config.vocab_size != first.config.vocab_size or sha256_file(m.spm) != spm_sha:
+        if m.config.vocab_size != first.config.vocab_size or not same_vocabularies(m.vocabs, first.vocabs):
             raise NmtError(
                 f"{m.where} and {first.where} have different sentencepiece models: an "
                 "ensemble needs one vocabulary (train with `nmt bpe --from`)"
@@ -116,7 +127,7 @@ def ensemble(models: list[Model]) -> Model:
     return Model(
         where=Path(" + ".join(str(m.where) for m in models)),
         config=first.config,
-        spm=first.spm,
+        vocabs=first.vocabs,
         src=first.src,
         tgt=first.tgt,
         sha256=hashlib.sha256(" ".join(shas).encode()).hexdigest(),
@@ -152,12 +163,12 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
         )
     tensors, meta = loaded or checkpoint.load_tensors(path)  # verifies the sha256 once, here
     config = _declared(meta.get("model"), record_path)
-    run.require(run.spm_model, "bpe")
+    vocabs = run.vocabularies()
     weights = {k: v.float() for k, v in checkpoint.weights_of(tensors).items()}
     return Model(
         where=path,
         config=config,
-        spm=run.spm_model,
+        vocabs=vocabs,
         src=meta.get("src", "en"),
         tgt=meta.get("tgt", "de"),
         sha256=meta["sha256"],
@@ -202,7 +213,7 @@ def from_dir(path: Path) -> Model:
     config = _declared(s.get("model"), settings_path)
     if s.get("version", 0) > VERSION:
         raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): upgrade nmt")
-    spm, provenance_path = path / SPM, path / PROVENANCE
+    vocabs, provenance_path = Vocabularies.in_folder(path), path / PROVENANCE
     provenance = {}
     if provenance_path.exists():
         try:
@@ -212,15 +223,17 @@ def from_dir(path: Path) -> Model:
     if fmt not in (NMT, CT2):
         raise NmtError(f"{settings_path}: unknown format {fmt!r}")
     weights_path = path / (WEIGHTS if fmt == NMT else CT2_WEIGHTS)
-    for needed in (weights_path, spm):
+    for needed in (weights_path, *vocabs.files()):
         if not needed.is_file():
             raise NmtError(f"{path} is incomplete: {needed.name} is missing")
-    check_regular(spm, MAX_SPM_BYTES)
-    if "spm_sha256" in s and sha256_file(spm) != s["spm_sha256"]:  # exports before it lack it
-        raise NmtError(f"{spm} does not match the sha256 in {SETTINGS}: it is corrupt or was changed")
+    for spm in vocabs.files():
+        check_regular(spm, MAX_SPM_BYTES)
+        key = sha_key(spm)  # exports before the sha256 of spm.model lack it
+        if (key in s or not vocabs.joint) and sha256_file(spm) != s.get(key):
+            raise NmtError(f"{spm} does not match the sha256 in {SETTINGS}: it is corrupt or was changed")
     if fmt == CT2:  # CTranslate2 reads its file itself: verified here, before it does
         _verified(weights_path, sha)
-        return Model(path, config, spm, src, tgt, sha, None, ct2_dir=path, provenance=provenance)
+        return Model(path, config, vocabs, src, tgt, sha, None, ct2_dir=path, provenance=provenance)
 
     def load_weights() -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -229,7 +242,7 @@ def from_dir(path: Path) -> Model:
         return load_file(str(weights_path))
 
     check_shapes(config, weights_path, settings_path)
-    return Model(path, config, spm, src, tgt, sha, load_weights, provenance=provenance)
+    return Model(path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance)
 
 
 def _members_are_regular(path: Path) -> None:

@@ -56,7 +56,7 @@ def run(
     _step(2, "learn BPE and binarize")
     # A rerun must not re-learn the BPE its checkpoints were trained on.
     if "bpe" in done:
-        learned = bpe.folds_case(run_dir.spm_model)  # the model, not its config: what encodes
+        learned = bpe.folds_case(run_dir.vocabularies().target)  # the model, not its config: what encodes
         if learned != lowercase:
             raise NmtError(
                 f"{run_dir.root} holds a BPE model learned {'with' if learned else 'without'} "

@@ -9,6 +9,7 @@ Layout (each step writes only its own part, and records it in manifest.json):
     text/{split}.{lang}         cleaned text, one sentence per line (the model's input)
     text/{split}.raw.{lang}     evaluation splits as released: the references for scoring
     bpe/spm.model, bpe/spm.vocab  the joint sentencepiece model
+    bpe/spm.{source,target}.model/.vocab  or the model of each side (`nmt bpe --separate`)
     data/{split}.{lang}.bin/.idx  binarized token data (see shards.py)
     checkpoints/checkpoint_{step:08d}.pt/.json   training checkpoints (engine/checkpoint.py)
     checkpoints/best/best_{step:08d}.pt/.json    the best models by validation (--keep-best)
@@ -36,6 +37,7 @@ from typing import Any
 
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, atomic_write_text, file_stats, now, open_appending, open_regular
+from nmt_cli.vocab import Vocabularies
 
 
 class RunDir:
@@ -70,12 +72,18 @@ class RunDir:
 
     # -- bpe
     @property
-    def spm_model(self) -> Path:
-        return self.root / "bpe" / "spm.model"
+    def spm_folder(self) -> Path:
+        """The sentencepiece models (vocab.Vocabularies.in_folder names them), each with its
+        pieces and scores beside it (.vocab)."""
+        return self.root / "bpe"
 
-    @property
-    def spm_vocab(self) -> Path:
-        return self.root / "bpe" / "spm.vocab"
+    def vocabularies(self, required: bool = True) -> Vocabularies:
+        """The sentencepiece models `nmt bpe` made: the joint one, else one per side; `required`:
+        an error naming the fix when they are not there."""
+        found = Vocabularies.in_folder(self.root / "bpe")
+        for path in found.files() if required else ():
+            self.require(path, "bpe")
+        return found
 
     def tokens(self, split: str, lang: str) -> Path:
         """Prefix of the binarized data of one split and language (shards.py adds .bin/.idx)."""

@@ -83,7 +83,8 @@ def writes_lowercase(model: Model | None, run: RunDir | None, moses_lc: bool) ->
     the model could reach. `run`: the run whose model translated, where no other did."""
     from nmt_cli.bpe import folds_case
 
-    spm = model.spm if model is not None else run.spm_model if run is not None else None
+    vocabs = model.vocabs if model is not None else run.vocabularies(False) if run is not None else None
+    spm = vocabs.target if vocabs is not None else None  # the side it writes
     if moses_lc or spm is None or not spm.exists() or not folds_case(spm):
         return False
     ui.say("the model writes lowercase (`nmt bpe --lowercase`): the scores are case-insensitive")

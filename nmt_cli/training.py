@@ -130,6 +130,8 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
 
         bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     init = initial_model(run, config) if config.init_from else None
+    if init is not None and config.share_embeddings is None:  # a fine-tuned model keeps its tying
+        config = dataclasses.replace(config, share_embeddings=not init.config.src_vocab_size)
     resample = _resample(run, config) if config.bpe_dropout else None
     with ui.TrainDisplay() as display, contextlib.ExitStack() as stack:
         reporter = display
@@ -186,6 +188,7 @@ def data_of(run: RunDir) -> trainer.Data:
         tgt=tgt,
         vocab_size=bpe["vocab_size"],
         corpora=tuple(prep["splits"]["train"].get("corpora", [])),
+        src_vocab_size=None if bpe.get("joint", True) else bpe["src_vocab_size"],
     )
 
 
@@ -200,7 +203,7 @@ def build_trainer(
     """A Trainer over `run`'s data, writing its checkpoints, best models and figures there,
     handed the parts `config` asks for."""
     data = data_of(run)
-    setup = trainer.build(config, data.vocab_size, reporter)
+    setup = trainer.build(config, data, reporter)
     return trainer.Trainer(config, data, run, reporter, setup, bleu_of, init, resample)
 
 
@@ -221,12 +224,11 @@ def _resample(run: RunDir, config: TrainConfig):
 
 def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     """--init-from: a package, a run directory (its averaged model, else its latest
-    checkpoint) or a checkpoint file; refused unless it shares this run's BPE model. With
+    checkpoint) or a checkpoint file; refused unless it shares this run's BPE models. With
     --init-optimizer / --init-schedule, a training checkpoint (a run's latest, or the file)."""
     from pathlib import Path
 
     from nmt_cli import models
-    from nmt_cli.files import sha256_file
 
     where = config.init_from
     keep = config.init_optimizer or config.init_schedule
@@ -244,8 +246,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"
         )
-    run.require(run.spm_model, "bpe")
-    if sha256_file(model.spm) != sha256_file(run.spm_model):
+    if not models.same_vocabularies(model.vocabs, run.vocabularies()):
         raise NmtError(
             f"{run.root}'s BPE model is not the one {where} was trained with: "
             f"encode the data with `nmt bpe --from {where}`"

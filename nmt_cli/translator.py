@@ -107,13 +107,11 @@ class Counts:
 
 
 class Translator:
-    """A loaded model with its sentencepiece model, translating lists of raw lines."""
+    """A loaded model with its sentencepiece models, translating lists of raw lines."""
 
     def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
         """`gpus`: CTranslate2's replicas of the model, one on each of the first `gpus` GPUs,
         sharing the batches (nmt's engine spreads over worker processes instead: workers.py)."""
-        import sentencepiece as spm
-
         self.config = config
         self.engine = engine_of(model, config)
         self.backend: Backend
@@ -125,13 +123,18 @@ class Translator:
             from nmt_cli import backend_nmt
 
             self.backend = backend_nmt.Backend(model, config)
-        self.sp = spm.SentencePieceProcessor(model_file=str(model.spm))
-        if self.sp.get_piece_size() != model.config.vocab_size:
-            raise NmtError(
-                f"{model.where} has a vocabulary of {model.config.vocab_size} but "
-                f"{model.spm} has {self.sp.get_piece_size()}: they are from "
-                "different runs"
-            )
+        # one object when the vocabulary is joint
+        self.source_sp, self.target_sp = model.vocabs.processors()
+        c = model.config
+        if not model.vocabs.joint and not c.src_vocab_size:
+            raise NmtError(f"{model.where} has one embedding for both sides but two sentencepiece models")
+        sizes = ((model.vocabs.source, c.src_vocab_size or c.vocab_size, self.source_sp),)
+        for path, size, sp in (*sizes, (model.vocabs.target, c.vocab_size, self.target_sp)):
+            if sp.get_piece_size() != size:
+                raise NmtError(
+                    f"{model.where} has a vocabulary of {size} but {path} has "
+                    f"{sp.get_piece_size()}: they are from different runs"
+                )
         self.src_lang, self.tgt_lang = model.src, model.tgt
         self.where, self.tags = model.where, model.tags
         self.check_tag(config.decode.tag)
@@ -156,7 +159,7 @@ class Translator:
         cleaned = [normalize(line, self.src_lang) for line in lines]
         if tag:
             cleaned = [f"{tag} {line}" if line else line for line in cleaned]
-        ids = self.sp.encode(cleaned, out_type=int)
+        ids = self.source_sp.encode(cleaned, out_type=int)
         for i, x in enumerate(ids):
             if len(x) > self.max_src:
                 ids[i] = x[: self.max_src]
@@ -176,9 +179,9 @@ class Translator:
         read on the server's event loop: the pieces of the raw text, not cleaned (cleaning would
         cost most of the time and changes a count by a piece or two)."""
         tagged = 1 if options.tag else 0
-        lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.sp.encode(lines)]
-        forced = self.sp.encode(prefixes) if prefixes is not None else None
-        phrases = [self.sp.encode(c) for c in constraints] if constraints else None
+        lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.source_sp.encode(lines)]
+        forced = self.target_sp.encode(prefixes) if prefixes is not None else None
+        phrases = [self.target_sp.encode(c) for c in constraints] if constraints else None
         return self.work_of(lengths, options, forced, phrases)
 
     def work_of(
@@ -283,15 +286,16 @@ class Translator:
         )
         for group, pairs_of in zip(groups, found, strict=True):
             for (i, h), pairs in zip(group, pairs_of):
-                source, target = self._words(ids[i], skip=1 if tag else 0), self._words(h.tokens)
+                source = self._words(ids[i], self.source_sp, skip=1 if tag else 0)
+                target = self._words(h.tokens, self.target_sp)
                 words = sorted({(source[a], target[b]) for a, b in pairs if source[a] >= 0})
                 h.alignment = " ".join(f"{a}-{b}" for a, b in words)
 
-    def _words(self, ids: list[int], skip: int = 0) -> list[int]:
-        """The word of each piece (a piece that begins with '▁' begins one), the first `skip`
-        words (a tag) numbered below 0."""
+    def _words(self, ids: list[int], sp, skip: int = 0) -> list[int]:
+        """The word of each piece of `sp` (a piece that begins with '▁' begins one), the first
+        `skip` words (a tag) numbered below 0."""
         out, word = [], -1 - skip
-        for i, piece in enumerate(self.sp.id_to_piece(ids)):
+        for i, piece in enumerate(sp.id_to_piece(ids)):
             word += piece.startswith("▁") or i == 0
             out.append(word)
         return out
@@ -300,7 +304,7 @@ class Translator:
         """Target-side text as ids, cleaned as the target side was for training, within the
         model's positions (room for BOS and EOS)."""
         cleaned = [normalize(line, self.tgt_lang) for line in lines]
-        return [y[: self.max_tgt] for y in self.sp.encode(cleaned, out_type=int)]
+        return [y[: self.max_tgt] for y in self.target_sp.encode(cleaned, out_type=int)]
 
     def score_pairs(self, sources: list[str], targets: list[str]) -> list[PairScore]:
         """How likely the model finds each target line as the translation of its source line
@@ -320,7 +324,7 @@ class Translator:
 
     def texts(self, hyps: list[list[Hypothesis]]) -> list[list[str]]:
         """The text of each hypothesis, kept to one line."""
-        flat = iter(self.sp.decode([h.tokens for hs in hyps for h in hs]))
+        flat = iter(self.target_sp.decode([h.tokens for hs in hyps for h in hs]))
         return [[next(flat).translate(ONE_LINE) for _ in hs] for hs in hyps]
 
     def output(

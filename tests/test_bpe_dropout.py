@@ -53,7 +53,7 @@ def test_bpe_dropout_encodes_each_epoch_anew_and_deterministically(multi30k_bpe)
     assert differ(e0, fixed) > 1500 and differ(e1, e0) > 1000 and differ(other_seed, e0) > 1000
     assert 1.1 < e0.lengths.sum() / fixed.lengths.sum() < 1.4
     # ... of the same text.
-    sp = spm.SentencePieceProcessor(model_file=str(run.spm_model))
+    sp = spm.SentencePieceProcessor(model_file=str(run.vocabularies().source))
     assert all(sp.decode(e0[i].tolist()) == sp.decode(fixed[i].tolist()) for i in range(0, 28_997, 7))
     assert differ(dropout_encoding(run, "en", 0.0, seed=1, epoch=0), fixed) == 0
 

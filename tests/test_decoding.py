@@ -468,7 +468,7 @@ def test_a_tag_goes_before_every_source_line_as_in_training(tagged_model, source
     for where in ("run", "package"):
         model = Translator.load(tagged_model / where, tag="<bt>", max_len_b=8)
         assert model.tags == ("<bt>",)
-        pieces = [[model.sp.id_to_piece(i) for i in ids] for ids in model.encode(sources[:4], "<bt>")]
+        pieces = [[model.source_sp.id_to_piece(i) for i in ids] for ids in model.encode(sources[:4], "<bt>")]
         assert all(p[:2] == ["▁", "<bt>"] and "<bt>" not in p[2:] for p in pieces)  # as prep wrote it
         assert model.encode([""], "<bt>") == [[]]  # an empty line stays empty
         by_hand = Translator.load(tagged_model / where, max_len_b=8)

@@ -256,7 +256,7 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
     assert nmt("bpe", "--run-dir", run.root, "--vocab-size", "1000").code == 0
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=str(run.spm_model))
+    sp = spm.SentencePieceProcessor(model_file=str(run.vocabularies().source))
     tag = sp.piece_to_id("<bt>")
     # One piece (after sentencepiece's word-start piece).
     assert tag != sp.unk_id() and sp.encode("<bt> A dog runs.", out_type=str)[:3] == [

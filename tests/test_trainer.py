@@ -543,7 +543,7 @@ def test_a_trainer_runs_on_data_in_memory_without_a_run_directory(tmp_path):
         max_tokens=128, max_steps=6, eval_every=3, save_every=3, warmup=2, device="cpu",
     )  # fmt: skip
     out = Kept()
-    setup = trainer.build(config, data.vocab_size, state.Quiet())
+    setup = trainer.build(config, data, state.Quiet())
     trainer.Trainer(config, data, out, state.Quiet(), setup).train()
     assert [r["step"] for r in out.figures if r["kind"] == "valid"] == [3, 6]
     assert [p.name for p in checkpoint.listed(out.checkpoints)] == [

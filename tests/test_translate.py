@@ -215,7 +215,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     assert both.code == 0, both.err
     # What the engine's ensemble search gives on the two models, decoded by hand here.
     models = [Translator(locate(p), TranslateConfig()).backend.models[0] for p in (first, last)]
-    sp = spm.SentencePieceProcessor(model_file=str(RunDir(trained).spm_model))
+    sp = spm.SentencePieceProcessor(model_file=str(RunDir(trained).vocabularies().source))
     expected = []
     for line in lines:
         if not line:

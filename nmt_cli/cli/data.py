@@ -53,9 +53,9 @@ def prep(
 
 
 @app.command()
-@options_of(BpeConfig, switches=("lowercase",), flags={"from_model": "--from"})
+@options_of(BpeConfig, switches=("lowercase", "separate"), flags={"from_model": "--from"})
 def bpe(ctx: typer.Context, run_dir: RunDirOption = Path("run")) -> None:
-    """Learn a joint sentencepiece BPE model and binarize every split."""
+    """Learn a joint sentencepiece BPE model (or one per side) and binarize every split."""
     from nmt_cli import bpe as bpe_mod
     from nmt_cli.rundir import RunDir
 

@@ -242,7 +242,7 @@ def export(
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
 ) -> None:
-    """Write the model, its sentencepiece model, settings and provenance into one directory."""
+    """Write the model, its sentencepiece models, settings and provenance into one directory."""
     from nmt_cli import export as export_mod
 
     if model and len(model) > 1:

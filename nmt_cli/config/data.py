@@ -90,11 +90,19 @@ class PrepConfig:
 @dataclass(frozen=True)
 class BpeConfig:
     vocab_size: int = knob(
-        0, "Joint vocabulary size (0: 8000 under 100k training pairs, 16000 under 1M, else 32000)."
+        0,
+        "Vocabulary size, joint or of each side with --separate (0: 8000 under 100k training "
+        "pairs, 16000 under 1M, else 32000).",
     )
+    # Separate vocabularies untie the source embedding from the target's (config/train.py).
+    separate: bool = knob(
+        False, "A BPE model for each side, learned from that side alone, instead of one joint model."
+    )
+    src_vocab_size: int = knob(0, "With --separate: the source's vocabulary size (0: --vocab-size's).")
+    tgt_vocab_size: int = knob(0, "With --separate: the target's vocabulary size (0: --vocab-size's).")
     from_model: str | None = knob(
         None,
-        "Encode with this model's sentencepiece model (a run directory, a package, or a .model "
+        "Encode with this model's sentencepiece models (a run directory, a package, or a .model "
         "file) instead of learning one.",
     )
     sample_lines: int = knob(500_000, "Sentences (both sides) sampled to learn BPE from.")
@@ -108,16 +116,29 @@ class BpeConfig:
     threads: int = knob(max(1, os.cpu_count() or 1), "Threads for learning and encoding.")
 
     def __post_init__(self) -> None:
-        if self.vocab_size < 0 or (0 < self.vocab_size < 300):
+        for name in ("vocab_size", "src_vocab_size", "tgt_vocab_size"):
+            value = getattr(self, name)
+            if value < 0 or (0 < value < 300):
+                raise NmtError(
+                    f"--{name.replace('_', '-')} {value} is too small: the byte fallback "
+                    "alone takes 256 pieces; use at least 300 (8000-40000 is usual)"
+                )
+        if (self.src_vocab_size or self.tgt_vocab_size) and not self.separate:
+            raise NmtError("--src-vocab-size and --tgt-vocab-size size separate vocabularies: add --separate")
+        sized = self.vocab_size or self.src_vocab_size or self.tgt_vocab_size
+        if self.from_model and (sized or self.separate):
             raise NmtError(
-                f"--vocab-size {self.vocab_size} is too small: the byte fallback "
-                "alone takes 256 pieces; use at least 300 (8000-40000 is usual)"
+                "--from takes the vocabularies of that model (joint or separate): drop --vocab-size "
+                "and --separate"
             )
-        if self.from_model and self.vocab_size:
-            raise NmtError("--from takes the vocabulary of that model: drop --vocab-size")
         if self.from_model and self.lowercase:
             raise NmtError("--from takes that model's normalisation, its casing included: drop --lowercase")
         if self.sample_lines < 1000:
             raise NmtError("--sample-lines must be at least 1000")
         if self.threads < 1:
             raise NmtError("--threads must be at least 1")
+
+    def side_sizes(self, auto: int) -> tuple[int, int]:
+        """The source's and the target's vocabulary sizes with --separate (`auto`: the corpus's)."""
+        each = self.vocab_size or auto
+        return self.src_vocab_size or each, self.tgt_vocab_size or each

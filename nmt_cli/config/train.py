@@ -11,7 +11,7 @@ from nmt_cli.errors import NmtError
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int
+    vocab_size: int  # the target's, whose embedding is also the output projection
     num_encoder_layers: int = 6
     num_decoder_layers: int = 6
     d_model: int = 512
@@ -22,6 +22,10 @@ class ModelConfig:
     relu_dropout: float = 0.1  # after the FFN ReLU
     post_norm: bool = False
     max_positions: int = 1024
+    # 0: the source is embedded with the target's embedding (one joint vocabulary, all three
+    # tied); else the source's own embedding of this many pieces (separate vocabularies, or
+    # --no-share-embeddings)
+    src_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         """Every setting within bounds before anything is built from it: a model file may come
@@ -47,6 +51,7 @@ class ModelConfig:
 # reader allocate or build for hours.
 MODEL_BOUNDS = {
     "vocab_size": (1, 1_000_000),
+    "src_vocab_size": (0, 1_000_000),
     "num_encoder_layers": (1, 64),
     "num_decoder_layers": (1, 64),
     "d_model": (1, 16_384),
@@ -116,6 +121,11 @@ class TrainConfig:
     attention_dropout: float | None = knob(None, "On attention weights.")
     relu_dropout: float | None = knob(None, "After the FFN ReLU.")
     post_norm: bool = knob(False, "The paper's post-norm sub-layers.")
+    share_embeddings: bool | None = knob(
+        None,
+        "Embed the source with the target's embedding (default: with a joint vocabulary; "
+        "separate vocabularies have their own).",
+    )
     max_tokens: int = knob(4096, "Tokens per batch (either side, per rank).")
     update_freq: int = knob(1, "Batches accumulated into one update.")
     lr_scale: float = knob(1.0, "Multiplies the paper's schedule.")
@@ -233,14 +243,27 @@ class TrainConfig:
             raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
         self.model_config(vocab_size=1)  # the shape, checked before any work starts
 
-    def model_config(self, vocab_size: int, max_positions: int = 1024):
+    def model_config(self, vocab_size: int, src_vocab_size: int | None = None, max_positions: int = 1024):
+        """The model's shape for the target's `vocab_size` and the source's (None: one joint
+        vocabulary)."""
+        if src_vocab_size is not None and self.share_embeddings:
+            raise NmtError(
+                "--share-embeddings needs one joint vocabulary, and this run's are separate "
+                "(`nmt bpe --separate`): drop it, or run `nmt bpe` without --separate"
+            )
+        if src_vocab_size is None:
+            src_vocab_size = 0 if self.share_embeddings in (None, True) else vocab_size
         shape = dict(PRESETS[self.size])
         for name in shape:
             if getattr(self, name, None) is not None:
                 shape[name] = getattr(self, name)
         try:
             return ModelConfig(
-                vocab_size=vocab_size, post_norm=self.post_norm, max_positions=max_positions, **shape
+                vocab_size=vocab_size,
+                src_vocab_size=src_vocab_size,
+                post_norm=self.post_norm,
+                max_positions=max_positions,
+                **shape,
             )
         except ValueError as e:
             raise NmtError(f"bad model shape: {e}") from None

@@ -180,12 +180,17 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder with source, target and output embeddings tied (section 3.4)."""
+    """Encoder-decoder with source, target and output embeddings tied (section 3.4). Separate
+    source and target vocabularies untie the source's (`src_embed`); the target's stays the
+    output projection."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.d_model, padding_idx=PAD)
+        self.src_embed = None  # with a joint vocabulary, the source is embedded by `embed`
+        if c.src_vocab_size:
+            self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
         self.register_buffer("positions", sinusoids(c.max_positions, c.d_model), persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_decoder_layers))
@@ -201,25 +206,27 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
-        nn.init.normal_(self.embed.weight, 0.0, self.config.d_model**-0.5)
-        with torch.no_grad():
-            self.embed.weight[PAD].zero_()
+        for table in (self.embed, self.src_embed) if self.src_embed is not None else (self.embed,):
+            nn.init.normal_(table.weight, 0.0, self.config.d_model**-0.5)
+            with torch.no_grad():
+                table.weight[PAD].zero_()
 
-    def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """Token embeddings scaled by sqrt(D), plus positions, with dropout: (B, n) -> (B, n, D)."""
+    def embed_tokens(self, tokens: Tensor, offset: int = 0, table: nn.Embedding | None = None) -> Tensor:
+        """Token embeddings (`table`, default the target's) scaled by sqrt(D), plus positions,
+        with dropout: (B, n) -> (B, n, D)."""
         n = tokens.shape[1]
         if offset + n > self.config.max_positions:
             raise ValueError(
                 f"sequence of {offset + n} tokens exceeds max_positions {self.config.max_positions}"
             )
-        x = self.embed(tokens) * math.sqrt(self.config.d_model)
+        x = (self.embed if table is None else table)(tokens) * math.sqrt(self.config.d_model)
         x = x + self.positions[offset : offset + n].to(x.dtype)
         return dropout(x, self.config.dropout, self.training)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """(B, S) source ids -> (B, S, D) memory and the (B, 1, 1, S) mask of real tokens."""
         src_mask = (src != PAD)[:, None, None, :]
-        x = self.embed_tokens(src)
+        x = self.embed_tokens(src, table=self.src_embed)
         for layer in self.encoder:
             x = layer(x, src_mask)
         return self.encoder_norm(x), src_mask

@@ -94,7 +94,8 @@ class Checkpoints:
         if found is None:
             return None
         tensors, meta = found
-        if meta["model"] != dataclasses.asdict(self.model_config):
+        # as a ModelConfig: a checkpoint from before a setting was added has its default
+        if ModelConfig(**meta["model"]) != self.model_config:
             raise NmtError(
                 f"the checkpoints in {self.out.checkpoints} are of another model shape "
                 f"({meta['model']}); use another --run-dir or the same shape options"

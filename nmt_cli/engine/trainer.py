@@ -46,15 +46,16 @@ LOG_EVERY = 10
 @dataclass(frozen=True)
 class Data:
     """What a run trains on: token ids of the training pairs and of the validation pairs (or
-    none), their languages and vocabulary size, and the training corpora as `nmt prep` records
+    none), their languages and vocabulary sizes, and the training corpora as `nmt prep` records
     them (the number of pairs and the sampling weight of each)."""
 
     train: tuple[Shard, Shard]
     valid: tuple[Shard, Shard] | None
     src: str
     tgt: str
-    vocab_size: int
+    vocab_size: int  # the target's
     corpora: tuple[dict, ...] = ()
+    src_vocab_size: int | None = None  # None: the vocabulary is joint
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,10 @@ class Setup:
     ema: Average | None
 
 
-def build(config: TrainConfig, vocab_size: int, reporter: Reporter) -> Setup:
-    """The process group, device, precision, model (seeded alike on every rank), its DDP and
-    compiled wrapping, optimizer, loss scaler and moving average of `config`."""
+def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
+    """The process group, device, precision, model (seeded alike on every rank, sized for
+    `data`'s vocabularies), its DDP and compiled wrapping, optimizer, loss scaler and moving
+    average of `config`."""
     if config.threads:
         torch.set_num_threads(config.threads)
     dist, device = distributed.setup(resolve_device(config.device))
@@ -87,7 +89,7 @@ def build(config: TrainConfig, vocab_size: int, reporter: Reporter) -> Setup:
     precision = resolve_precision(config.precision, device.type, cpu_has_bf16())
     if config.precision == "auto" and device.type == "cpu" and precision == "bf16" and dist.is_main:
         reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
-    model_config = config.model_config(vocab_size)
+    model_config = config.model_config(data.vocab_size, data.src_vocab_size)
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(device)
     if dist.world > 1:  # same initial weights everywhere, different dropout per rank
@@ -118,7 +120,7 @@ class Trainer:
         init: Initial | None = None,
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
     ):
-        """`setup`: the parts to train and where (`build(config, data.vocab_size, reporter)`).
+        """`setup`: the parts to train and where (`build(config, data, reporter)`).
         `bleu_of` scores greedy translations of the validation set, given as token ids (for
         --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training pairs
         of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
