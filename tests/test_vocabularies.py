@@ -14,7 +14,7 @@ from test_serve import Server
 
 from nmt_cli.config import DecodeOptions, ModelConfig, TranslateConfig
 from nmt_cli.engine.model import Transformer
-from nmt_cli.models import from_dir, from_run, same_vocabularies
+from nmt_cli.models import ensemble, from_dir, from_run, same_vocabularies
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
 from nmt_cli.translator import Translator
@@ -166,6 +166,9 @@ def test_both_engines_and_every_format_translate_a_separate_model_alike(separate
         pairs = [tuple(map(int, p.split("-"))) for p in hs[0].alignment.split()]
         assert pairs and max(i for i, _ in pairs) < len(line.split()), line
         assert max(j for _, j in pairs) < len(ours.texts([hs])[0][0].split())
+    # an ensemble of members that share both models: one member twice is that member
+    twice = Translator(ensemble([models["run"], models["package"]]), TranslateConfig(decode=options))
+    assert [hs[0].tokens for hs in twice.hypotheses(lines[:30])] == [hs[0].tokens for hs in expected[:30]]
     prefixes = ["Zwei Hunde", "Eine Frau mit", "Ein Kind"]
     for engine in ("nmt", "ctranslate2"):
         started = Translator(models["run"], TranslateConfig(engine=engine))
