@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nmt_cli.engine.data import Planned, Split, make_batches, padding_share  # noqa: E402
+from nmt_cli.engine.batches import Planned, Split, make_batches, padding_share  # noqa: E402
 from nmt_cli.shards import Shard  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-# nmt's presets, read from nmt_cli/config/train.py (standard library only, so the peers' venvs import
+# nmt's presets, read from nmt_cli/config/training.py (standard library only, so the peers' venvs import
 # it too), with the vocabulary each benchmark uses (the figures of ../shared/PEERS.md).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nmt_cli.config import PRESETS  # noqa: E402

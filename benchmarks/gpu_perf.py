@@ -30,7 +30,7 @@ from common import SHAPES, model_config, train_flops  # noqa: E402
 
 from nmt_cli.config import DecodeOptions  # noqa: E402
 from nmt_cli.engine import decoding, distributed, step  # noqa: E402
-from nmt_cli.engine.data import Batch, to_device  # noqa: E402
+from nmt_cli.engine.batches import Batch, to_device  # noqa: E402
 from nmt_cli.engine.device import prefer_attention_kernels  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.vocab import EOS, PAD  # noqa: E402

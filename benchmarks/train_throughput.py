@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, batch, cpu_name, matmul_ceiling, model_config, time_steps, train_flops  # noqa: E402
 
 from nmt_cli.engine import distributed  # noqa: E402
-from nmt_cli.engine.data import Batch, to_device  # noqa: E402
+from nmt_cli.engine.batches import Batch, to_device  # noqa: E402
 from nmt_cli.engine.device import keep_large_blocks_in_heap  # noqa: E402
 from nmt_cli.engine.model import Transformer  # noqa: E402
 from nmt_cli.engine.step import Objective, train_step  # noqa: E402
@@ -196,10 +196,10 @@ def loop_against_bare(
     bare step take turns, `rounds` times each, in the same process."""
     import tempfile
 
-    from nmt_cli import training
+    from nmt_cli import train as train_mod
     from nmt_cli.config import TrainConfig
     from nmt_cli.engine import state
-    from nmt_cli.engine.data import on_device
+    from nmt_cli.engine.batches import on_device
     from nmt_cli.engine.trainer import LOG_EVERY
     from nmt_cli.rundir import RunDir
 
@@ -217,7 +217,7 @@ def loop_against_bare(
 
         def fresh(name: str):
             run = copy_to_train_in(run_dir, str(Path(tmp) / name))
-            return training.build_trainer(config, RunDir(run), state.Quiet()), run
+            return train_mod.build_trainer(config, RunDir(run), state.Quiet()), run
 
         t, _ = fresh("bare")
         on_gpu = t.device.type == "cuda"
@@ -264,8 +264,8 @@ def padding_share() -> float | None:
     run = ROOT / "benchmarks" / "out" / "multi30k"
     if not (run / "data" / "train.en.idx").exists():
         return None
-    from nmt_cli.engine.data import Split
-    from nmt_cli.engine.data import padding_share as share
+    from nmt_cli.engine.batches import Split
+    from nmt_cli.engine.batches import padding_share as share
     from nmt_cli.shards import Shard
 
     split = Split.of(Shard(run / "data" / "train.en"), Shard(run / "data" / "train.de"), 256)

@@ -10,7 +10,7 @@ import torch
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
 from nmt_cli.engine import decoding, forced
-from nmt_cli.engine.data import pad_sources
+from nmt_cli.engine.batches import pad_sources
 from nmt_cli.engine.device import resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis, Source
 from nmt_cli.engine.model import Transformer

@@ -7,7 +7,8 @@ import dataclasses
 import json
 import time
 
-from nmt_cli import average, bpe, plot, prep, recipes, score, training, translate, ui
+from nmt_cli import average, bpe, plot, prep, recipes, score, translate, ui
+from nmt_cli import train as train_mod
 from nmt_cli.config import MULTI30K_CPU, BpeConfig, PrepConfig, TrainConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json
@@ -94,8 +95,8 @@ def _train(run_dir: RunDir, minutes: float, threads: int, options: dict) -> None
         recipe["threads"] = threads
     given = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, **recipe, **options}
     with run_dir.lock("train"):
-        config = training.settings(run_dir, given, set(recipe) | set(options))
-        training.train_here(run_dir, config, rank=0)
+        config = train_mod.settings(run_dir, given, set(recipe) | set(options))
+        train_mod.train_here(run_dir, config, rank=0)
 
 
 def _data_steps_done(run_dir: RunDir) -> set[str]:

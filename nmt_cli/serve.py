@@ -10,7 +10,7 @@ loop only parses, checks and answers. A large request is decoded in pieces, and 
 serves first the requests served least so far, so a short request waits for at most about one
 batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most,
 and for `max_output_len` tokens per sentence at most. Every decoding option is checked against
-its range (config.use.RANGES) as on the command line; NaN and infinities are refused.
+its range (config.translation.RANGES) as on the command line; NaN and infinities are refused.
 The queue counts work: a sentence's hypotheses times its output limit in tokens (what its length,
 prefix, constraints and max_len allow; a blank line nothing). Past `max_queue` typical sentences'
 work (of 32 pieces, at the default options) a request gets 503 with Retry-After; one that is more

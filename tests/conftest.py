@@ -270,7 +270,7 @@ def final_weights(run_dir) -> tuple[dict, dict]:
 
 def tiny_trainer(run_dir, **options):
     """A Trainer of a TINY-shaped model on a run directory's data, in this process."""
-    from nmt_cli import training
+    from nmt_cli import train as train_mod
     from nmt_cli.config import TrainConfig
     from nmt_cli.engine import state
     from nmt_cli.rundir import RunDir
@@ -280,7 +280,7 @@ def tiny_trainer(run_dir, **options):
         size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1,
         max_tokens=256, device="cpu", **options,
     )  # fmt: skip
-    return training.build_trainer(config, RunDir(run_dir), state.Quiet())
+    return train_mod.build_trainer(config, RunDir(run_dir), state.Quiet())
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from conftest import (
     train_command,
 )
 
-from nmt_cli import training
+from nmt_cli import train as train_mod
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state
 from nmt_cli.rundir import RunDir
@@ -77,10 +77,10 @@ def test_bpe_dropout_keeps_corpus_tags_whole(tagged_bpe):
 
 def test_bpe_dropout_trains_on_its_own_epochs_and_resumes_exactly(run_copy, tmp_path):
 
-    from nmt_cli.training import _resample
+    from nmt_cli.train import _resample
 
     config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, max_tokens=256, bpe_dropout=0.1)
-    t = training.build_trainer(
+    t = train_mod.build_trainer(
         config, RunDir(run_copy), state.Quiet(), resample=_resample(RunDir(run_copy), config)
     )
     fixed, e0, e1 = t.epochs.fixed, t.epochs.data(0), t.epochs.data(1)

@@ -107,7 +107,7 @@ def test_every_config_field_is_its_option_with_the_same_default_and_help():
 
     from nmt_cli import config
     from nmt_cli.cli import app
-    from nmt_cli.config.use import help_of
+    from nmt_cli.config.translation import help_of
 
     commands = typer.main.get_command(app).commands
     for command, (configs, own) in FILLED.items():

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, one_error_line, run_ok
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
-from nmt_cli.config.use import RANGES
+from nmt_cli.config.translation import RANGES
 from nmt_cli.errors import NmtError
 from nmt_cli.models import locate
 from nmt_cli.rundir import RunDir
@@ -213,7 +213,7 @@ def test_the_coverage_penalty_ranks_the_beam_by_the_attention_each_word_received
     same penalty (CTranslate2 from its own attention)."""
     import torch
 
-    from nmt_cli.engine.data import pad_targets
+    from nmt_cli.engine.batches import pad_targets
 
     beta, found = 2.0, {}
     for engine in ENGINES:

@@ -19,7 +19,7 @@ from conftest import (
     one_error_line,
 )
 
-from nmt_cli import training
+from nmt_cli import train as train_mod
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint
 from nmt_cli.engine.schedule import learning_rate
@@ -110,7 +110,7 @@ def test_fine_tuning_can_keep_the_optimizer_and_the_schedule(trained_longer, tmp
     load = checkpoint.load_tensors
     monkeypatch.setattr(checkpoint, "load_tensors", lambda *a, **k: reads.append(a) or load(*a, **k))
     config = TrainConfig(init_from=str(trained_longer), init_optimizer=True, init_schedule=True)
-    initial = training.initial_model(RunDir(run), config)
+    initial = train_mod.initial_model(RunDir(run), config)
     assert reads == [(start,)] and initial.step == 800 and initial.optimizer is not None
     assert initial.weights()["embed.weight"].equal(before["model"]["embed.weight"].float())
     # A package or an averaged model keeps no optimizer: one error line.
@@ -210,17 +210,17 @@ def test_fine_tuning_warms_up_briefly_unless_a_schedule_is_asked_for(trained_lon
     run = RunDir(tmp_path / "run")
     given = dataclasses.asdict(TrainConfig())
     init = {**given, "init_from": str(trained_longer)}
-    tuned = training.settings(run, {**init, "max_steps": 3000}, set())
+    tuned = train_mod.settings(run, {**init, "max_steps": 3000}, set())
     assert (tuned.schedule, tuned.lr, tuned.warmup) == ("linear", 1e-4, 300)
-    assert training.settings(run, init, set()).warmup == 500  # at most 500
-    assert training.settings(run, {**init, "max_steps": 0}, set()).schedule == "constant"
+    assert train_mod.settings(run, init, set()).warmup == 500  # at most 500
+    assert train_mod.settings(run, {**init, "max_steps": 0}, set()).schedule == "constant"
     assert learning_rate(1, 64, tuned.warmup, 1.0, tuned.schedule, tuned.lr, 3000) < 1e-6
     paper = dataclasses.astuple(TrainConfig(**init))
-    for option in training.SCHEDULE_OPTIONS:
-        assert dataclasses.astuple(training.settings(run, init, {option})) == paper
+    for option in train_mod.SCHEDULE_OPTIONS:
+        assert dataclasses.astuple(train_mod.settings(run, init, {option})) == paper
     for options in ({**init, "init_schedule": True}, given):
         as_given = dataclasses.astuple(TrainConfig(**options))
-        assert dataclasses.astuple(training.settings(run, options, set())) == as_given
+        assert dataclasses.astuple(train_mod.settings(run, options, set())) == as_given
     shown = nmt(
         "train", "--run-dir", run.root, "--init-from", trained_longer, "--max-steps", "3000", "--print-config"
     )

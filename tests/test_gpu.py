@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import TINY, count_decoding_steps, run_ok
 
-from nmt_cli import training
+from nmt_cli import train as train_mod
 from nmt_cli.engine import checkpoint, state, trainer
-from nmt_cli.engine.data import on_device
+from nmt_cli.engine.batches import on_device
 from nmt_cli.rundir import RunDir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -71,7 +71,7 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
 
     for precision in ("bf16", "fp16"):
         config = TrainConfig(size="tiny", max_tokens=1024, device="cuda", precision=precision, update_freq=2)
-        t = training.build_trainer(config, RunDir(run_copy), state.Quiet())
+        t = train_mod.build_trainer(config, RunDir(run_copy), state.Quiet())
         groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 8, 2)]
         updates = list(on_device(t.epochs.fixed, groups, t.device))
         assert updates[0][0].src.is_cuda
@@ -100,7 +100,7 @@ def test_the_loop_reads_its_figures_a_window_late_and_logs_every_window(run_copy
             size="tiny", max_tokens=1024, device="cuda", precision="fp32", max_steps=45, eval_every=30,
             save_every=1000, dropout=0.0, attention_dropout=0.0, relu_dropout=0.0,
         )  # fmt: skip
-        t = training.build_trainer(config, RunDir(run), state.Quiet())
+        t = train_mod.build_trainer(config, RunDir(run), state.Quiet())
         assert t.figures.late and t.collate_ahead and t.epochs.ahead  # threads collate, make epochs
         t.figures.late = late
         t.train()

@@ -221,8 +221,8 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
     2.5 times on average, the extra half changing from epoch to epoch."""
     import numpy as np
 
-    from nmt_cli import training
-    from nmt_cli.engine.data import Split
+    from nmt_cli import train as train_mod
+    from nmt_cli.engine.batches import Split
 
     files = multi30k_slices(multi30k_dir, tmp_path)
     run = RunDir(tmp_path / "run")
@@ -264,7 +264,7 @@ def test_several_corpora_with_tags_and_weights(tmp_path, multi30k_dir, nmt):
         "<bt>",
         "\u2581A",
     ]
-    data = training.data_of(run)
+    data = train_mod.data_of(run)
     assert list(data.corpora) == corpora
     split = Split.of(*data.train, 1024, corpora)
     assert all(split.src[i][1] == tag for i in range(na, na + nb)) and tag not in split.src[0]

@@ -18,10 +18,10 @@ from conftest import (
     tiny_trainer,
 )
 
-from nmt_cli import training
+from nmt_cli import train as train_mod
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state, step, trainer
-from nmt_cli.engine.data import Epochs, Planned, Split, grid_length, make_batches, padding_share
+from nmt_cli.engine.batches import Epochs, Planned, Split, grid_length, make_batches, padding_share
 from nmt_cli.engine.distributed import Group
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
@@ -108,7 +108,7 @@ def test_the_batches_of_an_update_have_one_shape_and_every_sentence_is_trained_o
 
 
 def test_filler_rows_and_columns_change_no_loss_and_no_gradient(run_copy):
-    from nmt_cli.engine.data import collate, to_device
+    from nmt_cli.engine.batches import collate, to_device
 
     t = tiny_trainer(run_copy)
     t.model.eval()  # no dropout: the same function of the sentences
@@ -272,11 +272,11 @@ def test_the_compile_cache_is_the_runs_unless_the_user_chose_one(tmp_path, monke
             monkeypatch.delenv(key, raising=False)
         else:
             monkeypatch.setenv(key, before)
-        with training.compile_cache(run):
+        with train_mod.compile_cache(run):
             assert os.environ[key] == str(run.compile_cache)
         assert os.environ.get(key) == before
     monkeypatch.setenv(key, str(tmp_path / "mine"))
-    with training.compile_cache(run):
+    with train_mod.compile_cache(run):
         assert os.environ[key] == str(tmp_path / "mine")
     assert os.environ[key] == str(tmp_path / "mine")
 
@@ -293,11 +293,11 @@ def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatc
     monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: cpu_bf16)
     config = dict(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1)
     said = Said()
-    auto = training.build_trainer(TrainConfig(device="cpu", **config), RunDir(run_copy), said)
+    auto = train_mod.build_trainer(TrainConfig(device="cpu", **config), RunDir(run_copy), said)
     assert auto.precision == ("bf16" if cpu_bf16 else "fp32")
     assert any("bf16 autocast" in line for line in said.lines) == cpu_bf16
     kept = TrainConfig(device="cpu", precision="fp32", **config)
-    fp32 = training.build_trainer(kept, RunDir(run_copy), state.Quiet())
+    fp32 = train_mod.build_trainer(kept, RunDir(run_copy), state.Quiet())
     assert fp32.precision == "fp32"
 
 
@@ -313,7 +313,7 @@ def test_cpu_training_widens_onednn_kernel_cache_unless_the_user_set_it(run_copy
 def test_train_step_reads_nothing_back_from_the_device(run_copy):
     from conftest import host_reads
 
-    from nmt_cli.engine.data import on_device
+    from nmt_cli.engine.batches import on_device
 
     t = tiny_trainer(run_copy, update_freq=2)
     groups = [t.epochs.batches(0)[i : i + 2] for i in range(0, 12, 2)]
@@ -377,7 +377,7 @@ def test_batches_collated_ahead_by_a_thread_are_the_same_batches(run_copy, tmp_p
     import shutil
     import threading
 
-    from nmt_cli.engine.data import on_device
+    from nmt_cli.engine.batches import on_device
 
     def collated(ahead: int, groups) -> list:
         return [
@@ -414,7 +414,7 @@ def test_batches_collated_ahead_by_a_thread_are_the_same_batches(run_copy, tmp_p
 
 
 def test_a_skipped_update_changes_nothing(run_copy):
-    from nmt_cli.engine.data import on_device
+    from nmt_cli.engine.batches import on_device
 
     t = tiny_trainer(run_copy)
     (batches,) = on_device(t.epochs.fixed, [t.epochs.batches(0)[:1]], t.device)
@@ -477,7 +477,7 @@ def test_tensorboard_events_hold_the_series_of_metrics_jsonl_across_a_resume(run
 _HEAP_PROBE = """
 import ctypes, sys
 import torch
-from nmt_cli import training
+from nmt_cli import train as train_mod
 from nmt_cli.engine import state
 from nmt_cli.config import TrainConfig
 from nmt_cli.rundir import RunDir
@@ -501,7 +501,7 @@ def mapped_by_64mib_tensor():
 first = mapped_by_64mib_tensor()
 config = TrainConfig(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1,
                      num_decoder_layers=1, max_tokens=256, device="cpu")
-training.build_trainer(config, RunDir(sys.argv[1]), state.Quiet())
+train_mod.build_trainer(config, RunDir(sys.argv[1]), state.Quiet())
 print(first, mapped_by_64mib_tensor())
 """
 

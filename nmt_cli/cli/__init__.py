@@ -1,7 +1,7 @@
 """The `nmt` command: options become a typed config at this boundary, then one call does the work.
 
 One file per group of commands, registered here in the order `nmt --help` lists them:
-data.py (prep, bpe), train.py (train, average, plot), use.py (translate, score, export, serve),
+prepare.py (prep, bpe), train.py (train, average, plot), use.py (translate, score, export, serve),
 quickstart.py; options.py holds the app and the options several commands share.
 
 stdout carries data only (translations, scores); everything said to the user goes to stderr.
@@ -47,7 +47,7 @@ def root(
 
 # The commands, in the order of `nmt --help`.
 # isort: off
-from nmt_cli.cli import data  # noqa: E402,F401
+from nmt_cli.cli import prepare  # noqa: E402,F401
 from nmt_cli.cli import train  # noqa: E402,F401
 from nmt_cli.cli import use  # noqa: E402,F401
 from nmt_cli.cli import quickstart  # noqa: E402,F401

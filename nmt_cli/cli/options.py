@@ -33,7 +33,7 @@ def about(config: type, name: str, *names: str, **settings) -> typer.models.Opti
     """The option of `config`'s field `name`, its --help text the field's own (config.knob)."""
     import dataclasses
 
-    from nmt_cli.config.use import help_of
+    from nmt_cli.config.translation import help_of
 
     field = {f.name: f for f in dataclasses.fields(config)}[name]
     return typer.Option(*names, help=help_of(config, field), **settings)

@@ -34,7 +34,8 @@ def train(
     """Train a Transformer on the binarized data; resumes from the last checkpoint."""
     import dataclasses
 
-    from nmt_cli import training, ui
+    from nmt_cli import train as train_mod
+    from nmt_cli import ui
     from nmt_cli.engine import distributed, state
     from nmt_cli.rundir import RunDir
 
@@ -43,13 +44,13 @@ def train(
     explicit = {name for name in given if given_on_command_line(ctx, name)}
     how = config_of(LaunchConfig, ctx)
     if print_config:  # what this command would train with: a resume's saved settings included
-        print_settings(ctx, training.settings(run, given, explicit), how, run_dir=run.root)
+        print_settings(ctx, train_mod.settings(run, given, explicit), how, run_dir=run.root)
         return
     if not run.root.is_dir():
         raise NmtError(f"run directory {run.root} not found: run `nmt prep` and `nmt bpe` first")
     if how.needed:  # launch checks `how` before any work
         try:
-            training.launch(run, training.settings(run, given, explicit), how)
+            train_mod.launch(run, train_mod.settings(run, given, explicit), how)
         except state.Interrupted as e:
             ui.say(str(e))
             raise typer.Exit(128 + e.signum) from None
@@ -57,9 +58,9 @@ def train(
     # Under torchrun or SLURM, rank 0 takes the lock.
     rank = distributed.from_environment()[0]
     with run.lock("train") if rank == 0 else contextlib.nullcontext():
-        config = training.settings(run, given, explicit)
+        config = train_mod.settings(run, given, explicit)
         try:
-            result = training.train_here(run, config, rank)
+            result = train_mod.train_here(run, config, rank)
         except state.Interrupted as e:
             if rank == 0:
                 ui.say(str(e))

@@ -1,8 +1,8 @@
 """One frozen dataclass per command, built once at the CLI boundary and saved in the run directory,
 each option's --help text in its field (`knob`). Gathered here from where each lives:
-`data.py` (prep, bpe), `train.py` (the model's shape and presets, train, the launcher), `use.py`
-(decoding options, translate, serve), `common.py` (knob, the JSON round trip, device and
-precision).
+`corpus.py` (prep, bpe), `training.py` (the model's shape and presets, train, the launcher),
+`translation.py` (decoding options, translate, serve), `common.py` (knob, the JSON round trip,
+device and precision).
 
 `to_json`/`from_json` round-trip a config; unknown keys are rejected so a typo in a saved or
 hand-edited config is an error, not a silently ignored setting.
@@ -17,9 +17,9 @@ from nmt_cli.config.common import (
     resolve_precision,
     to_json,
 )
-from nmt_cli.config.data import BpeConfig, PrepConfig
-from nmt_cli.config.train import MULTI30K_CPU, PRESETS, CpuRecipe, LaunchConfig, ModelConfig, TrainConfig
-from nmt_cli.config.use import ENGINES, DecodeOptions, ServeConfig, TranslateConfig
+from nmt_cli.config.corpus import BpeConfig, PrepConfig
+from nmt_cli.config.training import MULTI30K_CPU, PRESETS, CpuRecipe, LaunchConfig, ModelConfig, TrainConfig
+from nmt_cli.config.translation import ENGINES, DecodeOptions, ServeConfig, TranslateConfig
 
 __all__ = [
     "ENGINES",

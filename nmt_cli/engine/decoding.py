@@ -15,8 +15,8 @@ from torch import Tensor
 
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import beam, constrained, sampling
+from nmt_cli.engine.batches import pad_targets
 from nmt_cli.engine.cache import DecoderCache
-from nmt_cli.engine.data import pad_targets
 from nmt_cli.engine.hypothesis import Hypothesis, coverage_penalty, limits, stream_of
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.rules import NextToken

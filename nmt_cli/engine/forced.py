@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nmt_cli.engine.data import pad_targets
+from nmt_cli.engine.batches import pad_targets
 from nmt_cli.engine.model import Transformer
 from nmt_cli.vocab import PAD
 

@@ -11,7 +11,7 @@ applied to the log-probs as they are, not renormalised (as fairseq's --min-len a
 --no-repeat-ngram-size do). One rule changes the logits before their softmax instead, as
 CTRL and CTranslate2 define it: `repetition_penalty` P scales down the logit of every token the
 row already holds (`logits`, which each model's step calls). A new rule on the next token is one
-more here, with its option in config.use.DecodeOptions and its mapping in backend_ct2.py.
+more here, with its option in config.translation.DecodeOptions and its mapping in backend_ct2.py.
 """
 
 from __future__ import annotations

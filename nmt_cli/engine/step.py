@@ -9,7 +9,7 @@ import math
 import torch
 
 from nmt_cli.engine import distributed
-from nmt_cli.engine.data import Batch
+from nmt_cli.engine.batches import Batch
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.model import Transformer
 

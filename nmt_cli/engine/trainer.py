@@ -21,7 +21,7 @@ import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
 from nmt_cli.engine import distributed, saving, validation
-from nmt_cli.engine.data import Batch, Epochs, Split, on_device, padding_share
+from nmt_cli.engine.batches import Batch, Epochs, Split, on_device, padding_share
 from nmt_cli.engine.device import (
     cpu_has_bf16,
     dtype_of,
@@ -124,7 +124,7 @@ class Trainer:
         `bleu_of` scores greedy translations of the validation set, given as token ids (for
         --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training pairs
         of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
-        training.build_trainer hands a run directory's data and outputs to it."""
+        train_mod.build_trainer hands a run directory's data and outputs to it."""
         self.config, self.out, self.reporter = config, out, reporter
         self.bleu_of, self.init = bleu_of, init
         self.dist, self.device, self.precision = setup.dist, setup.device, setup.precision

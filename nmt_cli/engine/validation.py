@@ -8,7 +8,7 @@ import torch
 
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import decoding
-from nmt_cli.engine.data import Split, on_device, pad_sources
+from nmt_cli.engine.batches import Split, on_device, pad_sources
 from nmt_cli.engine.distributed import Group
 from nmt_cli.engine.step import Objective, batch_loss
 

@@ -1,8 +1,8 @@
 import pytest
 
 from nmt_cli.config import DecodeOptions, resolve_precision
-from nmt_cli.config.train import MODEL_BOUNDS, ModelConfig
-from nmt_cli.config.use import RANGES
+from nmt_cli.config.training import MODEL_BOUNDS, ModelConfig
+from nmt_cli.config.translation import RANGES
 from nmt_cli.errors import NmtError
 
 

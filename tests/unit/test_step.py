@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.engine import distributed
-from nmt_cli.engine.data import to_device
+from nmt_cli.engine.batches import to_device
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.step import Objective, batch_loss, train_step
 from nmt_cli.vocab import BOS, EOS, PAD
 
 
 def _batch(rows: list[tuple[list[int], list[int]]]):
-    """A collated batch of (source ids, target ids), padded as engine.data.collate pads."""
+    """A collated batch of (source ids, target ids), padded as engine.batches.collate pads."""
     s_len = max(len(s) for s, _ in rows) + 1
     t_len = max(len(t) for _, t in rows) + 1
     src = np.full((len(rows), s_len), PAD)

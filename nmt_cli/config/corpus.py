@@ -94,7 +94,7 @@ class BpeConfig:
         "Vocabulary size, joint or of each side with --separate (0: 8000 under 100k training "
         "pairs, 16000 under 1M, else 32000).",
     )
-    # Separate vocabularies untie the source embedding from the target's (config/train.py).
+    # Separate vocabularies untie the source embedding from the target's (config/training.py).
     separate: bool = knob(
         False, "A BPE model for each side, learned from that side alone, instead of one joint model."
     )

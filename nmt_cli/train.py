@@ -87,7 +87,7 @@ def launch(run: RunDir, config: TrainConfig, how: LaunchConfig) -> None:
         try:
             launcher.launch(
                 workers,
-                ["-m", "nmt_cli.training", str(run.root)],
+                ["-m", "nmt_cli.train", str(run.root)],
                 how.nnodes,
                 how.node_rank,
                 how.rdzv_endpoint,

@@ -110,7 +110,7 @@ MULTI30K_CPU = CpuRecipe(
 
 @dataclass(frozen=True)
 class TrainConfig:
-    size: str = knob("base", f"Model preset: {', '.join(PRESETS)} (config/train.py's PRESETS).")
+    size: str = knob("base", f"Model preset: {', '.join(PRESETS)} (config/training.py's PRESETS).")
     # None: the preset's value
     num_encoder_layers: int | None = knob(None, "Override the preset.")
     num_decoder_layers: int | None = knob(None, "Override the preset.")
