@@ -37,7 +37,7 @@ SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.jso
 CT2_WEIGHTS = "model.bin"
 MAX_SPM_BYTES = 64 << 20  # a sentencepiece model of a million pieces is ~20 MB
 NMT, CT2 = "nmt", "ctranslate2"
-VERSION = 2  # 2: separate vocabularies (a package with a joint one is still written as 1)
+VERSION = 2  # 2: a source embedding of its own; a model with one tied embedding is still written as 1
 
 
 def same_vocabularies(a: Vocabularies, b: Vocabularies) -> bool:

@@ -128,8 +128,11 @@ class Translator:
         c = model.config
         if not model.vocabs.joint and not c.src_vocab_size:
             raise NmtError(f"{model.where} has one embedding for both sides but two sentencepiece models")
-        sizes = ((model.vocabs.source, c.src_vocab_size or c.vocab_size, self.source_sp),)
-        for path, size, sp in (*sizes, (model.vocabs.target, c.vocab_size, self.target_sp)):
+        sides = (
+            (model.vocabs.source, c.src_vocab_size or c.vocab_size, self.source_sp),
+            (model.vocabs.target, c.vocab_size, self.target_sp),
+        )
+        for path, size, sp in sides:
             if sp.get_piece_size() != size:
                 raise NmtError(
                     f"{model.where} has a vocabulary of {size} but {path} has "

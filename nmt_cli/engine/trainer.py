@@ -124,7 +124,7 @@ class Trainer:
         `bleu_of` scores greedy translations of the validation set, given as token ids (for
         --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training pairs
         of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
-        train_mod.build_trainer hands a run directory's data and outputs to it."""
+        nmt_cli.train.build_trainer hands a run directory's data and outputs to it."""
         self.config, self.out, self.reporter = config, out, reporter
         self.bleu_of, self.init = bleu_of, init
         self.dist, self.device, self.precision = setup.dist, setup.device, setup.precision
