@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LONGER, MULTI30K, TINY, final_weights, nmt_command, one_error_line, run_ok, sources_of
+from conftest import LONGER, TINY, final_weights, nmt_command, one_error_line, run_ok, sources_of
 from test_serve import Server
 
 from nmt_cli.config import DecodeOptions, ModelConfig, TranslateConfig
@@ -25,11 +25,11 @@ SRC_PIECES, TGT_PIECES = 600, 900
 
 
 @pytest.fixture(scope="session")
-def separate_bpe(tmp_path_factory) -> Path:
-    """Multi30k prepared, with a BPE model for each side; copy before use."""
+def separate_bpe(multi30k_bpe, tmp_path_factory) -> Path:
+    """Multi30k prepared, its joint BPE replaced by a model for each side; copy before use."""
     run_dir = tmp_path_factory.mktemp("separate") / "run"
+    shutil.copytree(multi30k_bpe, run_dir)
     run_ok(
-        ["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", MULTI30K],
         ["bpe", "--run-dir", run_dir, "--separate", "--src-vocab-size", SRC_PIECES,
          "--tgt-vocab-size", TGT_PIECES],
     )  # fmt: skip
@@ -205,20 +205,18 @@ def test_a_package_of_separate_vocabularies_is_verified(separate_trained, tmp_pa
     assert result.code == 1 and "spm.target.model does not match the sha256" in one_error_line(result)
 
 
-def test_fine_tuning_takes_both_models_and_refuses_a_joint_run(separate_trained, tmp_path, nmt):
-    run_dir = tmp_path / "ft"
+def test_fine_tuning_takes_both_models_and_refuses_a_joint_run(separate_trained, run_copy, tmp_path, nmt):
+    """`bpe --from` a separate model turns a joint run (Multi30k prepared, joint BPE) into one
+    with that model's two; a run left joint is refused --init-from it."""
+    joint = tmp_path / "joint"
+    shutil.copytree(run_copy, joint)
     run_ok(
-        ["prep", "multi30k-en-de", "--run-dir", run_dir, "--mirror", MULTI30K],
-        ["bpe", "--run-dir", run_dir, "--from", separate_trained["package"]],
-        ["train", "--run-dir", run_dir, *LONGER, "--max-steps", 2, "--init-from", separate_trained["run"]],
+        ["bpe", "--run-dir", run_copy, "--from", separate_trained["package"]],
+        ["train", "--run-dir", run_copy, *LONGER, "--max-steps", 2, "--init-from", separate_trained["run"]],
     )
     taken = from_dir(separate_trained["package"]).vocabs
-    assert same_vocabularies(RunDir(run_dir).vocabularies(), taken) and not taken.joint
-    joint = tmp_path / "joint"
-    run_ok(
-        ["prep", "multi30k-en-de", "--run-dir", joint, "--mirror", MULTI30K],
-        ["bpe", "--run-dir", joint, "--vocab-size", 900],
-    )
+    assert same_vocabularies(RunDir(run_copy).vocabularies(), taken) and not taken.joint
+    assert not (run_copy / "bpe" / "spm.model").exists()
     result = nmt("train", "--run-dir", str(joint), *LONGER, "--max-steps", "1", "--init-from",
                  str(separate_trained["package"]))  # fmt: skip
     assert result.code == 1 and "encode the data with `nmt bpe --from" in one_error_line(result)
