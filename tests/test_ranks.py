@@ -5,6 +5,7 @@ one line."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import torch
 from conftest import LONGER, TINY, UNTRAINED, children, env_of, nmt_command, rank_of
 
 from nmt_cli.engine import checkpoint
+from nmt_cli.rundir import RunDir
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--relu-dropout", "0"]
 
@@ -205,8 +207,12 @@ def test_tagged_weighted_corpora_with_bpe_dropout_in_bf16_on_two_ranks(tagged_bp
 
 @pytest.mark.slow
 def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy):
-    """--compile under DDP on 2 gloo ranks: no rank compiles again as batch shapes change, and
-    no graph break falls in nmt's code (DDP's own wrapper breaks the graph by torch's design)."""
+    """--compile under DDP on 2 gloo ranks: no rank compiles again as batch shapes change, no
+    graph break falls in nmt's code (DDP's own wrapper breaks the graph by torch's design), the
+    kernels are cached in the run directory for a resume and the log says how long it took.
+    (One process: tests/unit/test_step.py's compiled update, and test_trainer.py's soak test.)"""
+    # as a user who set no cache directory of their own
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     done = subprocess.run(
         nmt_command(
             "train",
@@ -223,7 +229,7 @@ def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy):
             "--device",
             "cpu",
         ),  # fmt: skip
-        env={**os.environ, "TORCH_LOGS": "dynamo,graph_breaks,recompiles"},
+        env={**env, "TORCH_LOGS": "dynamo,graph_breaks,recompiles"},
         capture_output=True,
         text=True,
         timeout=600,
@@ -234,6 +240,9 @@ def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy):
     assert "Recompiling" not in done.stderr
     breaks = [line for line in done.stderr.splitlines() if "Graph break in user code at" in line]
     assert not [line for line in breaks if "/nmt_cli/" in line], breaks
+    run = RunDir(run_copy)
+    assert any(p.is_file() for p in run.compile_cache.rglob("*"))
+    assert re.search(r"compiled the update \(model, logits, loss\) in \d", run.log.read_text())
 
 
 @pytest.mark.slow

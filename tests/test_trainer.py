@@ -242,11 +242,13 @@ def test_train_errors(tmp_path, run_copy, nmt):
 # -- the hot path does not wait for the device -------------------------------------------------
 
 
+@pytest.mark.soak
 def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt, monkeypatch):
     """`--compile` on batches of changing shapes: one graph (the model, its logits and the
     loss), traced once and never again (sizes dynamic from the start), with no break in it (the
     CPU's own dropout is left to the compiler); its kernels cached in the run directory for a
-    resume, the time it took in the log."""
+    resume, the time it took in the log. In the soak set: the suite compiles the update on 2
+    ranks (test_ranks.py) and in one process (unit/test_step.py), each half a minute."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
