@@ -40,9 +40,10 @@ NMT, CT2 = "nmt", "ctranslate2"
 VERSION = 2  # 2: a source embedding of its own; a model with one tied embedding is still written as 1
 
 
-def same_vocabularies(a: Vocabularies, b: Vocabularies) -> bool:
-    """Whether two models read and write the same ids: the same layout, each file the same."""
-    return a.joint == b.joint and [sha256_file(p) for p in a.files()] == [sha256_file(p) for p in b.files()]
+def vocabulary_key(vocabs: Vocabularies) -> tuple:
+    """What two models must share to read and write the same ids: the layout and the sha256 of
+    each sentencepiece model."""
+    return (vocabs.joint, *(sha256_file(p) for p in vocabs.files()))
 
 
 def sha_key(spm_file: Path) -> str:
@@ -103,6 +104,7 @@ def ensemble(models: list[Model]) -> Model:
     if len(models) == 1:
         return models[0]
     first = models[0]
+    key = vocabulary_key(first.vocabs)  # read once, not for every member
     for m in models[1:]:
         if m.ct2_dir is not None or first.ct2_dir is not None:
             raise NmtError(
@@ -114,7 +116,7 @@ def ensemble(models: list[Model]) -> Model:
                 f"{m.where} translates {m.src}-{m.tgt}, {first.where} {first.src}-{first.tgt}: "
                 "an ensemble needs one language pair"
             )
-        if m.config.vocab_size != first.config.vocab_size or not same_vocabularies(m.vocabs, first.vocabs):
+        if m.config.vocab_size != first.config.vocab_size or vocabulary_key(m.vocabs) != key:
             raise NmtError(
                 f"{m.where} and {first.where} have different sentencepiece models: an "
                 "ensemble needs one vocabulary (train with `nmt bpe --from`)"

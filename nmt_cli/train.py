@@ -246,7 +246,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"
         )
-    if not models.same_vocabularies(model.vocabs, run.vocabularies()):
+    if models.vocabulary_key(model.vocabs) != models.vocabulary_key(run.vocabularies()):
         raise NmtError(
             f"{run.root}'s BPE model is not the one {where} was trained with: "
             f"encode the data with `nmt bpe --from {where}`"
