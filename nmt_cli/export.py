@@ -25,14 +25,16 @@ def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
 
     d = DecodeOptions()
     shape = dataclasses.asdict(model.config)
-    tied = shape.pop("src_vocab_size") == 0
+    tied = not model.config.src_vocab_size
+    if tied:  # written as before the setting existed
+        del shape["src_vocab_size"]
     return {
         "format": fmt,
         # a model of one tied embedding stays readable by an nmt from before version 2
         "version": 1 if tied else VERSION,
         "nmt": __version__,
         "exported": now(),
-        "model": shape if tied else dataclasses.asdict(model.config),
+        "model": shape,
         "src": model.src,
         "tgt": model.tgt,
         "text": model.text_settings,
