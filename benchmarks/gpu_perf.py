@@ -5,18 +5,20 @@
 
 Sections, the most valuable first (a section that would not fit the time left is recorded as
 skipped): the machine (versions, the bf16 matmul and copy ceilings, which kernel each attention
-call of the model picks, as torch chooses and as nmt does); each attention call's time under each
-SDPA backend; the training step of `base` and `big` (bf16, 512 x 32 tokens a side) with the
-landed loss and the fused one, with torch's attention kernels or nmt's; decoding (beam 4 and
-greedy) in fp32, bf16 and fp16; a cold pass over many batch shapes against a warm one; the
-trainer's loop against the bare step on real batches (`--data`: a prepared and binarized
-Multi30k run); the step compiled. One JSON line per figure in DIR/gpu_perf.jsonl.
+call of the model picks, as torch chooses and as nmt does); decoding (beam 4 and greedy) in
+fp32, bf16 and fp16, with and without CUDA graphs; the training step of `base` and `big` (bf16,
+512 x 32 tokens a side) with the landed loss and the fused one, with torch's attention kernels
+or nmt's; a cold pass over many batch shapes against a warm one; the trainer's loop against the
+bare step on real batches (`--data`: a prepared and binarized Multi30k run); the step compiled;
+each attention call's time under each SDPA backend. One JSON line per figure in DIR/gpu_perf.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -154,6 +156,11 @@ def attention_calls(b: Bench, dtype) -> dict:
     qc = torch.randn(B // 4, H, beams, K, device=dev, dtype=dtype)
     kc = torch.randn(B // 4, H, S, K, device=dev, dtype=dtype)
     mc = mask[: B // 4]
+    # graphed decoding (cache.FixedCache): every position of a fixed length, additive masks
+    seen = torch.zeros(1, 1, 1, 2 * m, device=dev, dtype=dtype)
+    seen[..., m:] = -math.inf
+    kf = torch.randn(B // 4 * beams, H, 2 * m, K, device=dev, dtype=dtype)
+    mcf = torch.zeros(mc.shape, device=dev, dtype=dtype).masked_fill(~mc, -math.inf)
     sdpa = F.scaled_dot_product_attention
     return {
         "train_self_masked": lambda: sdpa(q, k, v, attn_mask=mask).sum().backward(),
@@ -161,6 +168,8 @@ def attention_calls(b: Bench, dtype) -> dict:
         "train_causal": lambda: sdpa(q, k, v, is_causal=True).sum().backward(),
         "decode_self_step": lambda: sdpa(q1, k1, k1),
         "decode_cross_beams": lambda: sdpa(qc, kc, kc, attn_mask=mc),
+        "decode_self_fixed": lambda: sdpa(q1, kf, kf, attn_mask=seen),
+        "decode_cross_fixed": lambda: sdpa(qc, kc, kc, attn_mask=mcf),
     }
 
 
@@ -324,7 +333,11 @@ def section_step(b: Bench) -> None:
 
 
 def section_decode(b: Bench) -> None:
-    """Sentences/s of beam 4 and greedy on a random `base` model, 256 sources of 20-40 tokens."""
+    """Sentences/s of beam 4 and greedy on a random `base` model, 256 sources of 20-40 tokens,
+    in fp32, bf16 and fp16, each with its steps run one kernel at a time (graphs off) and
+    replayed as CUDA graphs (graphed.py, the default), in alternate rounds; each variant's
+    translations beside those of fp32 without graphs; the host's and the device's time of one
+    batch, both ways."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -333,6 +346,7 @@ def section_decode(b: Bench) -> None:
     lengths = rng.integers(20, 41, n)
     sources = [rng.integers(4, vocab, k).tolist() for k in lengths]
     base = b.model("base").eval()
+    attention_kernels("nmt")
 
     def src_of(chunk: list[list[int]]) -> torch.Tensor:
         src = torch.full((len(chunk), max(map(len, chunk)) + 1), PAD)
@@ -340,34 +354,56 @@ def section_decode(b: Bench) -> None:
             src[r, : len(s)], src[r, len(s)] = torch.tensor(s), EOS
         return src.to(b.device)
 
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    models = {p: copy.deepcopy(base).to(d) for p, d in dtypes.items()}
+    variants = [(p, g) for p in dtypes for g in (False, True)]
     for beam in (4, 1):
-        for precision, kernels in (("fp32", "nmt"), ("bf16", "torch"), ("bf16", "nmt"), ("fp16", "nmt")):
-            if b.left() < 20:
-                return b.emit("decode", skipped="budget")
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-            model = base.to(dtype)
-            attention_kernels(kernels)
-            options = DecodeOptions(beam=beam, max_len_a=0.0, max_len_b=33)
+        options = DecodeOptions(beam=beam, max_len_a=0.0, max_len_b=33)
 
-            def run(model=model, options=options, count=n):
-                words = 0
-                for i in range(0, count, batch):
-                    hyps = decoding.translate(model, src_of(sources[i : i + batch]), options)
-                    words += sum(len(h[0].tokens) for h in hyps)
-                return words
+        def run(precision, graphs, count=n, options=options):
+            out = []
+            for i in range(0, count, batch):
+                src = src_of(sources[i : i + batch])
+                out += decoding.translate(models[precision], src, options, graphs=graphs)
+            return out
 
-            run()  # warm-up
-            if beam == 4 and precision == "bf16" and kernels == "nmt":
-                top_kernels(b, lambda: run(count=batch), f"beam 4 {precision}, one batch")
-            b.sync()
-            t = time.perf_counter()
-            words = run()
-            b.sync()
-            seconds = time.perf_counter() - t
-            row = {"beam": beam, "precision": precision, "attention": kernels}
-            b.emit("decode", **row, sentences_s=round(n / seconds, 1), tokens_s=round(words / seconds))
-    base.float()
-    attention_kernels("nmt")
+        outputs = {v: run(*v) for v in variants}  # also the warm-up
+        reference = [h[0].tokens for h in outputs[("fp32", False)]]
+        times: dict[tuple, list[float]] = {v: [] for v in variants}
+        for _ in range(min(b.rounds, 2)):
+            for v in variants:
+                if b.left() < 20:
+                    return b.emit("decode", skipped="budget")
+                b.sync()
+                t = time.perf_counter()
+                run(*v)
+                b.sync()
+                times[v].append(time.perf_counter() - t)
+        for (precision, graphs), seconds in times.items():
+            hyps = outputs[(precision, graphs)]
+            words = sum(len(h[0].tokens) for h in hyps)
+            best = min(seconds)
+            b.emit(
+                "decode",
+                beam=beam,
+                precision=precision,
+                graphs=graphs,
+                sentences_s=round(n / best, 1),
+                tokens_s=round(words / best),
+                rounds_s=[round(x, 3) for x in seconds],
+                same_as_fp32_eager=sum(h[0].tokens == r for h, r in zip(hyps, reference)),
+                of=n,
+            )
+        if beam == 4:
+            for graphs in (False, True):
+                top_kernels(
+                    b,
+                    lambda g=graphs: run("bf16", g, count=batch),
+                    f"beam 4 bf16, graphs {graphs}, one batch",
+                )
+    from nmt_cli.engine import graphed
+
+    b.emit("decode", graphs_failed=graphed._failed)
 
 
 def section_cold(b: Bench) -> None:
@@ -435,7 +471,7 @@ def section_loop(b: Bench, data: Path | None) -> None:
         b.emit("loop", **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
 
 
-SECTIONS = ["machine", "attention", "step", "decode", "cold", "loop", "compile"]
+SECTIONS = ["machine", "decode", "step", "cold", "loop", "compile", "attention"]
 
 
 def main() -> None:

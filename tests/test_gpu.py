@@ -243,8 +243,8 @@ def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
     src = torch.randint(4, 1000, (16, 12), device="cuda")
     src[:, -1] = 3  # EOS
     steps = count_decoding_steps(model)
+    decoding.translate(model, src, DecodeOptions(beam=4), graphs=False)  # counts every step
     decoding.translate(model, src, DecodeOptions(beam=4))  # warm-up
-    steps["n"] = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -254,6 +254,45 @@ def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert steps["n"] > 0 and len(syncs) <= 2 * steps["n"] + 4, (len(syncs), steps["n"])
+
+
+def test_decoding_replays_its_steps_as_cuda_graphs_and_finds_what_eager_steps_find(trained_on_cpu):
+    """On a GPU each decoding step after the second is a replayed CUDA graph (graphed.py): the
+    model's decode runs twice a batch (warm-up, recording), and every search finds what the
+    steps run one kernel at a time find."""
+    from nmt_cli.backend_nmt import load_model
+    from nmt_cli.config import DecodeOptions
+    from nmt_cli.engine import decoding, graphed
+    from nmt_cli.models import from_run
+    from nmt_cli.rundir import RunDir
+
+    path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
+    model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda"), "fp32")
+    src = torch.randint(4, 1000, (24, 14), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    src[:, -1] = 3  # EOS
+    src[5, 6:], src[5, 5] = 0, 3  # PAD after a shorter sentence
+    steps = count_decoding_steps(model)
+    for options in (
+        DecodeOptions(beam=4),
+        DecodeOptions(beam=1),
+        DecodeOptions(beam=4, nbest=2, repetition_penalty=1.3),
+        DecodeOptions(sample=True, nbest=2, seed=1),
+    ):
+        steps["n"] = 0
+        eager = decoding.translate(model, src, options, graphs=False)
+        taken = steps["n"]
+        steps["n"] = 0
+        replayed = decoding.translate(model, src, options)
+        assert graphed._failed is None
+        assert steps["n"] == 2 < taken, (steps["n"], taken, options)
+        assert [[h.tokens for h in hs] for hs in replayed] == [[h.tokens for h in hs] for hs in eager]
+        flat = [h.score for hs in replayed for h in hs]
+        assert flat == pytest.approx([h.score for hs in eager for h in hs], abs=1e-4)
+    bf16 = model.to(torch.bfloat16)
+    eager = decoding.translate(bf16, src, DecodeOptions(beam=4), graphs=False)
+    replayed = decoding.translate(bf16, src, DecodeOptions(beam=4))
+    same = sum(a[0].tokens == b[0].tokens for a, b in zip(eager, replayed))
+    assert same >= 20, same
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

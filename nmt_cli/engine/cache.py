@@ -1,5 +1,8 @@
 """What incremental decoding keeps between steps (section 3.2.3's masked self-attention, one
-new position at a time): the cached keys and values of the decoder."""
+new position at a time): the cached keys and values of the decoder. `DecoderCache` holds
+exactly the positions and rows still needed (the CPU's); `FixedCache` keeps every tensor a step
+touches at one shape and address for the whole search, so a GPU can replay the step as a CUDA
+graph (graphed.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,13 @@ class DecoderCache:
         self.tensors = [self._view(buf[0], b * beam, 1) for buf in self.buffers]
         self.length = 0  # positions cached so far
         self.max_len = max_len
+
+    self_mask = None  # the cache holds exactly the positions the new one sees
+
+    @property
+    def offset(self) -> int:
+        """The new position's index."""
+        return self.length
 
     def _view(self, buffer: Tensor, rows: int, positions: int) -> Tensor:
         shape = (rows, self.heads, positions, self.head_dim)
@@ -76,3 +86,83 @@ class DecoderCache:
                 (k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv
             ]
             self.src_mask = self.src_mask.index_select(0, sentences)
+
+
+class FixedCache:
+    """DecoderCache's contents at fixed shapes: the rows of every sentence the search began
+    with (a finished sentence's rows go on being computed and are never read), the
+    self-attention K/V of `max_len` positions in one (2 * layers, rows, H, max_len, K) tensor,
+    the new position's index on the device (`offset`) and masks that hide the positions not
+    yet written. A step's kernels then read and write the same tensors every time, which a CUDA
+    graph needs; outside the graph, `reorder` gathers all layers at once.
+
+    The search sees only the rows it keeps (its compact rows); `slots` maps each to its row here.
+    The step's token ids go in `tokens` (`put`), its logits come out in the rows' order (`take`).
+    """
+
+    def __init__(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor, beam: int, max_len: int):
+        k0 = memory_kv[0][0]
+        b, heads, _, head_dim = k0.shape
+        device, dtype = k0.device, k0.dtype
+        self.memory_kv, self.beam, self.max_len = memory_kv, beam, max_len
+        self.rows = b * beam
+        self.kv = k0.new_zeros((2 * len(memory_kv), self.rows, heads, max_len, head_dim))
+        # additive masks in the model's dtype: scaled_dot_product_attention adds them as they are
+        self.src_mask = torch.zeros(src_mask.shape, dtype=dtype, device=device)
+        self.src_mask.masked_fill_(~src_mask, -math.inf)
+        self.offset = torch.zeros(1, dtype=torch.long, device=device)
+        self._positions = torch.arange(max_len, device=device)
+        self.self_mask = torch.zeros((1, 1, 1, max_len), dtype=dtype, device=device)
+        self._hide_unwritten()
+        self.tokens = torch.zeros((self.rows, 1), dtype=torch.long, device=device)
+        self._all_rows = torch.arange(self.rows, device=device)
+        self.slots = self._all_rows
+        self.compact = False  # some sentence has finished: the search's rows are fewer
+        self.length = 0  # steps begun, on the host (the device's count is `offset`)
+
+    def _hide_unwritten(self) -> None:
+        seen = torch.where(self._positions <= self.offset, 0.0, -math.inf)
+        self.self_mask.view(-1).copy_(seen)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new position's K/V of `layer`; returns the layer's K/V of all `max_len`
+        positions (`self_mask` hides those not written yet)."""
+        keys, values = self.kv[2 * layer], self.kv[2 * layer + 1]
+        keys.index_copy_(2, self.offset, k)
+        values.index_copy_(2, self.offset, v)
+        return keys, values
+
+    def advance(self) -> None:
+        """The step's last kernels (on the device, inside a graph): move to the next position."""
+        self.offset.add_(1)
+        self._hide_unwritten()
+
+    def put(self, tokens: Tensor) -> None:
+        """The search's step input (R', 1) into the fixed rows: a step begins."""
+        if self.length + 1 > self.max_len:
+            raise ValueError(f"decoding past the cache's max_len {self.max_len}")
+        self.length += 1
+        if self.compact:
+            self.tokens.index_copy_(0, self.slots, tokens)
+        else:
+            self.tokens.copy_(tokens)
+
+    def take(self, logits: Tensor) -> Tensor:
+        """The fixed rows' output (rows, ...) -> the search's rows (R', ...)."""
+        return logits.index_select(0, self.slots) if self.compact else logits
+
+    def reorder(self, indices: Tensor) -> None:
+        """Keep the search's rows `indices` (each sentence's beams together, sentences in their
+        old order), as DecoderCache.reorder: each sentence keeps its rows here, a finished one's
+        are left as they are."""
+        parents = self.slots.index_select(0, indices)  # the row here each survivor comes from
+        if len(indices) < self.rows:
+            self.compact = True
+        if self.compact:
+            place = torch.arange(len(indices), device=indices.device) % self.beam
+            self.slots = parents // self.beam * self.beam + place
+            gather = self._all_rows.index_copy(0, self.slots, parents)
+        else:
+            gather = parents
+        written = self.kv[:, :, :, : self.length]
+        written.copy_(written.index_select(1, gather))

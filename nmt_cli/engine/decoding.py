@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nmt_cli.config import DecodeOptions
-from nmt_cli.engine import beam, constrained, sampling
+from nmt_cli.engine import beam, constrained, graphed, sampling
 from nmt_cli.engine.batches import pad_targets
-from nmt_cli.engine.cache import DecoderCache
+from nmt_cli.engine.cache import DecoderCache, FixedCache
 from nmt_cli.engine.hypothesis import Hypothesis, coverage_penalty, limits, stream_of
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.rules import NextToken
@@ -35,6 +35,7 @@ def translate(
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
     gone: Callable[[], Sequence[bool]] | None = None,
     alphas: Sequence[float] | None = None,
+    graphs: bool | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
     `streams`: the sentences' random streams under --sample (hypothesis.stream_of; default:
@@ -46,9 +47,16 @@ def translate(
     encoder output and cache, and a step's log-probs are the mean of theirs. `gone` is asked
     before every step, for each sentence whether anyone still waits for it: a sentence nobody
     waits for ends at that step (its hypotheses are for nobody), and once none is waited for,
-    errors.Stopped (every search takes its steps from here)."""
+    errors.Stopped (every search takes its steps from here).
+
+    `graphs`: each step over a cache of fixed shapes (cache.FixedCache), replayed as a CUDA
+    graph on a GPU (graphed.py); default: on a GPU, unless under autocast (its cache of cast
+    weights and a graph's memory do not mix). Off a GPU it runs the same steps unrecorded (what
+    tests compare with the CPU's own cache)."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
-    hyps = _search(models, src, options, use_cache, streams, prefixes, constraints, gone, alphas)
+    if graphs is None:
+        graphs = src.device.type == "cuda" and not torch.is_autocast_enabled("cuda")
+    hyps = _search(models, src, options, use_cache, streams, prefixes, constraints, gone, alphas, graphs)
     if options.coverage_penalty:
         return _covered(models, src, hyps, options)
     return hyps
@@ -64,6 +72,7 @@ def _search(
     constraints: Sequence[Sequence[Sequence[int]]] | None,
     gone: Callable[[], Sequence[bool]] | None,
     alphas: Sequence[float] | None,
+    graphs: bool,
 ) -> list[list[Hypothesis]]:
     """The search `options` ask for, on translate's arguments."""
     src_lengths = (src != PAD).sum(1).tolist()
@@ -94,7 +103,7 @@ def _search(
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     rules = NextToken(o, max_lens, k, src.device, forced, alphas)
-    decoders = [_decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits) for m in models]
+    decoders = [_decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits, graphs) for m in models]
     step, reorder = _together(decoders)
     if gone is not None:
         step = _stoppable(step, gone, rules, o.nbest if o.sample else 1)
@@ -189,11 +198,26 @@ def _decoder(
     max_len: int,
     use_cache: bool,
     shape: Callable[[Tensor], Tensor] = _as_they_are,
+    graphs: bool = False,
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
     """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`;
-    `shape` changes the logits before their softmax (NextToken.logits)."""
+    `shape` changes the logits before their softmax (NextToken.logits); `graphs`: translate's."""
     model.eval()
     memory, src_mask = model.encode(src)
+    if use_cache and graphs:
+        fixed = FixedCache(model.memory_keys_values(memory), src_mask, k, max_len)
+
+        def body() -> Tensor:
+            h = model.decode(fixed.tokens, fixed.memory_kv, fixed.src_mask, fixed)
+            return model.logits(h[:, -1])
+
+        run = graphed.Replayed(body, record=src.device.type == "cuda")
+
+        def step_fixed(tokens: Tensor) -> Tensor:
+            fixed.put(tokens)
+            return F.log_softmax(shape(fixed.take(run()).float()), dim=-1)
+
+        return step_fixed, fixed.reorder
     if use_cache:
         cache = DecoderCache(model.memory_keys_values(memory), src_mask, k, max_len)
 

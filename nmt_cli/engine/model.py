@@ -22,7 +22,7 @@ from nmt_cli.config import ModelConfig
 from nmt_cli.vocab import PAD
 
 if TYPE_CHECKING:
-    from nmt_cli.engine.cache import DecoderCache
+    from nmt_cli.engine.cache import DecoderCache, FixedCache
 
 
 def sinusoids(length: int, d: int) -> Tensor:
@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         memory_kv: tuple[Tensor, Tensor],
         src_mask: Tensor,
-        cache: DecoderCache | None = None,
+        cache: DecoderCache | FixedCache | None = None,
         layer: int = 0,
     ) -> Tensor:
         def cross_attention(h: Tensor) -> Tensor:
@@ -166,11 +166,13 @@ class DecoderLayer(nn.Module):
         x = self.res2(x, cross_attention)
         return self.res3(x, self.ffn)
 
-    def attend_self(self, h: Tensor, cache: DecoderCache | None = None, layer: int = 0) -> Tensor:
+    def attend_self(
+        self, h: Tensor, cache: DecoderCache | FixedCache | None = None, layer: int = 0
+    ) -> Tensor:
         if cache is None:  # training: every position at once, each sees only its past
             return self.self_attn(h, self.self_attn.keys_values(h), causal=True)
         k, v = cache.append(layer, *self.self_attn.keys_values(h))
-        return self.self_attn(h, (k, v))  # the new position sees every cached one
+        return self.self_attn(h, (k, v), cache.self_mask)  # the new position sees the cached ones
 
     def cross_weights(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], src_mask: Tensor) -> Tensor:
         """The encoder-decoder attention probabilities (B, H, T, S) of teacher-forced `x`: those
@@ -211,16 +213,23 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 table.weight[PAD].zero_()
 
-    def embed_tokens(self, tokens: Tensor, offset: int = 0, table: nn.Embedding | None = None) -> Tensor:
+    def embed_tokens(
+        self, tokens: Tensor, offset: int | Tensor = 0, table: nn.Embedding | None = None
+    ) -> Tensor:
         """Token embeddings (`table`, default the target's) scaled by sqrt(D), plus positions,
-        with dropout: (B, n) -> (B, n, D)."""
+        with dropout: (B, n) -> (B, n, D). An `offset` on the device, (1,), is the position of
+        a single token (a CUDA graph's step reads it there)."""
         n = tokens.shape[1]
-        if offset + n > self.config.max_positions:
+        if isinstance(offset, Tensor):
+            where = self.positions.index_select(0, offset)
+        elif offset + n > self.config.max_positions:
             raise ValueError(
                 f"sequence of {offset + n} tokens exceeds max_positions {self.config.max_positions}"
             )
+        else:
+            where = self.positions[offset : offset + n]
         x = (self.embed if table is None else table)(tokens) * math.sqrt(self.config.d_model)
-        x = x + self.positions[offset : offset + n].to(x.dtype)
+        x = x + where.to(x.dtype)
         return dropout(x, self.config.dropout, self.training)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
@@ -240,11 +249,11 @@ class Transformer(nn.Module):
         tgt_in: Tensor,
         memory_kv: list[tuple[Tensor, Tensor]],
         src_mask: Tensor,
-        cache: DecoderCache | None = None,
+        cache: DecoderCache | FixedCache | None = None,
     ) -> Tensor:
         """(B, T) shifted target ids -> (B, T, D) decoder states; with `cache`, T is the one
         new position and the cache grows by it."""
-        offset = cache.length if cache is not None else 0
+        offset = cache.offset if cache is not None else 0
         x = self.embed_tokens(tgt_in, offset)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory_kv[i], src_mask, cache, i)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import count_decoding_steps, host_reads
 
 from nmt_cli.config import DecodeOptions, ModelConfig
 from nmt_cli.engine.beam import beam_step, choose, length_penalty, search
@@ -213,6 +214,49 @@ def test_search_reads_the_device_once_per_step(beam):
         translate(m, SRC, DecodeOptions(beam=beam, max_len_b=12))
     assert steps["n"] >= 5
     assert reads["n"] <= steps["n"] + 1, (reads, steps)  # + the source lengths
+
+
+FIXED_SRC = torch.randint(4, 40, (9, 12), generator=torch.Generator().manual_seed(5))
+FIXED_SRC[:, -1] = EOS
+FIXED_SRC[3, 5], FIXED_SRC[3, 6:] = EOS, PAD
+FIXED_SRC[7, 8], FIXED_SRC[7, 9:] = EOS, PAD
+
+
+@pytest.mark.parametrize(
+    "options, extra",
+    [
+        (dict(beam=4, max_len_a=1.5, max_len_b=3), {}),
+        (dict(beam=1, max_len_a=1.5, max_len_b=3), {}),
+        (dict(beam=4, nbest=3, max_len_a=0.0, max_len_b=15), {}),
+        (dict(sample=True, nbest=3, max_len_a=1.0, max_len_b=4, seed=3), {}),
+        (dict(beam=3, repetition_penalty=1.5, no_repeat_ngram=2, min_len=3), {}),
+        (dict(beam=4), {"prefixes": [[7, 8]] * 3 + [[]] * 6}),
+        (dict(beam=4), {"constraints": [[[9, 10]]] * 2 + [[]] * 7}),
+        (dict(beam=4, max_len_a=1.2), {"ensemble": True}),
+    ],
+)
+def test_the_fixed_shape_steps_of_a_gpu_decode_as_the_cpus_cache_does(options, extra):
+    """What a GPU replays as a CUDA graph (cache.FixedCache: every row kept, every position
+    masked until written) finds what the CPU's cache finds, in every search, with sentences
+    ending at different steps."""
+    m = model()
+    models = [m, _random_model(3, 32)] if extra.pop("ensemble", False) else m
+    options = DecodeOptions(**options)
+    mine = translate(models, FIXED_SRC, options, **extra)
+    steps = count_decoding_steps(m)
+    with host_reads() as reads:
+        fixed = translate(models, FIXED_SRC, options, graphs=True, **extra)
+    assert [[h.tokens for h in hs] for hs in fixed] == [[h.tokens for h in hs] for hs in mine]
+    assert [h.score for hs in fixed for h in hs] == pytest.approx(
+        [h.score for hs in mine for h in hs], abs=1e-5
+    )
+    assert len({len(hs[0].tokens) for hs in mine}) > 2  # sentences end at different steps
+    # as many reads of the device as the CPU's cache needs: one a step
+    reads_fixed, steps_fixed = reads["n"], steps["n"]
+    steps["n"] = 0
+    with host_reads() as reads:
+        translate(models, FIXED_SRC, options, **extra)
+    assert (reads_fixed, steps_fixed) == (reads["n"], steps["n"])
 
 
 def _random_model(seed: int, d_model: int) -> Transformer:

@@ -1,0 +1,72 @@
+"""A decoding step recorded once as a CUDA graph and replayed at every later step.
+
+A decoding step is a few hundred small kernels for one token per row, and on a GPU the host
+took longer to launch them than the GPU to run them (docs/benchmarks.md, "GPU speed"). Over a
+FixedCache (cache.py) every step launches the same kernels on the same tensors, so the step is
+recorded once and each later step is one launch. The first step runs as it is on a side
+stream, which warms what the recording needs (cuBLAS workspaces, the allocator), as
+torch.cuda.graphs asks; the second is recorded, then replayed. Off a GPU the step just runs.
+
+torch.cuda.graph would also synchronise and empty the allocator's cache before each recording;
+a translation records a graph per batch, so this records with the graph's own calls instead."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+_failed: str | None = None  # why recording failed in this process: the steps run as they are
+
+
+class Replayed:
+    """`body()` (a decoding step over a FixedCache: reads its inputs, writes its state, returns
+    the logits), run as a replayed CUDA graph if `record`. The logits it returns are the graph's
+    own tensor, overwritten by the next step: read them before."""
+
+    def __init__(self, body: Callable[[], Tensor], record: bool):
+        self.body, self.record = body, record and _failed is None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def __call__(self) -> Tensor:
+        if not self.record:
+            return self.body()
+        if self.stream is None:  # the first step, as it is, on the stream the graph will use
+            self.stream = torch.cuda.Stream()
+            return self._on_stream(self.body)
+        if self.graph is None:
+            try:
+                self.out = self._on_stream(self._recorded)
+            except RuntimeError as e:  # not seen: a fallback so that a translation never fails on it
+                global _failed
+                _failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+                warnings.warn(f"decoding without CUDA graphs: recording one failed ({_failed})", stacklevel=2)
+                self.record = False
+                return self.body()
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
+
+    def _on_stream(self, fn: Callable[[], Tensor]) -> Tensor:
+        assert self.stream is not None
+        here = torch.cuda.current_stream()
+        self.stream.wait_stream(here)
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        here.wait_stream(self.stream)
+        return out
+
+    def _recorded(self) -> Tensor:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a training run's collation thread may copy batches meanwhile
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = self.body()
+        finally:
+            graph.capture_end()
+        self.graph = graph
+        return out
