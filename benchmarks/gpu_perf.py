@@ -282,6 +282,9 @@ def top_kernels(b: Bench, fn, label: str, n: int = 12) -> None:
     fn()
     b.sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts):  # the profiler's own start-up, outside the figures
+        torch.ones(1, device=b.device).add_(1)
+        b.sync()
     t = time.perf_counter()
     with profile(activities=acts) as prof:
         fn()
@@ -394,7 +397,17 @@ def section_decode(b: Bench) -> None:
                 same_as_fp32_eager=sum(h[0].tokens == r for h, r in zip(hyps, reference)),
                 of=n,
             )
-        if beam == 4:
+        if beam == 4:  # the steps of one batch: the profiles' times over them are per step
+            model, steps = models["bf16"], {"n": 0}
+
+            def counted(*args, _decode=model.decode, _steps=steps, **kwargs):
+                _steps["n"] += 1
+                return _decode(*args, **kwargs)
+
+            model.decode = counted
+            run("bf16", False, count=batch)
+            del model.decode
+            b.emit("decode", beam=beam, steps_of_one_batch=steps["n"])
             for graphs in (False, True):
                 top_kernels(
                     b,
