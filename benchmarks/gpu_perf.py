@@ -6,7 +6,8 @@
 Sections, the most valuable first (a section that would not fit the time left is recorded as
 skipped): the machine (versions, the bf16 matmul and copy ceilings, which kernel each attention
 call of the model picks, as torch chooses and as nmt does); decoding (beam 4 and greedy) in
-fp32, bf16 and fp16, with and without CUDA graphs; the training step of `base` and `big` (bf16,
+fp32, bf16 and fp16, with and without CUDA graphs; a trained model translating newstest2014
+and test2016 as users run it (`--model`, `--shared`); the training step of `base` and `big` (bf16,
 512 x 32 tokens a side) with the landed loss and the fused one, with torch's attention kernels
 or nmt's; a cold pass over many batch shapes against a warm one; the trainer's loop against the
 bare step on real batches (`--data`: a prepared and binarized Multi30k run); the step compiled;
@@ -419,6 +420,68 @@ def section_decode(b: Bench) -> None:
     b.emit("decode", graphs_failed=graphed._failed)
 
 
+def section_translate(b: Bench, package: Path | None, data: Path | None) -> None:
+    """A trained model as users run it (`--model`: a package from `nmt export`, which
+    gpu_carry.sh puts in .gpu/model): nmt's engine through the Translator on the GPU, fp32 and
+    bf16, CUDA graphs on and off, beam 4 and greedy, on newstest2014's first lines (sentences/s)
+    and Multi30k test2016's (sentences/s, and BLEU against its references: bf16's beside
+    fp32's), in alternate rounds. CTranslate2 is not beside it: its wheel loads CUDA 12's
+    cuBLAS, and the GPU image holds CUDA 13's."""
+    import gzip
+
+    import sacrebleu
+
+    from nmt_cli.translator import Translator
+
+    if package is None or not (package / "nmt.json").exists():
+        return b.emit("translate", skipped=f"no model package at {package} (gpu_carry.sh RUN puts one)")
+    if data is None or not (data / "wmt14" / "newstest2014.en.gz").exists():
+        return b.emit("translate", skipped=f"no newstest2014 under {data}")
+    n = 40 if b.dry else 500
+
+    def read(path: str) -> list[str]:
+        return gzip.open(data / path, "rt", encoding="utf-8").read().splitlines()[:n]
+
+    sets = {
+        "newstest2014": (read("wmt14/newstest2014.en.gz"), None),
+        "test2016": (read("multi30k/test_2016_flickr.en.gz"), read("multi30k/test_2016_flickr.de.gz")),
+    }
+    device = str(b.device)
+    variants = [(p, g) for p in ("fp32", "bf16") for g in (False, True)]
+    translators = {
+        (p, g): Translator.load(package, device=device, precision=p, cuda_graphs=g) for p, g in variants
+    }
+    for beam in (4, 1):
+        for name, (lines, refs) in sets.items():
+            seconds: dict[tuple, list[float]] = {v: [] for v in variants}
+            outputs = {v: translators[v].translate(lines, beam=beam) for v in variants}  # warm-up
+            for r in range(min(b.rounds, 2)):
+                for v in variants if r % 2 == 0 else variants[::-1]:
+                    if b.left() < 20:
+                        return b.emit("translate", skipped="budget")
+                    b.sync()
+                    t = time.perf_counter()
+                    translators[v].translate(lines, beam=beam)
+                    b.sync()
+                    seconds[v].append(time.perf_counter() - t)
+            first = outputs[variants[0]]
+            for (precision, graphs), times in seconds.items():
+                out = outputs[(precision, graphs)]
+                row = {
+                    "set": name,
+                    "beam": beam,
+                    "precision": precision,
+                    "graphs": graphs,
+                    "sentences_s": round(len(lines) / min(times), 1),
+                    "rounds_s": [round(x, 3) for x in times],
+                    "lines_as_fp32_eager": sum(a == c for a, c in zip(out, first)),
+                    "of": len(lines),
+                }
+                if refs is not None:
+                    row["bleu"] = round(sacrebleu.corpus_bleu(out, [refs]).score, 2)
+                b.emit("translate", **row)
+
+
 def section_cold(b: Bench) -> None:
     """A pass over 24 batch shapes never seen, then the same pass again, with nmt's attention
     kernels, then torch's (cuDNN's cold to their per-shape plans): the first epoch of a real run
@@ -484,7 +547,7 @@ def section_loop(b: Bench, data: Path | None) -> None:
         b.emit("loop", **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
 
 
-SECTIONS = ["machine", "decode", "step", "cold", "loop", "compile", "attention"]
+SECTIONS = ["machine", "decode", "translate", "step", "cold", "loop", "compile", "attention"]
 
 
 def main() -> None:
@@ -493,6 +556,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "gpu_perf")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all sections")
     ap.add_argument("--data", type=Path, default=None, help="a binarized Multi30k run for the loop")
+    ap.add_argument("--model", type=Path, default=ROOT / ".gpu" / "model", help="a package to translate with")
+    ap.add_argument("--shared", type=Path, default=None, help="the shared data (multi30k/, wmt14/)")
     ap.add_argument("--sections", nargs="*", default=SECTIONS, choices=SECTIONS)
     ap.add_argument("--rounds", type=int, default=3, help="alternate rounds of the step's variants")
     ap.add_argument("--loop-tokens", type=int, nargs="*", default=[8192, 16384], help="loop batch sizes")
@@ -508,6 +573,8 @@ def main() -> None:
         try:
             if name == "loop":
                 section_loop(b, args.data)
+            elif name == "translate":
+                section_translate(b, args.model, args.shared)
             else:
                 globals()[f"section_{name}"](b)
         except Exception as e:  # one section's failure must not cost the others their figures

@@ -42,7 +42,9 @@ else
     echo "no Multi30k (set NMT_MIRROR or run benchmarks/gpu_carry.sh): the loop section is skipped"
 fi
 
-python3 benchmarks/gpu_perf.py --out "$OUT" --budget "${BUDGET:-470}" --data "$DATA" "$@" \
+SHARED=()
+[ -n "$MIRROR" ] && SHARED=(--shared "$(dirname "$MIRROR")")  # multi30k/ and wmt14/ side by side
+python3 benchmarks/gpu_perf.py --out "$OUT" --budget "${BUDGET:-470}" --data "$DATA" "${SHARED[@]}" "$@" \
     2>&1 | tee "$OUT/gpu_perf.log"
 code=${PIPESTATUS[0]}
 wait

@@ -45,6 +45,7 @@ class Backend:
         self.device = resolve_device(config.device)
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
+        self.graphs = None if config.cuda_graphs else False  # None: decoding's default
 
     def search(
         self,
@@ -67,6 +68,7 @@ class Backend:
                 constraints=[s.constraints for s in batch] if bound[1] else None,
                 gone=gone,
                 alphas=[s.alpha for s in batch],
+                graphs=self.graphs,
             )
 
         return self._each(one, batches, gone or [None] * len(batches))

@@ -210,6 +210,26 @@ def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
     assert same >= (190 if precision == "fp32" else 150), same
 
 
+def test_translate_with_and_without_cuda_graphs_alike(trained_on_cpu, nmt, multi30k_dir):
+    """`--no-cuda-graphs` (each step's kernels launched one by one) and the default (steps
+    replayed as CUDA graphs) print the same translations, in fp32 and bf16; the Python API
+    takes the setting too."""
+    import gzip
+
+    from nmt_cli.translator import Translator
+
+    lines = gzip.open(multi30k_dir / "test_2016_flickr.en.gz", "rt").read().splitlines()[:300]
+    stdin = ("\n".join(lines) + "\n").encode()
+    for precision in ("fp32", "bf16"):
+        common = ["translate", "--run-dir", trained_on_cpu, *CUDA, "--precision", precision]
+        graphs, eager = nmt(*common, stdin=stdin), nmt(*common, "--no-cuda-graphs", stdin=stdin)
+        assert graphs.code == 0 and eager.code == 0, (graphs.err, eager.err)
+        same = sum(a == b for a, b in zip(graphs.out.split("\n"), eager.out.split("\n")))
+        assert same >= (300 if precision == "fp32" else 285), (precision, same)
+    api = Translator.load(trained_on_cpu, device="cuda", precision="fp32", cuda_graphs=False)
+    assert api.translate(lines) == nmt(*common[:-1], "fp32", stdin=stdin).out.split("\n")[:-1]
+
+
 def test_translate_gpus_one_worker_each_equals_one_process(trained_on_cpu, nmt, multi30k_dir):
     """`--gpus 1` (nmt's engine: a worker process; CTranslate2: its replica on GPU 0, where
     its wheel has CUDA) answers as one process on the GPU does."""

@@ -27,7 +27,7 @@ from nmt_cli.errors import NmtError
 
 # TranslateConfig's settings of how a model is loaded and run, options of every command that
 # translates or scores with one
-LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads")
+LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads", "cuda_graphs")
 
 
 @app.command()
@@ -270,7 +270,7 @@ def export(
     settings={"api_key": {"envvar": "NMT_API_KEY", "show_default": False}},
 )
 @decoding_options()
-@options_of(TranslateConfig, only=("engine", "device", "threads"))
+@options_of(TranslateConfig, only=("engine", "device", "threads", "cuda_graphs"), switches=())
 def serve(
     ctx: typer.Context,
     model: Annotated[

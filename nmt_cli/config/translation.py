@@ -154,6 +154,11 @@ class TranslateConfig:
         "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
     )
     threads: int = knob(0, "CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
+    cuda_graphs: bool = knob(
+        True,
+        "nmt's engine on a GPU: each decoding step replayed as a CUDA graph, one launch a step "
+        "(--no-cuda-graphs: its kernels launched one by one).",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "batch_size", "chunk"):
