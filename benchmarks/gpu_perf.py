@@ -423,9 +423,9 @@ def section_decode(b: Bench) -> None:
 def section_translate(b: Bench, package: Path | None, data: Path | None) -> None:
     """A trained model as users run it (`--model`: a package from `nmt export`, which
     gpu_carry.sh puts in .gpu/model): nmt's engine through the Translator on the GPU, fp32 and
-    bf16, CUDA graphs on and off, beam 4 and greedy, on newstest2014's first lines (sentences/s)
-    and Multi30k test2016's (sentences/s, and BLEU against its references: bf16's beside
-    fp32's), in alternate rounds. CTranslate2 is not beside it: its wheel loads CUDA 12's
+    bf16, CUDA graphs on and off, beam 4 and greedy, batches of 64 sentences, on newstest2014's
+    first 300 lines (sentences/s) and Multi30k test2016's (sentences/s, and BLEU against its
+    references: bf16's beside fp32's), in alternate rounds. CTranslate2 is not beside it: its wheel loads CUDA 12's
     cuBLAS, and the GPU image holds CUDA 13's."""
     import gzip
 
@@ -437,7 +437,7 @@ def section_translate(b: Bench, package: Path | None, data: Path | None) -> None
         return b.emit("translate", skipped=f"no model package at {package} (gpu_carry.sh RUN puts one)")
     if data is None or not (data / "wmt14" / "newstest2014.en.gz").exists():
         return b.emit("translate", skipped=f"no newstest2014 under {data}")
-    n = 40 if b.dry else 500
+    n, batch = (40, 16) if b.dry else (300, 64)
 
     def read(path: str) -> list[str]:
         return gzip.open(data / path, "rt", encoding="utf-8").read().splitlines()[:n]
@@ -449,7 +449,8 @@ def section_translate(b: Bench, package: Path | None, data: Path | None) -> None
     device = str(b.device)
     variants = [(p, g) for p in ("fp32", "bf16") for g in (False, True)]
     translators = {
-        (p, g): Translator.load(package, device=device, precision=p, cuda_graphs=g) for p, g in variants
+        (p, g): Translator.load(package, device=device, precision=p, cuda_graphs=g, batch_size=batch)
+        for p, g in variants
     }
     for beam in (4, 1):
         for name, (lines, refs) in sets.items():
