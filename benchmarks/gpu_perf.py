@@ -425,8 +425,8 @@ def section_translate(b: Bench, package: Path | None, data: Path | None) -> None
     gpu_carry.sh puts in .gpu/model): nmt's engine through the Translator on the GPU, fp32 and
     bf16, CUDA graphs on and off, beam 4 and greedy, batches of 64 sentences, on newstest2014's
     first 300 lines (sentences/s) and Multi30k test2016's (sentences/s, and BLEU against its
-    references: bf16's beside fp32's), in alternate rounds. CTranslate2 is not beside it: its wheel loads CUDA 12's
-    cuBLAS, and the GPU image holds CUDA 13's."""
+    references: bf16's beside fp32's), in alternate rounds. CTranslate2 is not beside it: its
+    wheel loads CUDA 12's cuBLAS, and the GPU image holds CUDA 13's."""
     import gzip
 
     import sacrebleu
