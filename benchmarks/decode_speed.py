@@ -13,6 +13,7 @@ Multi30k test2016 (short). The systems run in turn, --repeats rounds (3), and ea
 median of its rounds. nmt's uncached decoder (which reruns the decoder's self-attention over
 the whole prefix; the encoder side is computed once) decodes the first --uncached-sentences,
 and the cached decoder decodes those too, so their ratio is the self-attention cache's alone.
+`--host-work` times only the search's own work per step besides the model (search_host_work).
 `--trained RUN_DIR` instead times `nmt translate` on that run's model as a user runs it (beam 4,
 early stopping, its own batching) on all of Multi30k test2016 and the first 1000 lines of
 newstest2014, with the process's peak resident memory; `--against CHECKOUT` times another
@@ -90,6 +91,51 @@ def nmt_decode(
     seconds = time.perf_counter() - start
     name = f"nmt {'cached' if cache else 'uncached'} {str(dtype).replace('torch.', '')}{label}"
     return {"system": name, "seconds": seconds, "tokens": tokens, "sentences": len(ids)}
+
+
+def search_host_work(
+    device: str = "cpu",
+    beam: int = 4,
+    sentences: int = 64,
+    steps: int = 60,
+    vocab: int = 64,
+    repeats: int = 5,
+) -> float:
+    """Milliseconds of work per step that a search does besides the model's own step: beam
+    search (or greedy, beam 1) over `sentences` whose "model" hands back one row of a fixed
+    table (EOS far down it, so each runs to its limit of `steps` tokens), on `device`. With a
+    vocabulary this small the arithmetic is nothing: what is left is the host's bookkeeping and
+    the launch of each of the search's kernels, what a GPU waits for between replayed steps.
+    The median of `repeats` searches after two."""
+    from nmt_cli.engine import beam as beam_search
+    from nmt_cli.engine import sampling
+    from nmt_cli.engine.rules import NextToken
+    from nmt_cli.vocab import EOS as eos
+
+    torch.manual_seed(0)
+    table = torch.log_softmax(torch.randn(steps + 2, vocab), -1).to(device)
+    table[:, eos] = -30.0
+    times = []
+    for _ in range(repeats + 2):
+        taken = [0]
+
+        def step(tokens: torch.Tensor, taken=taken) -> torch.Tensor:
+            row = table[taken[0]]
+            taken[0] += 1
+            return row.expand(len(tokens), vocab).clone()
+
+        rules = NextToken(DecodeOptions(beam=beam), [steps] * sentences, beam, device)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        if beam == 1:
+            sampling.greedy(step, lambda rows: None, rules, device)
+        else:
+            beam_search.search(step, lambda rows: None, rules, device)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / taken[0] * 1e3)
+    return statistics.median(times[2:])
 
 
 def peer(python: Path, script: str, shape: str, ids_file: Path, *extra: str) -> dict | None:
@@ -326,7 +372,21 @@ def main() -> None:
         help="With --trained: also time this code with N constraints per line (the line's reference's "
         "N longest words), in the same alternate rounds; give it again for more counts.",
     )
+    ap.add_argument(
+        "--host-work",
+        action="store_true",
+        help="Only the search's own work per step, besides the model (search_host_work), beam 4 and 1.",
+    )
     args = ap.parse_args()
+    if args.host_work:
+        for beam in (4, 1):
+            ms = search_host_work(beam=beam)
+            print(
+                json.dumps(
+                    {"cpu": cpu_name(), "beam": beam, "sentences": 64, "host_ms_per_step": round(ms, 3)}
+                )
+            )
+        return
     if args.trained:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         several = args.against or args.variant or args.constraints

@@ -415,9 +415,13 @@ def section_decode(b: Bench) -> None:
                     lambda g=graphs: run("bf16", g, count=batch),
                     f"beam 4 bf16, graphs {graphs}, one batch",
                 )
+    from decode_speed import search_host_work
+
     from nmt_cli.engine import graphed
 
     b.emit("decode", graphs_failed=graphed._failed)
+    for beam in (4, 1):  # what a replayed step still waits for: the search's own kernels and bookkeeping
+        b.emit("decode", beam=beam, search_host_ms_per_step=round(search_host_work(str(b.device), beam), 3))
 
 
 def section_translate(b: Bench, package: Path | None, data: Path | None) -> None:

@@ -106,6 +106,22 @@ def test_max_length_forces_eos_per_sentence():
     assert hyps[1][0].tokens == [B]  # the other sentence is not cut short
 
 
+def test_a_sentence_ends_at_its_limit_with_fewer_hypotheses_than_nbest():
+    """A limit of one token leaves one finished hypothesis (the first step has one live beam),
+    fewer than --nbest 2: the search ends that sentence there all the same."""
+    calls = {"n": 0}
+
+    def step(tokens):
+        calls["n"] += 1
+        assert calls["n"] <= 4, "the search went on past every limit"
+        lprobs = torch.log_softmax(torch.arange(V, dtype=torch.float).expand(len(tokens), V), -1)
+        return lprobs.index_fill(1, torch.tensor([EOS]), -30.0)  # EOS only where forced
+
+    found = search(step, lambda rows: None, NextToken(DecodeOptions(beam=2, nbest=2, alpha=0.0), [1, 3], 2))
+    assert [[h.tokens for h in hs] for hs in found] == [[[]], [[5, 5], [5, 4]]]
+    assert calls["n"] == 3
+
+
 def test_stops_when_no_live_hypothesis_can_win():
     # After "A EOS" (0.5) finishes, the live "B A" and "B B" have 0.1 at most: they cannot win.
     # Without that bound the search would go on to the length limit (EOS then ranks low).
