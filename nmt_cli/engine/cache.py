@@ -117,8 +117,12 @@ class FixedCache:
         self.tokens = torch.zeros((self.rows, 1), dtype=torch.long, device=device)
         self._all_rows = torch.arange(self.rows, device=device)
         self.slots = self._all_rows
-        self.compact = False  # some sentence has finished: the search's rows are fewer
         self.length = 0  # steps begun, on the host (the device's count is `offset`)
+
+    @property
+    def compact(self) -> bool:
+        """Whether some sentence has finished: the search's rows are fewer than the rows here."""
+        return len(self.slots) < self.rows
 
     def _hide_unwritten(self) -> None:
         seen = torch.where(self._positions <= self.offset, 0.0, -math.inf)
@@ -155,10 +159,9 @@ class FixedCache:
         """Keep the search's rows `indices` (each sentence's beams together, sentences in their
         old order), as DecoderCache.reorder: each sentence keeps its rows here, a finished one's
         are left as they are."""
-        parents = self.slots.index_select(0, indices)  # the row here each survivor comes from
+        # the row here each survivor comes from (the search's rows are these rows until one ends)
+        parents = self.slots.index_select(0, indices) if self.compact else indices
         if len(indices) < self.rows:
-            self.compact = True
-        if self.compact:
             place = torch.arange(len(indices), device=indices.device) % self.beam
             self.slots = parents // self.beam * self.beam + place
             gather = self._all_rows.index_copy(0, self.slots, parents)
