@@ -114,6 +114,8 @@ class Translator:
         sharing the batches (nmt's engine spreads over worker processes instead: workers.py)."""
         self.config = config
         self.engine = engine_of(model, config)
+        if self.engine == "ctranslate2" and not config.cuda_graphs:  # it launches its own kernels
+            raise NmtError("--no-cuda-graphs is for nmt's engine, and CTranslate2 decodes here: drop it")
         self.backend: Backend
         if self.engine == "ctranslate2":  # imported here: neither backend needs the other's
             from nmt_cli import backend_ct2

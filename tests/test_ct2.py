@@ -103,6 +103,15 @@ def test_engine_errors(package, exported, tmp_path, nmt):
     assert "--engine ctranslate2" in one_error_line(
         nmt("translate", "--model", exported["int8"], "--engine", "nmt", stdin=b"x\n")
     )
+    assert "--no-cuda-graphs is for nmt's engine" in one_error_line(
+        nmt("translate", "--model", exported["int8"], "--no-cuda-graphs", stdin=b"x\n")
+    )
+    assert "--no-cuda-graphs is for nmt's engine" in one_error_line(
+        nmt("translate", "--model", package, "--int8", "--no-cuda-graphs", stdin=b"x\n")
+    )
+    assert "--no-cuda-graphs is for nmt's engine" in one_error_line(
+        nmt("serve", "--model", exported["int8"], "--port", "0", "--no-cuda-graphs")
+    )
     assert "unknown --engine" in one_error_line(
         nmt("translate", "--model", exported["int8"], "--engine", "x", stdin=b"x\n")
     )
