@@ -444,7 +444,8 @@ def section_translate(b: Bench, package: Path | None, data: Path | None) -> None
     n, batch = (40, 16) if b.dry else (300, 64)
 
     def read(path: str) -> list[str]:
-        return gzip.open(data / path, "rt", encoding="utf-8").read().splitlines()[:n]
+        with gzip.open(data / path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()[:n]
 
     sets = {
         "newstest2014": (read("wmt14/newstest2014.en.gz"), None),
