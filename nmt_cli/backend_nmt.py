@@ -13,14 +13,14 @@ from nmt_cli.engine import decoding, forced
 from nmt_cli.engine.batches import pad_sources
 from nmt_cli.engine.device import resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis, Source
-from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.model import Transformer, undrawn
 from nmt_cli.engine.packing import pack_for_cpu
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 
 
 def load_model(model: Model, device: torch.device, precision: str) -> Transformer:
-    net = Transformer(model.config)
+    net = undrawn(model.config)
     try:
         net.load_state_dict(model.load_weights())
     except RuntimeError as e:

@@ -283,7 +283,7 @@ def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -
     import torch
     from safetensors import safe_open
 
-    from nmt_cli.engine.model import Transformer
+    from nmt_cli.engine.model import undrawn
 
     try:
         with safe_open(str(weights_path), "pt") as f:
@@ -292,7 +292,7 @@ def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -
         raise NmtError(f"{weights_path} is not a safetensors file ({type(e).__name__}: {e})") from None
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated
-            declared = {k: tuple(v.shape) for k, v in Transformer(config).state_dict().items()}
+            declared = {k: tuple(v.shape) for k, v in undrawn(config).state_dict().items()}
     except (ValueError, TypeError, RuntimeError) as e:
         raise NmtError(f"{settings_path} declares an impossible model shape ({e})") from None
     if declared != held:

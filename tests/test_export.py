@@ -44,6 +44,22 @@ def test_the_package_translates_as_the_run_did_without_unpickling(
     assert from_the_package.out == from_the_run.out and from_the_run.out.count("\n") == 40
 
 
+def test_translating_from_a_package_leaves_torch_compiler_unimported(package):
+    """Checking a package's shapes and loading its weights draw no weights: on the meta device
+    the draws' kernels import torch._dynamo, which a translation never uses and whose import
+    would be most of the command's start."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "nmt_cli", "translate", "--model", str(package)],
+        input=b"A dog runs.\n",
+        capture_output=True,
+        timeout=DEADLINE,
+    )
+    assert run.returncode == 0 and run.stdout.count(b"\n") == 1, run.stderr[-2000:]
+    timed = [line for line in run.stderr.splitlines() if line.startswith(b"import time:")]
+    imported = {line.rsplit(b"|", 1)[-1].strip() for line in timed}
+    assert b"torch.nn" in imported and b"torch._dynamo" not in imported
+
+
 def test_score_works_from_the_package_alone(package, multi30k_bpe, tmp_path, nmt):
     src, ref = tmp_path / "src.en", tmp_path / "ref.de"
     src.write_text("\n".join(sources_of(multi30k_bpe)[:30]) + "\n")

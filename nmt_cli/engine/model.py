@@ -26,7 +26,11 @@ if TYPE_CHECKING:
 
 
 def sinusoids(length: int, d: int) -> Tensor:
-    """Positional encodings, section 3.5: sin on the first half of the channels, cos on the second."""
+    """Positional encodings, section 3.5: sin on the first half of the channels, cos on the second.
+    Under torch.device("meta") (shapes only), an empty table: arange's kernel there imports
+    torch's compiler."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(length, d)
     half = d // 2
     scale = math.log(10000.0) / max(half - 1, 1)
     freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -scale)
@@ -281,3 +285,27 @@ class Transformer(nn.Module):
         """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, self.memory_keys_values(memory), src_mask)
+
+
+class _NoDraws(torch.overrides.TorchFunctionMode):
+    """Skips the fills the layers' reset_parameters and ours draw weights with: the tensor's
+    own, and the torch.nn.init functions that take the place of what they call."""
+
+    FILLS = frozenset(
+        {Tensor.normal_, Tensor.uniform_, Tensor.zero_, Tensor.fill_}
+        | {nn.init.normal_, nn.init.uniform_, nn.init.constant_, nn.init.kaiming_uniform_}
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FILLS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def undrawn(config: ModelConfig) -> Transformer:
+    """A Transformer whose weights are allocated but never drawn: to load weights into (a strict
+    `load_state_dict` then overwrites every one) or, under `torch.device("meta")`, to read its
+    shapes. Drawing is most of what building a big model costs, and on the meta device the
+    draws' kernels import torch's compiler, which `translate` and `serve` otherwise never need."""
+    with _NoDraws():
+        return Transformer(config)

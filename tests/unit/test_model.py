@@ -5,7 +5,7 @@ import torch
 
 from nmt_cli.config import PRESETS, DecodeOptions, ModelConfig
 from nmt_cli.engine.cache import DecoderCache
-from nmt_cli.engine.model import Transformer, dropout, sinusoids
+from nmt_cli.engine.model import Transformer, dropout, sinusoids, undrawn
 from nmt_cli.vocab import BOS, PAD
 
 
@@ -54,6 +54,27 @@ def test_initialisation_and_tying():
     assert torch.equal(m.logits(h), h @ w.T)  # output layer is the embedding
     names = [n for n, _ in m.named_parameters()]
     assert not any("out_proj" in n or "generator" in n for n in names)
+
+
+def test_an_undrawn_model_draws_nothing_and_loads_whole():
+    """What a package's shapes are checked with (on the meta device) and its weights loaded into:
+    no weight drawn, a drawn model's shapes and positions, and once loaded its outputs."""
+    drawn = tiny()
+    before = torch.random.get_rng_state()
+    empty = undrawn(drawn.config)
+    assert torch.equal(torch.random.get_rng_state(), before)  # not one number drawn
+    with torch.device("meta"):
+        shapes = undrawn(drawn.config)
+    assert {k: v.shape for k, v in shapes.state_dict().items()} == {
+        k: v.shape for k, v in drawn.state_dict().items()
+    }
+    assert shapes.positions.is_meta and shapes.positions.shape == drawn.positions.shape
+    empty.load_state_dict(drawn.state_dict())
+    assert torch.equal(empty.positions, drawn.positions)
+    src, tgt = torch.tensor([[5, 6, 7, 3]]), torch.tensor([[BOS, 8, 9]])
+    assert torch.equal(empty.eval()(src, tgt), drawn(src, tgt))
+    Transformer(drawn.config)  # outside undrawn, a model is drawn again
+    assert not torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_packing_for_the_cpu_keeps_the_outputs(monkeypatch):
