@@ -3,6 +3,7 @@ float32 and int8 — same shape, same sources, same amount of work, in one run.
 
     python benchmarks/decode_speed.py [--shapes tiny base] [--sentences 96]
     python benchmarks/decode_speed.py --trained RUN_DIR    # a trained model, as users run it
+    python benchmarks/decode_speed.py --trained PACKAGE    # the same, from `nmt export`'s package
 
 Every system is forced to the same output length (64 tokens): fairseq and CTranslate2 through
 their minimum/maximum lengths, nmt through its maximum length (max_len_a 0, max_len_b 65: 64
@@ -14,12 +15,13 @@ median of its rounds. nmt's uncached decoder (which reruns the decoder's self-at
 the whole prefix; the encoder side is computed once) decodes the first --uncached-sentences,
 and the cached decoder decodes those too, so their ratio is the self-attention cache's alone.
 `--host-work` times only the search's own work per step besides the model (search_host_work).
-`--trained RUN_DIR` instead times `nmt translate` on that run's model as a user runs it (beam 4,
-early stopping, its own batching) on all of Multi30k test2016 and the first 1000 lines of
-newstest2014, with the process's peak resident memory; `--against CHECKOUT` times another
-checkout's code too, in alternate rounds (a change must not slow decoding); `--variant OPTIONS`
-this code with other options, `--constraints N` with N terms per line (the reference's N longest
-words), with the share of lines whose translation holds them all.
+`--trained RUN_DIR` (or an `nmt export` package, as deployed) instead times `nmt translate` on
+that run's model as a user runs it (beam 4, early stopping, its own batching) on all of Multi30k
+test2016 and the first 1000 lines of newstest2014, with the process's peak resident memory;
+`--against CHECKOUT` times another checkout's code too, in alternate rounds (a change must not
+slow decoding); `--variant OPTIONS` this code with other options, `--constraints N` with N terms
+per line (the reference's N longest words), with the share of lines whose translation holds
+them all.
 Peers run in their own venvs (benchmarks/peers/install_fairseq.sh; `pip install ctranslate2`
 in ../peers/ct2).
 """
@@ -256,7 +258,7 @@ def _translate(run: Path, src: Path, root: Path, code: str, flags: tuple[str, ..
                 "-m",
                 "nmt_cli",
                 "translate",
-                "--run-dir",
+                "--model" if (run / "nmt.json").exists() else "--run-dir",
                 str(run.resolve()),
                 "--threads",
                 "2",
@@ -346,7 +348,7 @@ def main() -> None:
         "--trained",
         type=Path,
         metavar="RUN_DIR",
-        help="Time `nmt translate` with this run's model on the real test sets.",
+        help="Time `nmt translate` with this run's model (or this package) on the real test sets.",
     )
     ap.add_argument(
         "--against",
