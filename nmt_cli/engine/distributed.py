@@ -105,7 +105,9 @@ class Group:
             options = inspect.signature(DistributedDataParallel).parameters
             no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers"
             # The gradients are views of the all-reduce buckets: no copy between them, and no
-            # second copy of every gradient in memory.
+            # second copy of every gradient in memory. The rest stays at DDP's defaults: 25 MB
+            # buckets overlap the backward pass, and static_graph is for parameters that go
+            # unused and activation checkpointing, neither of which is here (docs/scaling.md).
             model = DistributedDataParallel(
                 model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False}
             )
