@@ -60,6 +60,23 @@ def test_translating_from_a_package_leaves_torch_compiler_unimported(package):
     assert b"torch.nn" in imported and b"torch._dynamo" not in imported
 
 
+def test_weights_that_miss_a_tensor_are_refused_not_left_undrawn(package):
+    """The model is built undrawn and its weights loaded into it: a weights file without one of
+    its tensors must stop the load, never leave that tensor as whatever memory it was given."""
+    import dataclasses
+
+    from nmt_cli.backend_nmt import load_model
+
+    model = from_dir(package)
+    weights = model.load_weights()
+    loaded = load_model(model, torch.device("cpu"), "fp32")
+    assert loaded.decoder[0].ffn.inner.bias.equal(weights["decoder.0.ffn.inner.bias"])
+    del weights["decoder.0.ffn.inner.bias"]
+    short = dataclasses.replace(model, load_weights=lambda: weights)
+    with pytest.raises(NmtError, match="does not fit its own model config"):
+        load_model(short, torch.device("cpu"), "fp32")
+
+
 def test_score_works_from_the_package_alone(package, multi30k_bpe, tmp_path, nmt):
     src, ref = tmp_path / "src.en", tmp_path / "ref.de"
     src.write_text("\n".join(sources_of(multi30k_bpe)[:30]) + "\n")
