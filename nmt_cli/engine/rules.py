@@ -74,7 +74,8 @@ class NextToken:
             tokens = self.forced[:, self.t]
             given = lprobs.gather(1, tokens.clamp(min=0)[:, None])
         at_limit = self.limits <= self.t + 1
-        lprobs = allowed(lprobs, at_limit)
+        # The host knows whether any row is at its limit: most steps skip the kernels that end one.
+        lprobs = allowed(lprobs, at_limit if self.at_limit().any() else None)
         if self.t < self.options.min_len:
             lprobs[:, EOS] = torch.where(at_limit, lprobs[:, EOS], -math.inf)
         if self.history is not None and self.t >= self.options.no_repeat_ngram - 1:
@@ -126,14 +127,15 @@ class NextToken:
         self.t += 1
 
 
-def allowed(lprobs: Tensor, at_limit: Tensor) -> Tensor:
+def allowed(lprobs: Tensor, at_limit: Tensor | None) -> Tensor:
     """`lprobs` (R, V) with what may never come next banned, in place: PAD and BOS anywhere,
-    and anything but EOS in a row at its length limit (`at_limit`, (R,))."""
-    eos = lprobs[:, EOS].clone()
+    and anything but EOS in a row at its length limit (`at_limit`, (R,); None: no row is)."""
     lprobs[:, PAD] = -math.inf
     lprobs[:, BOS] = -math.inf
-    lprobs.masked_fill_(at_limit[:, None], -math.inf)
-    lprobs[:, EOS] = eos
+    if at_limit is not None:
+        eos = lprobs[:, EOS].clone()
+        lprobs.masked_fill_(at_limit[:, None], -math.inf)
+        lprobs[:, EOS] = eos
     return lprobs
 
 
