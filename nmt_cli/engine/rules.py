@@ -73,11 +73,12 @@ class NextToken:
         if forcing:  # a prefix's token keeps its own log-prob whatever the bans below say
             tokens = self.forced[:, self.t]
             given = lprobs.gather(1, tokens.clamp(min=0)[:, None])
-        at_limit = self.limits <= self.t + 1
         # The host knows whether any row is at its limit: most steps skip the kernels that end one.
-        lprobs = allowed(lprobs, at_limit if self.at_limit().any() else None)
-        if self.t < self.options.min_len:
-            lprobs[:, EOS] = torch.where(at_limit, lprobs[:, EOS], -math.inf)
+        at_limit = self.ending() if self.at_limit().any() else None
+        lprobs = allowed(lprobs, at_limit)
+        if self.t < self.options.min_len:  # no EOS yet, but in a row that must end here
+            eos = lprobs[:, EOS]
+            lprobs[:, EOS] = -math.inf if at_limit is None else torch.where(at_limit, eos, -math.inf)
         if self.history is not None and self.t >= self.options.no_repeat_ngram - 1:
             ban_repeats(lprobs, self.history, self.options.no_repeat_ngram)
         if forcing:
