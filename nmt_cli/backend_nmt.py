@@ -11,7 +11,7 @@ import torch
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
 from nmt_cli.engine import decoding, forced
 from nmt_cli.engine.batches import pad_sources
-from nmt_cli.engine.device import resolve_device
+from nmt_cli.engine.device import on, resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis, Source
 from nmt_cli.engine.model import Transformer, undrawn
 from nmt_cli.engine.packing import pack_for_cpu
@@ -98,10 +98,17 @@ class Backend:
         """Source ids (without EOS) as a padded batch with EOS, on the device."""
         return torch.from_numpy(pad_sources(batch)).to(self.device)
 
-    def _each(self, one: Callable, *batches: list) -> Iterator:
-        """`one` on each batch, answers in order. On a CPU, up to `threads` batches at once, one
+    def _each(self, work: Callable, *batches: list) -> Iterator:
+        """`work` on each batch, answers in order. On a CPU, up to `threads` batches at once, one
         thread each: a decoding step's matrices are too small for threads to share one well
-        (benchmarks/deploy.py). The models are only read; each search has its own cache."""
+        (benchmarks/deploy.py). The models are only read; each search has its own cache. On a
+        GPU each batch runs with the models' GPU as the current one, whichever thread (a
+        server's decoding thread) or process (a --gpus worker) calls."""
+
+        def one(*args):
+            with on(self.device):
+                return work(*args)
+
         workers = min(self.threads, len(batches[0])) if self.device.type == "cpu" else 1
         if workers < 2:
             yield from map(one, *batches)

@@ -54,6 +54,8 @@ def _start(spread: Spread, config: TranslateConfig, devices) -> None:
         from nmt_cli import models
 
         config = dataclasses.replace(config, device=devices.get())
+        if config.device.startswith("cuda"):  # the worker's own GPU, not a context on GPU 0
+            torch.cuda.set_device(torch.device(config.device))
         if config.threads:
             torch.set_num_threads(config.threads)
         _translator = Translator(models.load(spread.run_dir, spread.paths, spread.checkpoint), config)

@@ -22,11 +22,18 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 def resolve_device_name(name: str, gpu: bool) -> str:
     """--device where `gpu` says whether a CUDA GPU is visible: auto is the GPU if there is one.
-    Torch-free, so that CTranslate2 (which counts GPUs itself) shares it with nmt's engine."""
+    A GPU always comes with its index (`cuda` is `cuda:0`): torch's calls that act on "the
+    current GPU" take the thread's, which a worker or a server's thread has not set, so every
+    device handed out says which GPU it is. Torch-free, so that CTranslate2 (which counts GPUs
+    itself) shares it with nmt's engine."""
     if name == "auto":
-        return "cuda" if gpu else "cpu"
+        name = "cuda" if gpu else "cpu"
     if name.startswith("cuda") and not gpu:
         raise NmtError(f"--device {name}: no CUDA GPU is visible here; use --device cpu")
+    if name == "cuda":
+        return "cuda:0"
+    if name.startswith("cuda:") and not name[5:].isdigit():
+        raise NmtError(f"unknown --device {name!r}: use auto, cpu, cuda or cuda:N")
     return name
 
 

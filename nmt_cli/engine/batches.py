@@ -21,6 +21,7 @@ from queue import Full, Queue
 import numpy as np
 import torch
 
+from nmt_cli.engine.device import on
 from nmt_cli.engine.distributed import Group
 from nmt_cli.shards import Shard
 from nmt_cli.vocab import BOS, EOS, PAD
@@ -208,11 +209,10 @@ def _in_a_thread(items: Iterator, ahead: int, device: torch.device) -> Iterator:
 
     def make() -> None:
         try:
-            if device.type == "cuda":  # this rank's GPU, not a context on GPU 0
-                torch.cuda.set_device(device)
-            for item in items:
-                if not put((item, None)):
-                    return
+            with on(device):  # a new thread starts on GPU 0: this rank's GPU, not a context there
+                for item in items:
+                    if not put((item, None)):
+                        return
             put((done, None))
         except BaseException as e:  # noqa: BLE001 - raised again in the consumer
             put((done, e))

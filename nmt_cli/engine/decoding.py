@@ -211,7 +211,7 @@ def _decoder(
             h = model.decode(fixed.tokens, fixed.memory_kv, fixed.src_mask, fixed)
             return model.logits(h[:, -1])
 
-        run = graphed.Replayed(body, record=src.device.type == "cuda")
+        run = graphed.Replayed(body, src.device)
 
         def step_fixed(tokens: Tensor) -> Tensor:
             fixed.put(tokens)

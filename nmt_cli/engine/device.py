@@ -4,18 +4,31 @@ training."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
 import torch
 
 from nmt_cli.config import resolve_device_name
+from nmt_cli.errors import NmtError
 
 
 def resolve_device(name: str) -> torch.device:
+    """The one place the engine's devices come from: the CPU, or a GPU with its index."""
     device = torch.device(resolve_device_name(name, torch.cuda.is_available()))
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise NmtError(f"--device {name}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
     prefer_attention_kernels(device)
     return device
+
+
+def on(device: torch.device):
+    """A context in which torch's calls that act on "the current GPU" (streams, graphs, events,
+    pinned copies) act on `device`; nothing off a GPU. Threads and worker processes start on
+    GPU 0 whatever device they decode on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def prefer_attention_kernels(device: torch.device) -> None:

@@ -192,6 +192,8 @@ def setup(device: torch.device, timeout_s: float = 300.0) -> tuple[Group, torch.
     """Join the process group the environment describes; returns it and this rank's device."""
     rank, world, local_rank = from_environment()
     if "WORLD_SIZE" not in os.environ and world == 1:
+        if device.type == "cuda":  # --device cuda:K: the main thread's GPU too
+            torch.cuda.set_device(device)
         return Group(), device  # a plain single process: no process group at all
     if device.type == "cuda":
         device = torch.device("cuda", gpu_index(rank, local_rank, torch.cuda.device_count()))

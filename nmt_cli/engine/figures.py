@@ -43,10 +43,12 @@ class Figures:
         rows, arrived = torch.stack(self.pending), None
         self.pending = []
         if rows.device.type == "cuda":
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            rows, arrived = host, torch.cuda.Event()
-            arrived.record()
+            gpu = rows.device
+            with torch.cuda.device(gpu):  # the pinned block and the event: the rows' GPU
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+                rows, arrived = host, torch.cuda.Event()
+                arrived.record(torch.cuda.current_stream(gpu))
         self.closed.append(Window(rows, arrived, last_step, epoch, seconds))
 
     def ready(self, wait: bool) -> list[tuple[Window, list[list[float]]]]:

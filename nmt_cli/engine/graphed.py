@@ -19,15 +19,21 @@ import torch
 from torch import Tensor
 
 _failed: str | None = None  # why recording failed in this process: the steps run as they are
+_pools: dict[int, tuple[int, int]] = {}  # each GPU's memory pool for the graphs recorded on it
 
 
 class Replayed:
     """`body()` (a decoding step over a FixedCache: reads its inputs, writes its state, returns
-    the logits), run as a replayed CUDA graph if `record`. The logits it returns are the graph's
-    own tensor, overwritten by the next step: read them before."""
+    the logits), run as a replayed CUDA graph when `device` (the step's tensors') is a GPU. The
+    logits it returns are the graph's own tensor, overwritten by the next step: read them before.
 
-    def __init__(self, body: Callable[[], Tensor], record: bool):
-        self.body, self.record = body, record and _failed is None
+    Every CUDA call here names `device` or runs inside torch.cuda.device(device): a stream or a
+    capture taken from "the current GPU" (GPU 0 in a worker or a server's thread) records none of
+    the step's kernels on another GPU, and replaying that empty graph returns stale logits."""
+
+    def __init__(self, body: Callable[[], Tensor], device: torch.device):
+        self.body, self.device = body, device
+        self.record = device.type == "cuda" and _failed is None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Tensor | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -35,25 +41,28 @@ class Replayed:
     def __call__(self) -> Tensor:
         if not self.record:
             return self.body()
-        if self.stream is None:  # the first step, as it is, on the stream the graph will use
-            self.stream = torch.cuda.Stream()
-            return self._on_stream(self.body)
-        if self.graph is None:
-            try:
-                self.out = self._on_stream(self._recorded)
-            except RuntimeError as e:  # not seen: a fallback so that a translation never fails on it
-                global _failed
-                _failed = str(e).splitlines()[0] if str(e) else type(e).__name__
-                warnings.warn(f"decoding without CUDA graphs: recording one failed ({_failed})", stacklevel=2)
-                self.record = False
-                return self.body()
-        self.graph.replay()
-        assert self.out is not None
-        return self.out
+        with torch.cuda.device(self.device):
+            if self.stream is None:  # the first step, as it is, on the stream the graph will use
+                self.stream = torch.cuda.Stream(device=self.device)
+                return self._on_stream(self.body)
+            if self.graph is None:
+                try:
+                    self.out = self._on_stream(self._recorded)
+                except RuntimeError as e:  # not seen: a fallback so that a translation never fails on it
+                    global _failed
+                    _failed = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    warnings.warn(
+                        f"decoding without CUDA graphs: recording one failed ({_failed})", stacklevel=2
+                    )
+                    self.record = False
+                    return self.body()
+            assert self.graph is not None and self.out is not None
+            self.graph.replay()
+            return self.out
 
     def _on_stream(self, fn: Callable[[], Tensor]) -> Tensor:
         assert self.stream is not None
-        here = torch.cuda.current_stream()
+        here = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(here)
         with torch.cuda.stream(self.stream):
             out = fn()
@@ -61,12 +70,19 @@ class Replayed:
         return out
 
     def _recorded(self) -> Tensor:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a training run's collation thread may copy batches meanwhile
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            out = self.body()
-        finally:
-            graph.capture_end()
+        with torch.cuda.device(self.device):  # as in __call__: each function names its GPU
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a training run's collation thread may copy batches meanwhile. One
+            # memory pool per GPU for every batch's graph (each would otherwise keep a private
+            # pool of its own, and a server's reserved memory would grow with the batches it
+            # decodes): safe as the graphs that share it are replayed in the order they were
+            # recorded, on one stream (an ensemble's members, step by step), never at once.
+            if self.device.index not in _pools:
+                _pools[self.device.index] = torch.cuda.graph_pool_handle()
+            graph.capture_begin(pool=_pools[self.device.index], capture_error_mode="thread_local")
+            try:
+                out = self.body()
+            finally:
+                graph.capture_end()
         self.graph = graph
         return out

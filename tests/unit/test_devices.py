@@ -1,0 +1,265 @@
+"""Which GPU the engine's CUDA calls act on, checked on the CPU: every device handed out has its
+index, every call that acts on "the current GPU" names one or runs inside torch.cuda.device, and
+the threads and graphs that run on a GPU other than GPU 0 act on that GPU (tests/strict_cuda.py
+stands in for torch.cuda)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from strict_cuda import Mistake, StrictCuda
+
+import nmt_cli
+from nmt_cli.config import resolve_device_name
+from nmt_cli.engine import batches, graphed
+from nmt_cli.engine.device import resolve_device
+from nmt_cli.engine.figures import Figures
+from nmt_cli.errors import NmtError
+
+
+@pytest.fixture
+def cuda(monkeypatch) -> StrictCuda:
+    monkeypatch.setattr(graphed, "_failed", None)
+    monkeypatch.setattr(graphed, "_pools", {}, raising=False)
+    return StrictCuda(count=2).install(monkeypatch)
+
+
+def test_every_gpu_is_handed_out_with_its_index(cuda):
+    assert resolve_device_name("auto", True) == "cuda:0"
+    assert resolve_device_name("cuda", True) == "cuda:0"
+    assert resolve_device_name("cuda:1", True) == "cuda:1"
+    assert resolve_device_name("auto", False) == "cpu"
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(NmtError, match="2 GPU"):
+        resolve_device("cuda:2")
+    with pytest.raises(NmtError, match="unknown --device"):
+        resolve_device_name("cuda:x", True)
+
+
+def test_a_graphed_step_on_another_gpu_records_and_replays_its_kernels(cuda):
+    """The step's tensors on cuda:1 while the thread's current GPU is 0 (a --gpus worker, a
+    server's thread): the graph is recorded on cuda:1's stream, holds the step's kernels and is
+    replayed; the body runs twice (warm-up, recording), then only replays."""
+    gpu = torch.device("cuda", 1)
+    runs = []
+
+    def body() -> torch.Tensor:
+        cuda.launch(gpu)
+        runs.append(cuda.current_stream(gpu))
+        return torch.tensor([float(len(runs))])
+
+    step = graphed.Replayed(body, gpu)
+    outs = [step() for _ in range(5)]
+    assert graphed._failed is None
+    assert len(runs) == 2 and not runs[0].default and runs[0] is runs[1]  # both on the side stream
+    (graph,) = cuda.graphs
+    assert graph.device == 1 and graph.nodes == 1 and graph.replays == 4
+    assert [o.item() for o in outs] == [1.0, 2.0, 2.0, 2.0, 2.0]
+    assert cuda.current() == 0  # the caller's current GPU is left as it was
+    assert all(launched == current == 1 for launched, current in cuda.kernels)
+
+
+def test_each_gpu_records_into_its_own_memory_pool_shared_by_its_graphs(cuda):
+    """Graphs of later batches reuse their GPU's pool (none grows a pool per batch)."""
+    pools = []
+
+    def recorded(gpu: torch.device) -> None:
+        step = graphed.Replayed(lambda: cuda.launch(gpu) or torch.zeros(1), gpu)
+        for _ in range(3):
+            step()
+
+    for index in (1, 0, 1):
+        recorded(torch.device("cuda", index))
+        pools.append(dict(graphed._pools))
+    assert set(pools[-1]) == {0, 1} and pools[0][1] == pools[-1][1]
+    assert [g.device for g in cuda.graphs] == [1, 0, 1]
+
+
+def test_a_cpu_step_is_never_recorded(cuda):
+    step = graphed.Replayed(lambda: torch.ones(1), torch.device("cpu"))
+    assert [step().item() for _ in range(3)] == [1.0, 1.0, 1.0] and not cuda.graphs
+
+
+def test_the_collation_thread_copies_to_its_rank_gpu(cuda, monkeypatch):
+    """The thread that collates a GPU run's batches acts on the run's GPU, for `--device cuda`
+    (resolved to cuda:0) and for cuda:1 (a rank's GPU), not on GPU 0 or an unindexed one."""
+    seen = []
+
+    def copied(arrays, device):
+        seen.append((cuda.current(), device))
+        return arrays
+
+    monkeypatch.setattr(batches, "collate", lambda src, tgt, planned: planned)
+    monkeypatch.setattr(batches, "to_device", copied)
+    for name, index in (("cuda", 0), ("cuda:1", 1)):
+        seen.clear()
+        device = resolve_device(name)
+        groups = [[n, n + 1] for n in range(0, 12, 2)]
+        split = SimpleNamespace(src=None, tgt=None)
+        out = list(batches.on_device(split, groups, device, ahead=2))
+        assert out == groups
+        assert seen and all(current == index and d == torch.device("cuda", index) for current, d in seen)
+
+
+def test_the_figures_copy_and_event_are_on_the_rows_gpu(cuda, monkeypatch):
+    """The training figures' pinned copy is made and its event recorded with the rows' GPU
+    current, whatever the thread's (rows stand in: a CPU tensor reporting cuda:1)."""
+
+    class OnGpu:
+        device = torch.device("cuda", 1)
+        shape, dtype = (1, 5), torch.float64
+
+    recorded = []
+    monkeypatch.setattr(torch, "stack", lambda rows: OnGpu())
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: recorded.append(cuda.current()) or torch.zeros(1))
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, non_blocking=False: self)
+    figures = Figures(late=True)
+    figures.add(None)
+    figures.close(1, 0, 0.1)
+    (window,) = figures.closed
+    assert recorded == [1] and window.arrived.stream.device_index == 1
+
+
+# -- every call into torch.cuda that acts on "the current GPU" names its GPU ---------------------
+
+# torch.cuda's functions that act on the current GPU unless given one (as their first argument,
+# or `device`), and those that take none: these must run inside torch.cuda.device(...).
+NAMES_A_DEVICE = {
+    "Stream": 0,
+    "current_stream": 0,
+    "default_stream": 0,
+    "set_device": 0,
+    "synchronize": 0,
+    "memory_allocated": 0,
+    "max_memory_allocated": 0,
+    "memory_reserved": 0,
+    "max_memory_reserved": 0,
+    "reset_peak_memory_stats": 0,
+    "memory_stats": 0,
+    "mem_get_info": 0,
+    "get_rng_state": 0,
+    "set_rng_state": 1,
+    "get_device_properties": 0,
+    "get_device_name": 0,
+    "get_device_capability": 0,
+    "stream": 0,
+}
+NAMES_NONE = {"CUDAGraph", "graph", "graph_pool_handle", "Event", "empty_cache", "manual_seed", "seed"}
+METHODS = {"capture_begin", "capture_end", "replay"}  # a graph's: on the current GPU's stream
+
+
+def _is_cuda_call(func: ast.expr, name: str | None = None) -> str | None:
+    """`torch.cuda.X` (X, or only `name`)."""
+    if (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Attribute)
+        and func.value.attr == "cuda"
+        and isinstance(func.value.value, ast.Name)
+        and func.value.value.id == "torch"
+        and (name is None or func.attr == name)
+    ):
+        return func.attr
+    return None
+
+
+def device_mistakes(tree: ast.AST, where: str) -> list[str]:
+    """Each call in `tree` that acts on whichever GPU is current: torch.cuda's without a device
+    outside `with torch.cuda.device(...)`, a graph's capture or replay outside one, an
+    unindexed `torch.device("cuda")` or `.cuda()`."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, inside: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside = False  # a function body runs wherever it is called from
+        if isinstance(node, (ast.With, ast.AsyncWith)) and any(
+            isinstance(item.context_expr, ast.Call) and _is_cuda_call(item.context_expr.func, "device")
+            for item in node.items
+        ):
+            for item in node.items:
+                visit(item.context_expr, inside)
+            for child in node.body:
+                visit(child, True)
+            return
+        if isinstance(node, ast.Call):
+            at = f"{where}:{node.lineno}"
+            name = _is_cuda_call(node.func)
+            named = any(k.arg == "device" for k in node.keywords)
+            if name in NAMES_A_DEVICE and not inside and not named and len(node.args) <= NAMES_A_DEVICE[name]:
+                found.append(f"{at}: torch.cuda.{name} without a device")
+            if name in NAMES_NONE and not inside:
+                found.append(f"{at}: torch.cuda.{name} outside torch.cuda.device(...)")
+            method = node.func.attr if isinstance(node.func, ast.Attribute) else None
+            if method in METHODS and not inside:
+                found.append(f"{at}: .{method}() outside torch.cuda.device(...)")
+            if method == "cuda" and not node.args and not node.keywords:
+                found.append(f"{at}: .cuda() without an index")
+            is_device = isinstance(node.func, ast.Attribute) and node.func.attr == "device"
+            if is_device and [getattr(a, "value", None) for a in node.args] == ["cuda"]:
+                found.append(f'{at}: torch.device("cuda") without an index')
+        for child in ast.iter_child_nodes(node):
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def test_the_package_names_the_gpu_of_every_current_device_call():
+    root = Path(nmt_cli.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        found += device_mistakes(ast.parse(path.read_text()), str(path.relative_to(root)))
+    assert not found, "\n".join(found)
+
+
+def test_the_walk_finds_each_kind_of_mistake():
+    code = """
+import torch
+def a(x):
+    s = torch.cuda.Stream()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    torch.cuda.set_rng_state(x)
+    d = torch.device("cuda")
+    return x.cuda()
+def b(x, dev):
+    with torch.cuda.device(dev):
+        s = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        g.replay()
+        def later():
+            torch.cuda.synchronize()
+    torch.cuda.set_rng_state(x, dev)
+    return torch.cuda.current_stream(dev), torch.cuda.Stream(device=dev)
+"""
+    found = device_mistakes(ast.parse(code), "x")
+    assert [f.split(": ", 1)[1].split()[0] for f in found] == [
+        "torch.cuda.Stream",
+        "torch.cuda.current_stream",
+        "torch.cuda.CUDAGraph",
+        ".capture_begin()",
+        "torch.cuda.set_rng_state",
+        'torch.device("cuda")',
+        ".cuda()",
+        "torch.cuda.synchronize",
+    ], found
+
+
+def test_the_strict_recorders_refuse_what_torch_lets_through(cuda):
+    with pytest.raises(Mistake, match="without its index"):
+        cuda.set_device(torch.device("cuda"))
+    graph = cuda.CUDAGraph()
+    with cuda.stream(cuda.Stream(0)):
+        graph.capture_begin()
+        with pytest.raises(Mistake, match="capturing on cuda:0"):
+            cuda.launch(torch.device("cuda", 1))
+        with pytest.raises(Mistake, match="empty"):
+            graph.capture_end()
+    np.testing.assert_equal(cuda.current(), 0)
