@@ -160,5 +160,7 @@ def ban_repeats(lprobs: Tensor, history: Tensor, n: int) -> None:
     windows = history.unfold(1, n, 1)  # (R, t - n + 1, n)
     last = history[:, t - (n - 1) :]  # (R, n - 1)
     repeats = (windows[:, :, :-1] == last[:, None, :]).all(-1)  # (R, W)
-    rows, at = repeats.nonzero(as_tuple=True)
-    lprobs[rows, windows[rows, at, -1]] = -math.inf
+    # Each window's last token where it repeats, else PAD (banned anyway): no nonzero(), whose
+    # count of hits the host would have to wait for at every step.
+    banned = torch.where(repeats, windows[:, :, -1], PAD)  # (R, W)
+    lprobs.scatter_(1, banned, -math.inf)

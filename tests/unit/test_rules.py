@@ -74,6 +74,20 @@ def test_no_token_completes_an_ngram_the_row_already_holds():
     assert torch.isinf(got[0]).tolist() == [i in (PAD, BOS, 7, A) for i in range(V)]
 
 
+def test_the_ngram_ban_never_waits_for_the_device():
+    """Banning repeats asks the device nothing (no nonzero: its size is read on the host)."""
+    from conftest import host_reads
+
+    rules = NextToken(DecodeOptions(beam=2, no_repeat_ngram=2), max_lens=[20], rows=2)
+    for tokens in ([A, A], [B, 7], [A, B], [B, A]):
+        rules(lprobs(2))
+        rules.keep(None, None, torch.tensor(tokens))
+    with host_reads() as reads:
+        got = rules(lprobs(2))
+    assert reads["n"] == 0
+    assert torch.isinf(got[0]).tolist() == [i in (PAD, BOS, A) for i in range(V)]
+
+
 def test_a_forced_prefix_token_is_taken_whatever_the_bans_say():
     forced = torch.tensor([[A, A]])
     rules = NextToken(DecodeOptions(beam=1, no_repeat_ngram=1, min_len=5), [10], 1, forced=forced)
