@@ -265,6 +265,36 @@ def test_compile_traces_the_update_once_for_every_batch_shape(run_copy, nmt, mon
     assert re.search(r"compiled the update \(model, logits, loss\) in \d", RunDir(run_copy).log.read_text())
 
 
+def test_a_compiled_update_meets_lengths_on_multiples_of_8_and_is_traced_once(run_copy, monkeypatch):
+    """Under --compile every batch's source and target lengths are multiples of 8 (a GPU's
+    attention pads a misaligned mask, and a graph of dynamic lengths would hold a guard on
+    S % 8): updates of sources of 32, 34 and 36 tokens are traced once. Traced with torch's
+    eager backend, which counts what the compiler would compile, in seconds."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from nmt_cli.engine.batches import collate, on_grid, to_device
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_(model, **{**kw, "backend": counter}))
+    t = tiny_trainer(run_copy, compile=True)
+    shapes = [b.shape for b in t.epochs.batches(0)]
+    assert all(s % 8 == 0 and u % 8 == 0 for _, s, u in shapes), sorted({s for _, s, _ in shapes})
+    split = t.epochs.fixed
+    for length in (32, 34, 36):  # source tokens with the EOS
+        rows = np.flatnonzero(split.src_lengths[split.keep] == length)[:4]
+        sentences = split.keep[rows]
+        s = int(on_grid(np.array([length]), split.limit, t.epochs.multiple)[0])
+        u = int(on_grid(split.tgt_lengths[sentences], split.limit, t.epochs.multiple).max())
+        planned = Planned(sentences, (len(sentences), s, u))
+        t.step([to_device(collate(split.src, split.tgt, planned), t.device)])
+    losses = torch.stack(t.figures.pending)[:, 0].tolist()
+    torch._dynamo.reset()
+    assert all(math.isfinite(x) for x in losses)
+    assert counter.frame_count == 1 and t.state.step == 3
+
+
 def test_the_compile_cache_is_the_runs_unless_the_user_chose_one(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

@@ -69,12 +69,17 @@ class Split:
             parts.append(np.sort(rng.choice(mine, size=round(part * len(mine)), replace=False)))
         return np.concatenate(parts)
 
-    def batches(self, max_tokens: int, seed: int, epoch: int, parts: int = 1) -> list[Planned]:
-        """Every batch of the epoch, in its shuffled order, padded to grid lengths, in runs of
-        `parts` batches of one shape: the sentences of one batch of similar lengths, `parts`
-        times as large, shared out (an update's batches, over its ranks and accumulations)."""
+    def batches(
+        self, max_tokens: int, seed: int, epoch: int, parts: int = 1, multiple: int = 1
+    ) -> list[Planned]:
+        """Every batch of the epoch, in its shuffled order, padded to grid lengths (multiples of
+        `multiple` too), in runs of `parts` batches of one shape: the sentences of one batch of
+        similar lengths, `parts` times as large, shared out (an update's batches, over its
+        ranks and accumulations)."""
         chosen = self.chosen(seed, epoch)
-        src, tgt = (on_grid(lengths[chosen], self.limit) for lengths in (self.src_lengths, self.tgt_lengths))
+        src, tgt = (
+            on_grid(lengths[chosen], self.limit, multiple) for lengths in (self.src_lengths, self.tgt_lengths)
+        )
         planned = []
         for update in make_batches(src, tgt, max_tokens, seed, epoch, parts):
             shape = (-(-len(update) // parts), int(src[update].max()), int(tgt[update].max()))
@@ -85,7 +90,8 @@ class Split:
 class Epochs:
     """The training data, epoch by epoch: the pairs of an epoch (always `fixed`, or with
     BPE-dropout their encoding for that epoch, from `resample(epoch)`) and this rank's batches
-    of at most `max_tokens` tokens, `update_freq` of them an update, shuffled from `seed`.
+    of at most `max_tokens` tokens, `update_freq` of them an update, shuffled from `seed`, their
+    lengths multiples of `multiple`.
 
     With `ahead` (on a GPU, which would otherwise wait for them), the next epoch's pairs and
     batches are made by a thread while this one trains; they are the same either way."""
@@ -99,9 +105,10 @@ class Epochs:
         group: Group,
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
         ahead: bool = False,
+        multiple: int = 1,
     ):
         self.fixed, self.max_tokens, self.update_freq, self.seed = fixed, max_tokens, update_freq, seed
-        self.group, self.resample, self.ahead = group, resample, ahead
+        self.group, self.resample, self.ahead, self.multiple = group, resample, ahead, multiple
         self._current: tuple[int, tuple[Split, list[Planned]]] | None = None  # made once
         self._next: tuple[int, _Later] | None = None
 
@@ -123,7 +130,7 @@ class Epochs:
     def _make(self, epoch: int) -> tuple[Split, list[Planned]]:
         data = self.fixed if self.resample is None else self.fixed.reencoded(*self.resample(epoch))
         world = self.group.world
-        planned = data.batches(self.max_tokens, self.seed, epoch, world * self.update_freq)
+        planned = data.batches(self.max_tokens, self.seed, epoch, world * self.update_freq, self.multiple)
         return data, planned[self.group.rank :: world]
 
 
@@ -251,9 +258,11 @@ def grid_length(n: int) -> int:
     return -(-n // step) * step
 
 
-def on_grid(lengths: np.ndarray, limit: int) -> np.ndarray:
-    """Each length on the grid, but never past `limit` (the model's positions)."""
+def on_grid(lengths: np.ndarray, limit: int, multiple: int = 1) -> np.ndarray:
+    """Each length on the grid, rounded up to a multiple of `multiple`, but never past `limit`
+    (the model's positions)."""
     grid = np.array([grid_length(n) for n in range(int(lengths.max(initial=0)) + 1)], dtype=np.int64)
+    grid = -(-grid // multiple) * multiple
     return np.minimum(grid[lengths], limit)
 
 

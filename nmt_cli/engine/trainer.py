@@ -38,6 +38,12 @@ from nmt_cli.engine.step import STEP_FIGURES, Objective, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.shards import Shard
 
+# A compiled update's source and target lengths are multiples of this. The GPU's memory-efficient
+# attention pads a mask whose last dimension is not 8-aligned, and a graph compiled for dynamic
+# lengths then holds a guard on S % 8: the source lengths' grid (steps of 2) would compile the
+# update again for each alignment, or fail on a misaligned bias (pytorch#163083, #150403).
+ALIGN = 8
+
 # Updates in a window of training figures (engine/figures.py): the host reads them only this
 # often (and at validations and checkpoints); signals and the time budget are looked at then too.
 LOG_EVERY = 10
@@ -155,7 +161,14 @@ class Trainer:
         # On a GPU the next epoch's batches are made while this one trains (as collation is).
         ahead = self.device.type == "cuda"
         self.epochs = Epochs(
-            train, config.max_tokens, config.update_freq, config.seed, self.dist, resample, ahead
+            train,
+            config.max_tokens,
+            config.update_freq,
+            config.seed,
+            self.dist,
+            resample,
+            ahead,
+            ALIGN if config.compile else 1,
         )
         self.valid_data = Split.of(*data.valid, limit) if data.valid is not None else None
         if len(self.epochs.fixed.keep) == 0:
