@@ -242,6 +242,22 @@ def test_compile_wraps_the_ddp_model(monkeypatch):
         group.close()
 
 
+def test_a_compiled_ddp_model_is_cut_into_a_few_buckets(monkeypatch):
+    """Under --compile, DDP's buckets (where the compiler cuts the update into graphs) each
+    hold about a quarter of the gradients, not DDP's 25 MB; uncompiled, DDP's default."""
+    for name, value in _in_one_process_group().items():
+        monkeypatch.setenv(name, value)
+    group, device = distributed.setup(torch.device("cpu"))
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 8192), torch.nn.Linear(8192, 2048))  # 128 MB
+        compiled = group.wrap(model, device, compile=True)
+        assert compiled._orig_mod.bucket_bytes_cap == pytest.approx(128 / 4 * 2**20, rel=0.01)
+        assert group.wrap(torch.nn.Linear(4, 4), device).bucket_bytes_cap == 25 * 2**20
+        assert distributed.compiled_bucket_mb(torch.nn.Linear(4, 4)) == 25.0
+    finally:
+        group.close()
+
+
 def test_launch_environments_find_their_gpu(monkeypatch):
     from nmt_cli.errors import NmtError
 

@@ -91,10 +91,15 @@ class DecoderCache:
 class FixedCache:
     """DecoderCache's contents at fixed shapes: the rows of every sentence the search began
     with (a finished sentence's rows go on being computed and are never read), the
-    self-attention K/V of `max_len` positions in one (2 * layers, rows, H, max_len, K) tensor,
+    self-attention K/V of `max_len` positions in (2 * layers, rows, H, max_len, K) tensors,
     the new position's index on the device (`offset`) and masks that hide the positions not
     yet written. A step's kernels then read and write the same tensors every time, which a CUDA
-    graph needs; outside the graph, `reorder` gathers all layers at once.
+    graph needs.
+
+    Beam search moves rows at every step: `reorder` gathers all layers at once from one K/V
+    tensor into the other (one pass over what is written), and the step reads the one that
+    holds them (`parity`: a graph is recorded for each). With one row per sentence (greedy,
+    sampling) no row ever moves and one tensor is kept.
 
     The search sees only the rows it keeps (its compact rows); `slots` maps each to its row here.
     The step's token ids go in `tokens` (`put`), its logits come out in the rows' order (`take`).
@@ -106,7 +111,9 @@ class FixedCache:
         device, dtype = k0.device, k0.dtype
         self.memory_kv, self.beam, self.max_len = memory_kv, beam, max_len
         self.rows = b * beam
-        self.kv = k0.new_zeros((2 * len(memory_kv), self.rows, heads, max_len, head_dim))
+        shape = (2 * len(memory_kv), self.rows, heads, max_len, head_dim)
+        self.kvs = [k0.new_zeros(shape) for _ in range(2 if beam > 1 else 1)]
+        self.parity = 0  # which of `kvs` holds the rows
         # additive masks in the model's dtype: scaled_dot_product_attention adds them as they are
         self.src_mask = torch.zeros(src_mask.shape, dtype=dtype, device=device)
         self.src_mask.masked_fill_(~src_mask, -math.inf)
@@ -131,7 +138,8 @@ class FixedCache:
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store the new position's K/V of `layer`; returns the layer's K/V of all `max_len`
         positions (`self_mask` hides those not written yet)."""
-        keys, values = self.kv[2 * layer], self.kv[2 * layer + 1]
+        kv = self.kvs[self.parity]
+        keys, values = kv[2 * layer], kv[2 * layer + 1]
         keys.index_copy_(2, self.offset, k)
         values.index_copy_(2, self.offset, v)
         return keys, values
@@ -167,5 +175,8 @@ class FixedCache:
             gather = self._all_rows.index_copy(0, self.slots, parents)
         else:
             gather = parents
-        written = self.kv[:, :, :, : self.length]
-        written.copy_(written.index_select(1, gather))
+        if self.beam == 1:  # each sentence's one row stays where it is: nothing moves
+            return
+        here, there, n = self.kvs[self.parity], self.kvs[1 - self.parity], self.length
+        torch.index_select(here[:, :, :, :n], 1, gather, out=there[:, :, :, :n])
+        self.parity ^= 1

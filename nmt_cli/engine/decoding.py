@@ -215,7 +215,7 @@ def _decoder(
 
         def step_fixed(tokens: Tensor) -> Tensor:
             fixed.put(tokens)
-            return F.log_softmax(shape(fixed.take(run()).float()), dim=-1)
+            return F.log_softmax(shape(fixed.take(run(fixed.parity)).float()), dim=-1)
 
         return step_fixed, fixed.reorder
     if use_cache:

@@ -104,12 +104,17 @@ class Group:
             # before every forward pass (torch 2.13 renamed the option).
             options = inspect.signature(DistributedDataParallel).parameters
             no_sync = "forward_sync_buffers" if "forward_sync_buffers" in options else "broadcast_buffers"
-            # The gradients are views of the all-reduce buckets: no copy between them, and no
-            # second copy of every gradient in memory. The rest stays at DDP's defaults: 25 MB
-            # buckets overlap the backward pass, and static_graph is for parameters that go
-            # unused and activation checkpointing, neither of which is here (docs/scaling.md).
+            # The gradients are views of the all-reduce buckets: the optimizer reads them there
+            # (no copy back out), and no second copy of every gradient is kept. The update sets
+            # them to None after the step, so each backward's fresh gradient is copied into its
+            # bucket once, as DDP divides it: zeroing them in place instead would add a pass to
+            # clear them and turn the backward's write into a read-add-write. The rest stays
+            # at DDP's defaults (25 MB buckets overlap the backward pass; compiled, fewer and
+            # larger: compiled_bucket_mb), and static_graph is for parameters that go unused
+            # and activation checkpointing, neither of which is here (docs/scaling.md).
+            buckets = {"bucket_cap_mb": compiled_bucket_mb(model)} if compile else {}
             model = DistributedDataParallel(
-                model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False}
+                model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False}, **buckets
             )
         if not compile:
             return model
@@ -131,6 +136,20 @@ class Group:
     def close(self) -> None:
         if self.active:
             torch.distributed.destroy_process_group()
+
+
+# A compiled update under DDP is split into about this many graphs (see compiled_bucket_mb).
+COMPILED_PIECES = 4
+
+
+def compiled_bucket_mb(model: torch.nn.Module) -> float:
+    """DDP's bucket size for a compiled model: its float32 gradients in COMPILED_PIECES buckets,
+    25 MB (DDP's default) at least. The compiler splits the update into one graph per bucket,
+    so that each bucket's all-reduce can start while the backward pass goes on; at 25 MB `big`
+    was cut into dozens of graphs, each with its own launches and no fusion across the cuts,
+    where a few pieces keep most of the overlap."""
+    megabytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) / 2**20
+    return max(25.0, megabytes / COMPILED_PIECES)
 
 
 # Where launchers other than torch's put a process's rank on its node.

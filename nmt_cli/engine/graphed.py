@@ -5,7 +5,8 @@ took longer to launch them than the GPU to run them (docs/benchmarks.md, "GPU sp
 FixedCache (cache.py) every step launches the same kernels on the same tensors, so the step is
 recorded once and each later step is one launch. The first step runs as it is on a side
 stream, which warms what the recording needs (cuBLAS workspaces, the allocator), as
-torch.cuda.graphs asks; the second is recorded, then replayed. Off a GPU the step just runs.
+torch.cuda.graphs asks; the next ones are recorded (one graph for each of the cache's two
+tensors under beam search, one otherwise), then replayed. Off a GPU the step just runs.
 
 torch.cuda.graph would also synchronise and empty the allocator's cache before each recording;
 a translation records a graph per batch, so this records with the graph's own calls instead."""
@@ -13,7 +14,7 @@ a translation records a graph per batch, so this records with the graph's own ca
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
@@ -24,8 +25,10 @@ _pools: dict[int, tuple[int, int]] = {}  # each GPU's memory pool for the graphs
 
 class Replayed:
     """`body()` (a decoding step over a FixedCache: reads its inputs, writes its state, returns
-    the logits), run as a replayed CUDA graph when `device` (the step's tensors') is a GPU. The
-    logits it returns are the graph's own tensor, overwritten by the next step: read them before.
+    the logits), run as a replayed CUDA graph when `device` (the step's tensors') is a GPU: one
+    graph for each `key` the step is called with (the cache's parity: which of its tensors the
+    step reads). The logits it returns are the graph's own tensor, which the next step may
+    overwrite: read them before.
 
     Every CUDA call here names `device` or runs inside torch.cuda.device(device): a stream or a
     capture taken from "the current GPU" (GPU 0 in a worker or a server's thread) records none of
@@ -34,20 +37,19 @@ class Replayed:
     def __init__(self, body: Callable[[], Tensor], device: torch.device):
         self.body, self.device = body, device
         self.record = device.type == "cuda" and _failed is None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: Tensor | None = None
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.stream: torch.cuda.Stream | None = None
 
-    def __call__(self) -> Tensor:
+    def __call__(self, key: Hashable = 0) -> Tensor:
         if not self.record:
             return self.body()
         with torch.cuda.device(self.device):
-            if self.stream is None:  # the first step, as it is, on the stream the graph will use
+            if self.stream is None:  # the first step, as it is, on the stream the graphs will use
                 self.stream = torch.cuda.Stream(device=self.device)
                 return self._on_stream(self.body)
-            if self.graph is None:
+            if key not in self.graphs:
                 try:
-                    self.out = self._on_stream(self._recorded)
+                    self._on_stream(lambda: self._recorded(key))
                 except RuntimeError as e:  # not seen: a fallback so that a translation never fails on it
                     global _failed
                     _failed = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -56,9 +58,9 @@ class Replayed:
                     )
                     self.record = False
                     return self.body()
-            assert self.graph is not None and self.out is not None
-            self.graph.replay()
-            return self.out
+            graph, out = self.graphs[key]  # a recording computes nothing: this step is replayed too
+            graph.replay()
+            return out
 
     def _on_stream(self, fn: Callable[[], Tensor]) -> Tensor:
         assert self.stream is not None
@@ -69,7 +71,7 @@ class Replayed:
         here.wait_stream(self.stream)
         return out
 
-    def _recorded(self) -> Tensor:
+    def _recorded(self, key: Hashable) -> Tensor:
         with torch.cuda.device(self.device):  # as in __call__: each function names its GPU
             graph = torch.cuda.CUDAGraph()
             # thread_local: a training run's collation thread may copy batches meanwhile. One
@@ -84,5 +86,5 @@ class Replayed:
                 out = self.body()
             finally:
                 graph.capture_end()
-        self.graph = graph
+        self.graphs[key] = (graph, out)
         return out

@@ -3,10 +3,10 @@
 The loss of a row of scores x against target t, with the smoothing mass epsilon spread over the
 V words, is (1 - epsilon) * (lse(x) - x_t) + epsilon * (lse(x) - mean(x)), lse the log-sum-exp.
 So the forward needs three numbers a row and the backward only the scores and lse: neither ever
-holds the (N, V) log-probabilities. Both run over slices of rows, in float32 within a slice, so
-that no float32 (N, V) copy of bf16 scores exists either. On a GPU each slice's passes are one
-compiled kernel (they would otherwise read and write the slice five times from memory); on a
-CPU a slice fits the cache, which the eager passes then share.
+holds the (N, V) log-probabilities. On a GPU each pass over the scores is one compiled kernel
+that computes in float32 as it reads (it would otherwise read and write them five times from
+memory); on a CPU the eager passes run over slices of rows that fit the cache, in float32
+within a slice, so that no float32 (N, V) copy of bf16 scores exists either.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Elements of one slice: a few MB on a CPU (its caches), a quarter GB on a GPU.
-CPU_SLICE, GPU_SLICE = 2**19, 2**26
+# Elements of one slice on a CPU: a few MB, its caches. A GPU takes all rows at once: its
+# compiled kernels hold no float32 copy of the scores, and each slice would cost the host a
+# launch of every kernel.
+CPU_SLICE = 2**19
 
 
 def _row_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,9 @@ def _kernels(device: torch.device):
 
 
 def _slices(rows: int, width: int, device: torch.device):
-    step = max(1, (GPU_SLICE if device.type == "cuda" else CPU_SLICE) // max(width, 1))
+    if device.type == "cuda":
+        return [slice(0, rows)]
+    step = max(1, CPU_SLICE // max(width, 1))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 

@@ -60,10 +60,21 @@ def test_a_graphed_step_on_another_gpu_records_and_replays_its_kernels(cuda):
     assert graphed._failed is None
     assert len(runs) == 2 and not runs[0].default and runs[0] is runs[1]  # both on the side stream
     (graph,) = cuda.graphs
+    # a capture runs nothing: the step recorded is replayed too, as is every later one
     assert graph.device == 1 and graph.nodes == 1 and graph.replays == 4
     assert [o.item() for o in outs] == [1.0, 2.0, 2.0, 2.0, 2.0]
     assert cuda.current() == 0  # the caller's current GPU is left as it was
     assert all(launched == current == 1 for launched, current in cuda.kernels)
+
+
+def test_beam_search_steps_replay_one_graph_per_tensor_of_the_cache(cuda):
+    """Under beam search the cache's rows move from one of its tensors to the other at every
+    step: a graph is recorded for each (the step's key), and each step replays its own."""
+    gpu = torch.device("cuda", 0)
+    step = graphed.Replayed(lambda: cuda.launch(gpu) or torch.zeros(1), gpu)
+    for parity in (0, 1, 0, 1, 0, 1):
+        step(parity)
+    assert [g.replays for g in cuda.graphs] == [3, 2]  # parity 1 recorded first (step 2)
 
 
 def test_each_gpu_records_into_its_own_memory_pool_shared_by_its_graphs(cuda):
