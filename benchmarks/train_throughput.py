@@ -11,6 +11,10 @@ measured in the same run, achieved model GFLOP/s, and the padding share of real 
 nmt's process keeps large blocks in glibc's heap, as the trainer does on a CPU; `--malloc glibc`
 leaves glibc's setting, to measure what that buys.
 
+`--levers`: each training speed lever that stays behind an option (--fixed-shapes,
+--fold-scaling, --fused-qkv, --narrow-residual) alone against none, on one batch, in alternated
+rounds, per shape and precision (CPU or GPU).
+
 GPU (`--device cuda`): each shape in bf16 on 16384 source and 16384 target tokens, eager and
 `torch.compile`d, with model FLOPs utilisation against the bf16 matmul ceiling of the same GPU
 measured in the same run (an 8192^3 product).
@@ -100,6 +104,70 @@ def nmt_step(
         "seconds": seconds,
         "tgt_tokens_per_s": batches[0].tokens / seconds,
     }
+
+
+# The training speed levers behind options (TrainConfig), each against none of them.
+LEVERS = ("none", "fixed_shapes", "fold_scaling", "fused_qkv", "narrow_residual")
+
+
+def lever_steps(
+    shape_name: str,
+    precision: str,
+    device: torch.device,
+    rounds: int = 3,
+    repeats: int = 5,
+    sentences: int = 128,
+    compile: bool = False,
+) -> list[dict]:
+    """Each lever of LEVERS alone, the step's target tokens/s on one batch (`sentences` of 32
+    tokens a side, a quarter of them 4 tokens shorter: padding for --fixed-shapes to weigh 0),
+    the levers taking turns `rounds` times; each lever's median beside none's."""
+    src, tgt_in, tgt_out = (t.numpy().copy() for t in batch(SHAPES[shape_name]["vocab"], sentences))
+    src[: sentences // 4, -4:], tgt_out[: sentences // 4, -4:] = 0, 0
+    tgt_in[: sentences // 4, -3:] = 0
+    dtype = torch.bfloat16 if precision == "bf16" else None
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+    def step_of(lever: str):
+        model = model_of(shape_name, device)
+        model.set_kernels(fused_qkv=lever == "fused_qkv", narrow_residual=lever == "narrow_residual")
+        group = distributed.Group()
+        forward = group.wrap(Objective(model, 0.1), device, compile, dynamic=lever != "fixed_shapes")
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        batches = [to_device((src, tgt_in, tgt_out), device, every_position=lever == "fixed_shapes")]
+
+        def step():
+            train_step(
+                model, forward, optimizer, scaler, batches, clip_norm=0.0, lr=1e-4, autocast=autocast,
+                group=group, fold=lever == "fold_scaling",
+            )  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return step, batches[0].tokens
+
+    steps = {lever: step_of(lever) for lever in LEVERS}
+    times: dict[str, list[float]] = {lever: [] for lever in LEVERS}
+    for r in range(rounds):
+        for lever in LEVERS if r % 2 == 0 else LEVERS[::-1]:
+            step, _ = steps[lever]
+            times[lever].append(time_steps(step, 5 if compile and r == 0 else 2, repeats))
+    none = statistics.median(times["none"])
+    return [
+        {
+            "shape": shape_name,
+            "precision": precision,
+            "compile": compile,
+            "lever": lever,
+            "tgt_tokens_per_s": steps[lever][1] / statistics.median(seconds),
+            "over_none": none / statistics.median(seconds),
+            "rounds_seconds": seconds,
+        }
+        for lever, seconds in times.items()
+    ]
 
 
 def gpu_matmul_ceiling(dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -> float:
@@ -304,10 +372,29 @@ def main() -> None:
         help="CPU: nmt's large blocks from the heap, as the trainer sets it (default), or glibc's "
         "own setting, to measure what that buys (fairseq runs in processes of its own, unchanged)",
     )
+    ap.add_argument(
+        "--levers",
+        action="store_true",
+        help="instead: each training speed lever (--fixed-shapes, ...) against none, per shape and precision",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     gpu = args.device == "cuda"
     out = args.out or ROOT / "benchmarks" / "out" / f"train_throughput{'_gpu' if gpu else ''}.json"
+    if args.levers:
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        if not gpu:
+            torch.set_num_threads(2)
+            keep_large_blocks_in_heap()
+        results = {"cpu": cpu_name(), "levers": []}
+        for shape in args.shapes or ["tiny", "base"]:
+            for precision in args.precisions:
+                for row in lever_steps(shape, precision, device, args.rounds, args.repeats):
+                    results["levers"].append(row)
+                    print(json.dumps(row), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        return
     if gpu:
         args.shapes = args.shapes or ["base", "big"]
         results = gpu_main(args)

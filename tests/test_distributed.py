@@ -36,8 +36,14 @@ ADAMW_LINEAR = [
 ]
 
 
+# The speed levers a GPU has yet to measure, together (users combine them), clipping too.
+LEVERS = ["--fixed-shapes", "--fold-scaling", "--fused-qkv", "--clip-norm", "0.5"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [[], ADAMW_LINEAR, ["--ema", "0.9"]], ids=["adam", "adamw-linear", "ema"])
+@pytest.mark.parametrize(
+    "options", [[], ADAMW_LINEAR, ["--ema", "0.9"], LEVERS], ids=["adam", "adamw-linear", "ema", "levers"]
+)
 def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nmt, options):
     import shutil
 

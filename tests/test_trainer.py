@@ -21,7 +21,15 @@ from conftest import (
 from nmt_cli import train as train_mod
 from nmt_cli.config import TrainConfig
 from nmt_cli.engine import checkpoint, state, step, trainer
-from nmt_cli.engine.batches import Epochs, Planned, Split, grid_length, make_batches, padding_share
+from nmt_cli.engine.batches import (
+    Epochs,
+    Planned,
+    Split,
+    grid_length,
+    make_batches,
+    on_device,
+    padding_share,
+)
 from nmt_cli.engine.distributed import Group
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
@@ -115,17 +123,73 @@ def test_filler_rows_and_columns_change_no_loss_and_no_gradient(run_copy):
     split, planned = t.epochs.fixed, t.epochs.batches(0)[0]
     rows, s, tl = planned.shape
     figures = []
-    for shape in (planned.shape, (rows + 3, s + 5, tl + 4)):
-        batch = to_device(collate(split.src, split.tgt, Planned(planned.sentences, shape)), t.device)
+    # as planned; with filler; with filler and the loss over every position (--fixed-shapes)
+    for shape, every in (
+        (planned.shape, False),
+        ((rows + 3, s + 5, tl + 4), False),
+        ((rows + 3, s + 5, tl + 4), True),
+    ):
+        arrays = collate(split.src, split.tgt, Planned(planned.sentences, shape))
+        batch = to_device(arrays, t.device, every_position=every)
+        assert (batch.positions is None) == every
         t.model.zero_grad()
         loss, nll = step.batch_loss(step.Objective(t.model, 0.1), batch, t.autocast)
         loss.backward()
         grads = [p.grad.clone() for p in t.model.parameters()]
         figures.append((batch.tokens, loss.item(), nll.item(), grads))
-    (tokens, loss, nll, grads), (tokens2, loss2, nll2, grads2) = figures
-    assert tokens == tokens2 and loss == pytest.approx(loss2, rel=1e-5)
-    assert nll == pytest.approx(nll2, rel=1e-5)
-    assert all(torch.allclose(g, h, rtol=1e-4, atol=1e-6) for g, h in zip(grads, grads2))
+    tokens, loss, nll, grads = figures[0]
+    for tokens2, loss2, nll2, grads2 in figures[1:]:
+        assert tokens == tokens2 and loss == pytest.approx(loss2, rel=1e-5)
+        assert nll == pytest.approx(nll2, rel=1e-5)
+        assert all(torch.allclose(g, h, rtol=1e-4, atol=1e-6) for g, h in zip(grads, grads2))
+
+
+def test_fixed_shapes_come_one_per_length_and_train_as_the_planned_shapes_do(run_copy, tmp_path):
+    """--fixed-shapes: every batch is (max_tokens // L, L, L), L a multiple of 8, so a run meets
+    as many shapes as lengths; the same sentences in the same updates as batches padded to
+    their own lengths on multiples of 8, and the same updates of the weights."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(run_copy, other)
+    quiet = dict(dropout=0.0, attention_dropout=0.0, relu_dropout=0.0)  # the same function of the sentences
+    fixed, planned = (
+        tiny_trainer(run_copy, fixed_shapes=True, **quiet),
+        tiny_trainer(other, compile=True, **quiet),
+    )
+    planned.forward = planned.forward._orig_mod  # batches as --compile plans them, run eagerly
+    a, b = fixed.epochs.batches(0), planned.epochs.batches(0)
+    assert [x.sentences.tolist() for x in a] == [x.sentences.tolist() for x in b]
+    lengths = {x.shape[1] for x in a}
+    assert {x.shape for x in a} == {(256 // n, n, n) for n in lengths} and all(n % 8 == 0 for n in lengths)
+    assert len({x.shape for x in b}) > len(lengths)
+    for t in (fixed, planned):
+        for group in on_device(
+            t.epochs.fixed, [[x] for x in t.epochs.batches(0)[:6]], t.device, 0, t is fixed
+        ):
+            t.step(group)
+    assert torch.allclose(torch.stack(fixed.figures.pending), torch.stack(planned.figures.pending), rtol=1e-5)
+    for (name, x), y in zip(fixed.model.named_parameters(), planned.model.parameters()):
+        if name.endswith("attn.kv.bias"):  # the key bias's gradient is rounding noise, which
+            x, y = x[len(x) // 2 :], y[len(y) // 2 :]  # Adam scales up to steps of lr
+        assert torch.allclose(x, y, rtol=1e-4, atol=1e-6), name
+
+
+def test_fixed_shapes_compile_once_per_length(run_copy, monkeypatch):
+    """Compiled without dynamic shapes, one graph per length met (torch's eager backend counts
+    what the compiler would compile)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_(model, **{**kw, "backend": counter}))
+    t = tiny_trainer(run_copy, fixed_shapes=True, compile=True)
+    first = t.epochs.batches(0)[:12]
+    for group in on_device(t.epochs.fixed, [[x] for x in first], t.device, 0, True):
+        t.step(group)
+    torch._dynamo.reset()
+    assert counter.frame_count == len({x.shape for x in first}) > 1
 
 
 def test_training_learns_and_logs(run_copy, nmt):
@@ -204,9 +268,9 @@ def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
     calls = {"n": 0}
     real = step.label_smoothed_loss
 
-    def flaky(logits, target, eps):
+    def flaky(logits, target, eps, weights=None):
         calls["n"] += 1
-        loss, nll = real(logits, target, eps)
+        loss, nll = real(logits, target, eps, weights)
         if eps > 0 and calls["n"] in (3, 4):
             return loss * float("nan"), nll
         return loss, nll
@@ -221,7 +285,7 @@ def test_non_finite_steps_are_skipped_then_stop(run_copy, nmt, monkeypatch):
     monkeypatch.setattr(
         step,
         "label_smoothed_loss",
-        lambda logits, target, eps: (real(logits, target, eps)[0] * float("nan"),) * 2,
+        lambda logits, target, eps, weights=None: (real(logits, target, eps)[0] * float("nan"),) * 2,
     )
     line = one_error_line(nmt("train", "--run-dir", run_copy, "--max-steps", "40", "--max-bad-steps", "3"))
     assert "3 updates in a row had non-finite loss" in line

@@ -188,6 +188,26 @@ class TrainConfig:
     )
     device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
     compile: bool = knob(False, "torch.compile the model.")
+    # The speed levers below are off until a GPU has measured them (docs/benchmarks.md).
+    fixed_shapes: bool = knob(
+        False,
+        "Batches of one shape per length (both sides padded to the longer, on multiples of 8; "
+        "--max-tokens // length rows; the loss over every position, PAD weighted 0): --compile "
+        "compiles the update once per length, without dynamic shapes.",
+    )
+    fold_scaling: bool = knob(
+        False,
+        "Divide the gradient by its token count and clipping factor inside the fused Adam step "
+        "instead of in passes of their own (the same update).",
+    )
+    fused_qkv: bool = knob(
+        False, "Self-attention's query, key and value projections in one matrix product (the same model)."
+    )
+    narrow_residual: bool = knob(
+        False,
+        "Under bf16/fp16 the residual stream between sub-layers in that dtype, not float32: half "
+        "its memory traffic, each sum rounded.",
+    )
     threads: int = knob(0, "CPU threads (0: torch's default).")
     max_bad_steps: int = knob(20, "Stop after this many non-finite updates in a row.")
 

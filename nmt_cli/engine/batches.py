@@ -70,12 +70,14 @@ class Split:
         return np.concatenate(parts)
 
     def batches(
-        self, max_tokens: int, seed: int, epoch: int, parts: int = 1, multiple: int = 1
+        self, max_tokens: int, seed: int, epoch: int, parts: int = 1, multiple: int = 1, fixed: bool = False
     ) -> list[Planned]:
         """Every batch of the epoch, in its shuffled order, padded to grid lengths (multiples of
         `multiple` too), in runs of `parts` batches of one shape: the sentences of one batch of
         similar lengths, `parts` times as large, shared out (an update's batches, over its
-        ranks and accumulations)."""
+        ranks and accumulations). `fixed`: each batch padded to one shape per length, L (the
+        longer side) on both sides and max_tokens // L rows, so that the batches of a run
+        come in as few shapes as there are lengths."""
         chosen = self.chosen(seed, epoch)
         src, tgt = (
             on_grid(lengths[chosen], self.limit, multiple) for lengths in (self.src_lengths, self.tgt_lengths)
@@ -83,6 +85,9 @@ class Split:
         planned = []
         for update in make_batches(src, tgt, max_tokens, seed, epoch, parts):
             shape = (-(-len(update) // parts), int(src[update].max()), int(tgt[update].max()))
+            if fixed:
+                length = max(shape[1:])
+                shape = (max_tokens // length, length, length)
             planned += [Planned(chosen[part], shape) for part in np.array_split(update, parts)]
         return planned
 
@@ -91,7 +96,7 @@ class Epochs:
     """The training data, epoch by epoch: the pairs of an epoch (always `fixed`, or with
     BPE-dropout their encoding for that epoch, from `resample(epoch)`) and this rank's batches
     of at most `max_tokens` tokens, `update_freq` of them an update, shuffled from `seed`, their
-    lengths multiples of `multiple`.
+    lengths multiples of `multiple`, of one shape per length if `shapes_fixed` (Split.batches).
 
     With `ahead` (on a GPU, which would otherwise wait for them), the next epoch's pairs and
     batches are made by a thread while this one trains; they are the same either way."""
@@ -106,9 +111,11 @@ class Epochs:
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
         ahead: bool = False,
         multiple: int = 1,
+        shapes_fixed: bool = False,
     ):
         self.fixed, self.max_tokens, self.update_freq, self.seed = fixed, max_tokens, update_freq, seed
         self.group, self.resample, self.ahead, self.multiple = group, resample, ahead, multiple
+        self.shapes_fixed = shapes_fixed
         self._current: tuple[int, tuple[Split, list[Planned]]] | None = None  # made once
         self._next: tuple[int, _Later] | None = None
 
@@ -130,7 +137,8 @@ class Epochs:
     def _make(self, epoch: int) -> tuple[Split, list[Planned]]:
         data = self.fixed if self.resample is None else self.fixed.reencoded(*self.resample(epoch))
         world = self.group.world
-        planned = data.batches(self.max_tokens, self.seed, epoch, world * self.update_freq, self.multiple)
+        parts = world * self.update_freq
+        planned = data.batches(self.max_tokens, self.seed, epoch, parts, self.multiple, self.shapes_fixed)
         return data, planned[self.group.rank :: world]
 
 
@@ -162,35 +170,49 @@ class _Later:
 class Batch:
     src: torch.Tensor  # (B, S) source ids + EOS, padded
     tgt_in: torch.Tensor  # (B, T) BOS + target ids, padded
-    positions: torch.Tensor  # (N,) where the real target tokens are in the flat (B*T)
-    targets: torch.Tensor  # (N,) those tokens
-    tokens: int  # N
+    positions: torch.Tensor | None  # (N,) where the real target tokens are in the flat (B*T)
+    targets: torch.Tensor  # (N,) those tokens; with no positions, (B*T,) every position's, PAD too
+    tokens: int  # real target tokens
 
 
-def to_device(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.device) -> Batch:
-    """A collated (src, tgt_in, tgt_out) as a Batch on `device`. On a GPU the arrays go through
-    pinned memory, so the copies are queued behind the running work instead of waiting for it."""
+def to_device(
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray], device: torch.device, every_position: bool = False
+) -> Batch:
+    """A collated (src, tgt_in, tgt_out) as a Batch on `device`: the real target tokens and
+    where they are, or (`every_position`, for batches of fixed shapes) every position's target,
+    PAD too. On a GPU the arrays go through pinned memory, so the copies are queued behind the
+    running work instead of waiting for it."""
     src, tgt_in, tgt_out = arrays
     flat = tgt_out.reshape(-1)
     positions = np.flatnonzero(flat != PAD)
-    tensors = [torch.from_numpy(a) for a in (src, tgt_in, positions, flat[positions])]
+    arrays = (src, tgt_in, flat) if every_position else (src, tgt_in, positions, flat[positions])
+    tensors = [torch.from_numpy(a) for a in arrays]
     if device.type == "cuda":
         tensors = [t.pin_memory() for t in tensors]
-    src_t, tgt_in_t, positions_t, targets_t = (t.to(device, non_blocking=True) for t in tensors)
+    tensors = [t.to(device, non_blocking=True) for t in tensors]
+    if every_position:
+        tensors.insert(2, None)
+    src_t, tgt_in_t, positions_t, targets_t = tensors
     return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
 
 
 def on_device(
-    split: Split, groups: Iterable[list[Planned]], device: torch.device, ahead: int = 0
+    split: Split,
+    groups: Iterable[list[Planned]],
+    device: torch.device,
+    ahead: int = 0,
+    every_position: bool = False,
 ) -> Iterator[list[Batch]]:
-    """Each group of batches (the batches of one update) collated and copied to `device`.
+    """Each group of batches (the batches of one update) collated and copied to `device`
+    (to_device, `every_position` as there).
 
     Lazily: the next group is collated while the device still runs the updates queued before
     it. With `ahead`, a thread of its own collates up to that many groups in advance, so that
     the training thread only queues work (on a GPU, where the host is the bottleneck of a
     small model's step)."""
     made = (
-        [to_device(collate(split.src, split.tgt, planned), device) for planned in group] for group in groups
+        [to_device(collate(split.src, split.tgt, planned), device, every_position) for planned in group]
+        for group in groups
     )
     if not ahead:
         yield from made

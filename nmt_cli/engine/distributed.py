@@ -87,14 +87,18 @@ class Group:
         torch.distributed.all_gather_object(out, obj, group=self.host)
         return out
 
-    def wrap(self, model: torch.nn.Module, device: torch.device, compile: bool = False) -> torch.nn.Module:
+    def wrap(
+        self, model: torch.nn.Module, device: torch.device, compile: bool = False, dynamic: bool = True
+    ) -> torch.nn.Module:
         """The model as training calls it: DDP across ranks, then torch.compile. That order is
         torch's own advice: compiling the DDP module lets it split the graph at gradient
         buckets, so their all-reduce still overlaps the backward pass. Sizes are dynamic from the
         start: batches change shape at every step, and compiling for the first batch's shape
         only to compile again once sizes vary costs a second compile of the whole model. Each
         size its own symbol: lengths on a grid are often equal on both sides, and a graph that
-        took them for one size would be compiled again at the first batch where they differ."""
+        took them for one size would be compiled again at the first batch where they differ.
+        Not `dynamic`: batches come in a few fixed shapes, each compiled for its own (as many
+        recompilations allowed as there are lengths on the grid)."""
         if self.active:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -118,6 +122,9 @@ class Group:
             )
         if not compile:
             return model
+        if not dynamic:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+            return torch.compile(model, dynamic=False)
         from torch.fx.experimental import _config as shapes_config
 
         shapes_config.use_duck_shape = False

@@ -29,10 +29,11 @@ def _row_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _row_grad(x, lse, target, g, hit, out) -> None:
     """Writes into `out` the gradient of rows x: g[0] * softmax(x) - g[1] everywhere, `hit`
-    less at each row's target (as the compiler fuses it: one read of x, one write)."""
-    p = torch.exp(x.float() - lse[:, None]) * g[0] - g[1]
+    less at each row's target (as the compiler fuses it: one read of x, one write). g[i] and
+    `hit` are one number, or one a row."""
+    p = torch.exp(x.float() - lse[:, None]) * g[0].reshape(-1, 1) - g[1].reshape(-1, 1)
     at_target = torch.arange(x.shape[-1], device=x.device) == target[:, None]
-    out.copy_(torch.where(at_target, p - hit, p))
+    out.copy_(torch.where(at_target, p - hit.reshape(-1, 1), p))
 
 
 def _row_sums_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +46,7 @@ def _row_grad_eager(x, lse, target, g, hit, out) -> None:
     """_row_grad in place: into `out` itself where it is float32, else into one float32 slice."""
     p = out if out.dtype == torch.float32 else torch.empty(x.shape, device=x.device)
     torch.sub(x, lse[:, None], out=p)
-    p.exp_().mul_(g[0]).sub_(g[1])
+    p.exp_().mul_(g[0].reshape(-1, 1)).sub_(g[1].reshape(-1, 1))
     p[torch.arange(len(target), device=x.device), target] -= hit
     if p is not out:
         out.copy_(p)
@@ -73,7 +74,9 @@ def _slices(rows: int, width: int, device: torch.device):
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, epsilon: float):
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, epsilon: float, weights: torch.Tensor | None
+    ):
         sums, _ = _kernels(logits.device)
         n = logits.shape[0]
         lse = logits.new_empty(n, dtype=torch.float32)
@@ -81,14 +84,17 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         for rows in _slices(n, logits.shape[-1], logits.device):
             lse[rows], uniform[rows] = sums(logits[rows])
         nll = lse - logits.gather(-1, target[:, None]).squeeze(-1).float()  # (N,)
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(logits, target, lse, weights)
         ctx.epsilon = epsilon
-        return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
+        loss = (1.0 - epsilon) * nll + epsilon * uniform
+        if weights is not None:
+            loss, nll = loss * weights, nll * weights
+        return loss.sum(), nll.sum()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor, grad_nll: torch.Tensor | None):
-        logits, target, lse = ctx.saved_tensors
+        logits, target, lse, weights = ctx.saved_tensors
         _, grad_of = _kernels(logits.device)
         eps, v = ctx.epsilon, logits.shape[-1]
         g_loss = grad_loss.float()
@@ -96,29 +102,36 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         # d/dx of (1-eps)*nll + eps*uniform, scaled by g_loss, plus nll's, scaled by g_nll.
         g = torch.stack([g_loss + g_nll, g_loss * eps / v])
         hit = g_loss * (1.0 - eps) + g_nll
+        if weights is not None:  # each row's own
+            g, hit = g[:, None] * weights, hit * weights
         grad = torch.empty_like(logits)
         for rows in _slices(logits.shape[0], v, logits.device):
-            grad_of(logits[rows], lse[rows], target[rows], g, hit, grad[rows])
-        return grad, None, None
+            row_g, row_hit = (g[:, rows], hit[rows]) if weights is not None else (g, hit)
+            grad_of(logits[rows], lse[rows], target[rows], row_g, row_hit, grad[rows])
+        return grad, None, None, None
 
 
-def _as_formula(logits: torch.Tensor, target: torch.Tensor, epsilon: float):
+def _as_formula(logits: torch.Tensor, target: torch.Tensor, epsilon: float, weights: torch.Tensor | None):
     """The same loss in plain operations, for an update traced by torch.compile: the compiler
     fuses the passes over the scores, forward and backward, into a kernel each, and keeps no
     float32 copy of them; the slices above would cut its graph at every one."""
     x = logits.float()
     lse = torch.logsumexp(x, -1)
     nll = lse - x.gather(-1, target[:, None]).squeeze(-1)
-    return ((1.0 - epsilon) * nll + epsilon * (lse - x.mean(-1))).sum(), nll.sum()
+    loss = (1.0 - epsilon) * nll + epsilon * (lse - x.mean(-1))
+    if weights is not None:
+        loss, nll = loss * weights, nll * weights
+    return loss.sum(), nll.sum()
 
 
 def label_smoothed_loss(
-    logits: torch.Tensor, target: torch.Tensor, epsilon: float
+    logits: torch.Tensor, target: torch.Tensor, epsilon: float, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed smoothed loss and summed NLL of (N, V) scores against (N,) targets.
+    """Summed smoothed loss and summed NLL of (N, V) scores against (N,) targets, each row
+    counted `weights` times (N,) if given (0: a padding position, which adds nothing).
 
     The smoothing mass epsilon is spread uniformly over the vocabulary (section 5.4).
     """
     if torch.compiler.is_compiling():
-        return _as_formula(logits, target, epsilon)
-    return _SmoothedCrossEntropy.apply(logits, target, epsilon)
+        return _as_formula(logits, target, epsilon, weights)
+    return _SmoothedCrossEntropy.apply(logits, target, epsilon, weights)

@@ -67,6 +67,9 @@ class Attention(nn.Module):
         self.q = nn.Linear(d, d)
         self.kv = nn.Linear(d, 2 * d)  # keys and values in one matmul
         self.out = nn.Linear(d, d)
+        # Self-attention's queries, keys and values from one product of the three matrices side
+        # by side (Transformer.set_kernels): the same function, in one kernel instead of two.
+        self.fused_qkv = False
 
     def split(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
@@ -79,8 +82,19 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None, causal: bool = False
     ) -> Tensor:
-        q = self.split(self.q(x))  # (B, H, n, K)
-        k, v = kv  # (B, H, m, K)
+        return self.attend(self.split(self.q(x)), kv, mask, causal)
+
+    def attend_self(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """x attending to itself (every position at once)."""
+        if not self.fused_qkv:
+            return self(x, self.keys_values(x), mask, causal)
+        weight = torch.cat([self.q.weight, self.kv.weight])  # (3D, D)
+        q, k, v = F.linear(x, weight, torch.cat([self.q.bias, self.kv.bias])).chunk(3, dim=-1)
+        return self.attend(self.split(q), (self.split(k), self.split(v)), mask, causal)
+
+    def attend(self, q: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None, causal: bool) -> Tensor:
+        """The heads' queries (B, H, n, K) over keys and values (B, H, m, K) -> (B, n, D)."""
+        k, v = kv
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
         )
@@ -119,7 +133,8 @@ class Residual(nn.Module):
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
         y = dropout(sublayer(self.inner(x)), self.dropout, self.training)
-        return self.norm(x + y) if self.post_norm else x + y
+        # autocast's LayerNorm answers in float32: the stream keeps its own dtype (a narrowed one)
+        return self.norm(x + y).to(x.dtype) if self.post_norm else x + y
 
     def inner(self, x: Tensor) -> Tensor:
         """What the sublayer is given: x itself in post-norm, LayerNorm(x) in pre-norm."""
@@ -135,7 +150,7 @@ class EncoderLayer(nn.Module):
         self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
-        x = self.res1(x, lambda h: self.self_attn(h, self.self_attn.keys_values(h), src_mask))
+        x = self.res1(x, lambda h: self.self_attn.attend_self(h, src_mask))
         return self.res2(x, self.ffn)
 
 
@@ -174,7 +189,7 @@ class DecoderLayer(nn.Module):
         self, h: Tensor, cache: DecoderCache | FixedCache | None = None, layer: int = 0
     ) -> Tensor:
         if cache is None:  # training: every position at once, each sees only its past
-            return self.self_attn(h, self.self_attn.keys_values(h), causal=True)
+            return self.self_attn.attend_self(h, causal=True)
         k, v = cache.append(layer, *self.self_attn.keys_values(h))
         return self.self_attn(h, (k, v), cache.self_mask)  # the new position sees the cached ones
 
@@ -205,7 +220,18 @@ class Transformer(nn.Module):
         self.decoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
         # A faster copy of the output projection for decoding, set by packing.pack_for_cpu.
         self.packed_output: nn.Module | None = None
+        self.narrow_residual = False  # set_kernels
         self.reset_parameters()
+
+    def set_kernels(self, fused_qkv: bool = False, narrow_residual: bool = False) -> None:
+        """How training computes the model. `fused_qkv`: self-attention's three projections in one
+        matrix product (the same function). `narrow_residual`: under autocast, the residual
+        stream between sub-layers in autocast's dtype (bf16, fp16) as a model of bf16 weights
+        keeps it, instead of float32: half the memory traffic of the sums, each one rounded."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.fused_qkv = fused_qkv
+        self.narrow_residual = narrow_residual
 
     def reset_parameters(self) -> None:
         for module in self.modules():
@@ -234,6 +260,8 @@ class Transformer(nn.Module):
             where = self.positions[offset : offset + n]
         x = (self.embed if table is None else table)(tokens) * math.sqrt(self.config.d_model)
         x = x + where.to(x.dtype)
+        if self.narrow_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         return dropout(x, self.config.dropout, self.training)
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:

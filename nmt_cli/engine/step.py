@@ -12,6 +12,7 @@ from nmt_cli.engine import distributed
 from nmt_cli.engine.batches import Batch
 from nmt_cli.engine.loss import label_smoothed_loss
 from nmt_cli.engine.model import Transformer
+from nmt_cli.vocab import PAD
 
 
 class Objective(torch.nn.Module):
@@ -25,14 +26,21 @@ class Objective(torch.nn.Module):
         self.model, self.label_smoothing = model, label_smoothing
 
     def forward(
-        self, src: torch.Tensor, tgt_in: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor
+        self, src: torch.Tensor, tgt_in: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed smoothed loss and summed NLL of the target tokens at `positions` (flat indices
-        into tgt_in, found on the host: padding never reaches the output layer)."""
-        hidden = self.model(src, tgt_in)
-        logits = self.model.logits(hidden.flatten(0, 1).index_select(0, positions))
+        into tgt_in, found on the host: padding never reaches the output layer). Without
+        `positions`, of every position's target, PAD weighted 0: every tensor's shape is then
+        the batch's (batches of fixed shapes)."""
+        hidden = self.model(src, tgt_in).flatten(0, 1)
+        weights = None
+        if positions is not None:
+            hidden = hidden.index_select(0, positions)
+        else:
+            weights = (targets != PAD).float()
+        logits = self.model.logits(hidden)
         with torch.autocast(logits.device.type, enabled=False):  # the loss keeps its own float32
-            return label_smoothed_loss(logits, targets, self.label_smoothing)
+            return label_smoothed_loss(logits, targets, self.label_smoothing, weights)
 
 
 def batch_loss(objective: torch.nn.Module, batch: Batch, autocast) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +64,7 @@ def train_step(
     lr: float,
     autocast,
     group: distributed.Group,
+    fold: bool = False,
 ) -> torch.Tensor:
     """One update from a group of batches: forward, label-smoothed loss, backward, the gradient
     as a per-token mean over all ranks, clipping, Adam; an update whose loss or gradient is not
@@ -65,7 +74,8 @@ def train_step(
     laid out as STEP_FIGURES, for the caller to read when it wants them. `forward` is the
     model's Objective as called for training (DDP and/or compiled); gradients are all-reduced
     after the last batch only. The optimizer must be fused: it is told on the device whether to
-    skip.
+    skip. With `fold`, the gradient's per-token scaling and its clipping are not passes over the
+    gradients of their own: the fused step divides them by one number as it reads them.
     """
     model.train()
     sums = None
@@ -83,13 +93,21 @@ def train_step(
     params = [p for p in model.parameters() if p.grad is not None]
     # The loss is a sum over this rank's tokens and DDP averaged over ranks: make the gradient
     # the mean over every token of the update.
-    torch._foreach_mul_([p.grad for p in params], (group.world / totals[2]).float())
-    norm = torch.nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
+    per_token = (group.world / totals[2]).float()
+    divide = None  # what the fused step divides the gradients by as it reads them
+    if fold:
+        grads = [p.grad for p in params]
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * per_token
+        clip = (clip_norm / (norm + 1e-6)).clamp(max=1.0) if clip_norm else 1.0  # clip_grad_norm_'s
+        divide = 1.0 / (per_token * clip)
+    else:
+        torch._foreach_mul_([p.grad for p in params], per_token)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
     skipped = (~(torch.isfinite(norm) & torch.isfinite(totals[0]))).float()
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
     # GradScaler's protocol with fused optimizers: the step is skipped on the device.
-    optimizer.found_inf, optimizer.grad_scale = skipped, None
+    optimizer.found_inf, optimizer.grad_scale = skipped, divide
     try:
         optimizer.step()
     finally:

@@ -98,9 +98,11 @@ def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
     model_config = config.model_config(data.vocab_size, data.src_vocab_size)
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(device)
+    model.set_kernels(config.fused_qkv, config.narrow_residual)
     if dist.world > 1:  # same initial weights everywhere, different dropout per rank
         torch.manual_seed(config.seed + 7919 * dist.rank)
-    forward = dist.wrap(Objective(model, config.label_smoothing), device, config.compile)
+    objective = Objective(model, config.label_smoothing)
+    forward = dist.wrap(objective, device, config.compile, dynamic=not config.fixed_shapes)
     return Setup(
         dist,
         device,
@@ -168,7 +170,8 @@ class Trainer:
             self.dist,
             resample,
             ahead,
-            ALIGN if config.compile else 1,
+            ALIGN if config.compile or config.fixed_shapes else 1,
+            config.fixed_shapes,
         )
         self.valid_data = Split.of(*data.valid, limit) if data.valid is not None else None
         if len(self.epochs.fixed.keep) == 0:
@@ -287,6 +290,7 @@ class Trainer:
                 lr=lr,
                 autocast=self.autocast,
                 group=self.dist,
+                fold=self.config.fold_scaling,
             )
         )
         if self.compiling:  # the first update traced and compiled the model with its loss
@@ -401,7 +405,8 @@ class Trainer:
                     batches[i : i + c.update_freq]
                     for i in range(self.state.batch, len(batches), c.update_freq)
                 ]
-                for group in on_device(data, updates, self.device, self.collate_ahead):
+                batched = on_device(data, updates, self.device, self.collate_ahead, c.fixed_shapes)
+                for group in batched:
                     self.step(group)
                     reason = self.after_update()
                     if reason:

@@ -103,7 +103,7 @@ def test_the_collation_thread_copies_to_its_rank_gpu(cuda, monkeypatch):
     (resolved to cuda:0) and for cuda:1 (a rank's GPU), not on GPU 0 or an unindexed one."""
     seen = []
 
-    def copied(arrays, device):
+    def copied(arrays, device, every_position=False):
         seen.append((cuda.current(), device))
         return arrays
 

@@ -345,3 +345,54 @@ def test_a_gpu_keeps_attention_off_cudnn_and_flash_kernels():
         b.enable_flash_sdp(before[0])
         b.enable_cudnn_sdp(before[1])
         b.enable_mem_efficient_sdp(before[2])
+
+
+def _loss_and_gradient(post_norm: bool, bf16: bool, **kernels) -> tuple[float, torch.Tensor]:
+    """A small model's label-smoothed loss on a fixed batch and its gradient (the key biases'
+    left out: softmax ignores them, their gradient is rounding noise)."""
+    from nmt_cli.engine.step import Objective
+
+    torch.manual_seed(0)
+    c = ModelConfig(
+        vocab_size=300, num_encoder_layers=2, num_decoder_layers=2, d_model=32, ffn=64, heads=4,
+        dropout=0.0, attention_dropout=0.0, relu_dropout=0.0, post_norm=post_norm,
+    )  # fmt: skip
+    model = Transformer(c)
+    model.set_kernels(**kernels)
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(4, 300, (16, 13), generator=g), torch.randint(4, 300, (16, 11), generator=g)
+    src[:4, -3:] = PAD
+    tgt_in = torch.cat([torch.full((16, 1), BOS), tgt[:, :-1]], 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, _ = Objective(model, 0.1)(src, tgt_in, None, tgt.flatten())
+    loss.backward()
+    grads = [p.grad.flatten() for n, p in model.named_parameters() if not n.endswith("kv.bias")]
+    return loss.item(), torch.cat(grads)
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_one_qkv_product_is_the_same_model(post_norm):
+    """--fused-qkv: self-attention's three projections as one product, the same loss and
+    gradient (float32 to rounding; bf16 autocast far within what bf16 itself moves them)."""
+    loss, grad = _loss_and_gradient(post_norm, False)
+    fused_loss, fused = _loss_and_gradient(post_norm, False, fused_qkv=True)
+    assert fused_loss == pytest.approx(loss, rel=1e-6) and torch.allclose(fused, grad, rtol=1e-4, atol=1e-6)
+    bf16_loss, bf16 = _loss_and_gradient(post_norm, True)
+    fused_loss, fused = _loss_and_gradient(post_norm, True, fused_qkv=True)
+    assert fused_loss == pytest.approx(bf16_loss, rel=1e-3)
+    assert (fused - bf16).norm() < 0.5 * (bf16 - grad).norm()
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_a_narrow_residual_stream_moves_the_loss_no_more_than_bf16_does(post_norm):
+    """--narrow-residual: without autocast nothing changes; under bf16 autocast the stream
+    between sub-layers is bf16, and the loss and gradient stay as close to float32's as bf16
+    autocast's own (a bound measured here, on this CPU, from plain autocast)."""
+    loss, grad = _loss_and_gradient(post_norm, False)
+    same_loss, same = _loss_and_gradient(post_norm, False, narrow_residual=True)
+    assert same_loss == loss and torch.equal(same, grad)
+    bf16_loss, bf16 = _loss_and_gradient(post_norm, True)
+    narrow_loss, narrow = _loss_and_gradient(post_norm, True, narrow_residual=True)
+    assert narrow_loss != bf16_loss  # the stream was narrowed
+    assert abs(narrow_loss - loss) < 1e-3 * loss
+    assert (narrow - grad).norm() < 1.5 * (bf16 - grad).norm() + 1e-3 * grad.norm()

@@ -136,3 +136,39 @@ def test_the_compiled_update_gives_the_eager_loss_and_gradients():
     assert torch.allclose(compiled.float(), eager.float(), rtol=1e-3, atol=1e-3)
     for got, want in zip(compiled_grads, eager_grads):
         assert torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05, 100.0])
+def test_the_folded_scaling_and_clipping_step_as_the_passes_do(clip):
+    """--fold-clipping: the per-token scaling and the clipping divided out inside the fused
+    Adam step give the weights and figures of the passes over the gradients, Adam and AdamW;
+    a non-finite update is skipped alike."""
+    for make in (torch.optim.Adam, torch.optim.AdamW):
+        results = []
+        for fold in (False, True):
+            model = _model()
+            optimizer = make(model.parameters(), lr=0.0, fused=True)
+            figures = [
+                train_step(
+                    model,
+                    Objective(model, 0.1),
+                    optimizer,
+                    torch.amp.GradScaler("cpu", enabled=False),
+                    BATCHES,
+                    clip_norm=clip,
+                    lr=1e-2,
+                    autocast=contextlib.nullcontext,
+                    group=distributed.Group(),
+                    fold=fold,
+                )
+                for _ in range(3)
+            ]
+            results.append((torch.stack(figures), dict(model.named_parameters())))
+        (figures, weights), (folded_figures, folded) = results
+        assert torch.allclose(figures, folded_figures, rtol=1e-5)
+        assert sum((a - b).abs().sum() for a, b in zip(weights.values(), _model().parameters())) > 0.1
+        for name, a in weights.items():
+            b = folded[name]
+            if name.endswith("attn.kv.bias"):  # the key bias's gradient is rounding noise, which
+                a, b = a[len(a) // 2 :], b[len(b) // 2 :]  # Adam scales up to steps of lr
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
