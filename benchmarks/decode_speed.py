@@ -128,14 +128,14 @@ def search_host_work(
 
         rules = NextToken(DecodeOptions(beam=beam), [steps] * sentences, beam, device)
         if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         if beam == 1:
             sampling.greedy(step, lambda rows: None, rules, device)
         else:
             beam_search.search(step, lambda rows: None, rules, device)
         if device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) / taken[0] * 1e3)
     return statistics.median(times[2:])
 

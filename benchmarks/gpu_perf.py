@@ -68,16 +68,23 @@ class _LandedLoss(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None
 
 
-LOSSES = {"landed": _LandedLoss.apply, "fused": step.label_smoothed_loss}
+def _landed(logits, target, epsilon, weights=None):
+    assert weights is None, "the landed loss takes the real target positions only"
+    return _LandedLoss.apply(logits, target, epsilon)
+
+
+LOSSES = {"landed": _landed, "fused": step.label_smoothed_loss}
 
 
 class Bench:
+    FIGURES = "gpu_perf.jsonl"  # in `out`
+
     def __init__(self, args):
         self.dry, self.out, self.budget = args.dry_run, args.out, args.budget
-        self.device = torch.device("cpu" if self.dry else "cuda")
+        self.device = torch.device("cpu" if self.dry else "cuda:0")
         self.start = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.out / "gpu_perf.jsonl").open("a")
+        self.jsonl = (self.out / self.FIGURES).open("a")
         self.ceiling: float | None = None
         self.rounds = args.rounds
         self.loop_tokens = args.loop_tokens
@@ -94,7 +101,7 @@ class Bench:
 
     def sync(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def timed(self, fn, warmup: int = 3, repeats: int = 10) -> float:
         """Median seconds of fn() after warm-up (each call synchronised)."""
@@ -121,7 +128,7 @@ def attention_kernels(policy: str) -> None:
     """ "torch": every SDPA backend allowed, torch choosing; "nmt": nmt's choice (the engine's
     prefer_attention_kernels)."""
     if policy == "nmt":
-        return prefer_attention_kernels(torch.device("cuda"))
+        return prefer_attention_kernels(torch.device("cuda", 0))
     torch.backends.cuda.enable_flash_sdp(True)
     torch.backends.cuda.enable_mem_efficient_sdp(True)
     if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
@@ -178,7 +185,7 @@ def section_machine(b: Bench) -> None:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if b.device.type == "cuda":
         info |= {
-            "gpu": torch.cuda.get_device_name(),
+            "gpu": torch.cuda.get_device_name(b.device),
             "cudnn": torch.backends.cudnn.version(),
             "sdpa_enabled": {
                 "flash": torch.backends.cuda.flash_sdp_enabled(),
@@ -269,8 +276,8 @@ def step_row(b: Bench, name: str, seconds: float, batch: Batch, **labels) -> dic
     share = round(tflops / b.ceiling, 3) if b.ceiling else None  # the machine section measures it
     row |= {"model_tflops": round(tflops, 1), "share_of_ceiling": share}
     if b.device.type == "cuda":
-        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        torch.cuda.reset_peak_memory_stats()
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated(b.device) / 2**30, 2)
+        torch.cuda.reset_peak_memory_stats(b.device)
     return row
 
 
@@ -296,7 +303,10 @@ def top_kernels(b: Bench, fn, label: str, n: int = 12) -> None:
     total = sum(getattr(e, key) for e in events)
     top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:n]
     ops = [[e.key[:60], round(getattr(e, key) / 1e3, 2), e.count] for e in top]
-    b.emit("profile", of=label, wall_ms=round(wall * 1e3, 1), device_ms=round(total / 1e3, 1), top=ops)
+    idle = {"gpu_idle_share": round(max(0.0, 1 - total / 1e6 / wall), 3)} if cuda else {}
+    b.emit(
+        "profile", of=label, wall_ms=round(wall * 1e3, 1), device_ms=round(total / 1e3, 1), **idle, top=ops
+    )
 
 
 def section_step(b: Bench) -> None:
@@ -320,10 +330,10 @@ def section_step(b: Bench) -> None:
                 attention_kernels(kernels)
                 one, batch = make_step(b, model, False, False, sentences)
                 if b.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
+                    torch.cuda.reset_peak_memory_stats(b.device)
                 runs[(loss, kernels)].append(b.timed(one, 3, 10))
                 if b.device.type == "cuda":
-                    peaks[(loss, kernels)] = torch.cuda.max_memory_allocated() / 2**30
+                    peaks[(loss, kernels)] = torch.cuda.max_memory_allocated(b.device) / 2**30
         for (loss, kernels), times in runs.items():
             if times:
                 row = step_row(b, name, statistics.median(times), batch, loss=loss, attention=kernels)
@@ -590,7 +600,8 @@ def main() -> None:
             b.emit(name, error=f"{type(e).__name__}: {str(e)[:300]}")
         b.emit(name, seconds=round(time.perf_counter() - start, 1))
         if b.device.type == "cuda":
-            torch.cuda.empty_cache()
+            with torch.cuda.device(b.device):
+                torch.cuda.empty_cache()
     if b.ceiling is not None:
         b.emit("done", left_s=round(b.left()), ceiling_tflops=round(b.ceiling, 1))
 

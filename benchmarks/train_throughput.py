@@ -12,8 +12,8 @@ nmt's process keeps large blocks in glibc's heap, as the trainer does on a CPU; 
 leaves glibc's setting, to measure what that buys.
 
 `--levers`: each training speed lever that stays behind an option (--fixed-shapes,
---fold-scaling, --fused-qkv, --narrow-residual) alone against none, on one batch, in alternated
-rounds, per shape and precision (CPU or GPU).
+--fold-scaling, --fused-qkv, --narrow-residual) and --attention-dropout 0 alone against none, on
+one batch, in alternated rounds, per shape and precision (CPU or GPU).
 
 GPU (`--device cuda`): each shape in bf16 on 16384 source and 16384 target tokens, eager and
 `torch.compile`d, with model FLOPs utilisation against the bf16 matmul ceiling of the same GPU
@@ -28,6 +28,7 @@ bare step's cold first pass beside them, and the time one checkpoint takes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ from common import SHAPES, batch, cpu_name, matmul_ceiling, model_config, time_s
 from nmt_cli.engine import distributed  # noqa: E402
 from nmt_cli.engine.batches import Batch, to_device  # noqa: E402
 from nmt_cli.engine.device import keep_large_blocks_in_heap  # noqa: E402
-from nmt_cli.engine.model import Transformer  # noqa: E402
+from nmt_cli.engine.model import Attention, Transformer  # noqa: E402
 from nmt_cli.engine.step import Objective, train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def nmt_step(
             group=group,
         )
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
 
     seconds = time_steps(step, 5 if compile else 2, repeats)
     return {
@@ -106,8 +107,10 @@ def nmt_step(
     }
 
 
-# The training speed levers behind options (TrainConfig), each against none of them.
-LEVERS = ("none", "fixed_shapes", "fold_scaling", "fused_qkv", "narrow_residual")
+# The training speed levers behind options (TrainConfig), each against none of them; and
+# --attention-dropout 0, which lets attention take its fused kernels (flash on a CPU; on a GPU
+# the compiler's own), a recipe change whose effect on quality is the recipe's to measure.
+LEVERS = ("none", "fixed_shapes", "fold_scaling", "fused_qkv", "narrow_residual", "attention_dropout_0")
 
 
 def lever_steps(
@@ -133,6 +136,10 @@ def lever_steps(
     def step_of(lever: str):
         model = model_of(shape_name, device)
         model.set_kernels(fused_qkv=lever == "fused_qkv", narrow_residual=lever == "narrow_residual")
+        if lever == "attention_dropout_0":
+            for module in model.modules():
+                if isinstance(module, Attention):
+                    module.dropout = 0.0
         group = distributed.Group()
         forward = group.wrap(Objective(model, 0.1), device, compile, dynamic=lever != "fixed_shapes")
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
@@ -177,13 +184,13 @@ def gpu_matmul_ceiling(dtype=torch.bfloat16, n: int = 8192, repeats: int = 10) -
 
     def product():
         a @ b
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(a.device)
 
     return 2 * n**3 / time_steps(product, 3, repeats) / 1e12
 
 
 def gpu_main(args) -> dict:
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)
     ceiling = gpu_matmul_ceiling()
     results = {
         "gpu": torch.cuda.get_device_name(device),
@@ -203,9 +210,9 @@ def gpu_main(args) -> dict:
                 **ours,
                 "model_tflops": tflops,
                 "mfu": tflops / ceiling,
-                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
             }
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats(device)
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
     return results
@@ -256,7 +263,8 @@ def loop_against_bare(
 ) -> dict:
     """Target tokens/s of the trainer's loop and of bare train_step on the same real batches.
 
-    Both train a fresh model on the first `steps` updates of the first epoch, and are measured
+    Both train a fresh model on the first `steps` updates of the run (over as many epochs as
+    they take: a small corpus at ~25k tokens an update has a few dozen of them), measured
     alike: the median over windows of 10 updates ending after update 20 (the loop's own logged
     windows; the bare step's timed the same way, synchronised at their ends). The bare step runs
     first, cold: the first epoch of a run meets every batch shape once, and kernels choose and
@@ -288,13 +296,18 @@ def loop_against_bare(
             return train_mod.build_trainer(config, RunDir(run), state.Quiet()), run
 
         t, _ = fresh("bare")
-        on_gpu = t.device.type == "cuda"
+        device_of_t = t.device
 
         def sync():
-            if on_gpu:
-                torch.cuda.synchronize()
+            if device_of_t.type == "cuda":
+                torch.cuda.synchronize(device_of_t)
 
-        updates = list(on_device(t.epochs.fixed, [[b] for b in t.epochs.batches(0)[:steps]], t.device))
+        updates = []  # the loop's first `steps` updates, over as many epochs as they take
+        for epoch in itertools.count():
+            if len(updates) >= steps:
+                break
+            planned = [[b] for b in t.epochs.batches(epoch)[: steps - len(updates)]]
+            updates += list(on_device(t.epochs.data(epoch), planned, t.device))
         cold = bare_windows(t, updates, sync, LOG_EVERY)
         bare, looped = [], []
         for r in range(rounds):
@@ -306,7 +319,8 @@ def loop_against_bare(
                 save_seconds = time.perf_counter() - start
             del loop
             t, _ = fresh(f"bare{r}")
-            bare.append([w[1] / w[2] for w in bare_windows(t, updates, sync, LOG_EVERY) if w[0] > SETTLED])
+            warm = bare_windows(t, updates, sync, LOG_EVERY)  # every shape met before
+            bare.append([w[1] / w[2] for w in warm if w[0] > SETTLED])
             del t
     bare_all = [x for round_ in bare for x in round_]
     loop_all = [x for round_ in looped for x in round_]
@@ -318,6 +332,8 @@ def loop_against_bare(
         "steps": steps,
         "rounds": rounds,
         "bare_cold_first_pass_tgt_tokens_per_s": sum(w[1] for w in cold) / sum(w[2] for w in cold),
+        # the same updates' first pass (each batch shape new) against a warm pass, in seconds
+        "cold_over_warm": sum(w[2] for w in cold) / sum(w[2] for w in warm),
         "bare_tgt_tokens_per_s": statistics.median(bare_all),
         "loop_tgt_tokens_per_s": statistics.median(loop_all),
         "loop_over_bare": statistics.median(loop_all) / statistics.median(bare_all),

@@ -77,7 +77,7 @@ def test_train_step_never_waits_for_the_gpu(run_copy):
         assert updates[0][0].src.is_cuda
         step = dict(clip_norm=1.0, lr=1e-4, autocast=t.autocast, group=t.dist)
         trainer.train_step(t.model, t.forward, t.optimizer, t.scaler, updates[0], **step)
-        torch.cuda.synchronize()  # the first step initialises cuBLAS and the scaler
+        torch.cuda.synchronize(t.device)  # the first step initialises cuBLAS and the scaler
         torch.cuda.set_sync_debug_mode("error")
         try:
             figures = [
@@ -259,7 +259,7 @@ def test_beam_search_reads_the_gpu_once_per_step(trained_on_cpu):
     from nmt_cli.rundir import RunDir
 
     path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
-    model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda"), "fp32")
+    model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda", 0), "fp32")
     src = torch.randint(4, 1000, (16, 12), device="cuda")
     src[:, -1] = 3  # EOS
     steps = count_decoding_steps(model)
@@ -288,7 +288,7 @@ def test_decoding_replays_its_steps_as_cuda_graphs_and_finds_what_eager_steps_fi
     from nmt_cli.rundir import RunDir
 
     path = checkpoint.listed(trained_on_cpu / "checkpoints")[-1]
-    model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda"), "fp32")
+    model = load_model(from_run(RunDir(trained_on_cpu), str(path)), torch.device("cuda", 0), "fp32")
     src = torch.randint(4, 1000, (24, 14), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     src[:, -1] = 3  # EOS
     src[5, 6:], src[5, 5] = 0, 3  # PAD after a shorter sentence
