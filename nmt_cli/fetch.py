@@ -31,6 +31,11 @@ CHUNK = 1 << 20
 MAX_UNSIZED = 8 << 30
 
 
+# An HTTP(S) mirror of the pinned files, each under its own name (an organisation's cache, a
+# machine without access to the origins): every download comes from there instead.
+MIRROR_URL = "NMT_MIRROR_URL"
+
+
 @dataclass(frozen=True)
 class Source:
     """One file of a recipe: where it comes from and the sha256 it must have."""
@@ -42,6 +47,12 @@ class Source:
     @property
     def name(self) -> str:
         return posixpath.basename(self.url)
+
+    @property
+    def origin(self) -> str:
+        """Where it is downloaded from: `url`, or its name under $NMT_MIRROR_URL."""
+        mirror = os.environ.get(MIRROR_URL, "").strip()
+        return f"{mirror.rstrip('/')}/{self.name}" if mirror else self.url
 
 
 def fetch(
@@ -99,7 +110,7 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
             headers["Range"] = f"bytes={have}-"
         try:
             with urllib.request.urlopen(
-                urllib.request.Request(source.url, headers=headers), timeout=60
+                urllib.request.Request(source.origin, headers=headers), timeout=60
             ) as response:
                 resumed = have > 0 and response.status == 206
                 if not resumed:
@@ -126,7 +137,7 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
         except _Oversized as e:
             part.unlink(missing_ok=True)
             raise NmtError(
-                f"download of {source.url} sent more than the {e.args[0]} bytes expected; "
+                f"download of {source.origin} sent more than the {e.args[0]} bytes expected; "
                 "refusing it (nothing kept)"
             ) from None
         except urllib.error.HTTPError as e:
@@ -134,7 +145,7 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
                 os.replace(part, dest)  # an earlier try had finished the transfer
                 return
             if e.code not in (408, 429, 500, 502, 503, 504):
-                raise NmtError(f"download of {source.url} failed: HTTP {e.code} {e.reason}") from None
+                raise NmtError(f"download of {source.origin} failed: HTTP {e.code} {e.reason}") from None
             last_error = f"HTTP {e.code} {e.reason}"
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -150,7 +161,7 @@ def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) ->
             )
             time.sleep(wait * 2 ** (attempt - 1))
     raise NmtError(
-        f"could not download {source.url} after {retries} tries ({last_error}); "
+        f"could not download {source.origin} after {retries} tries ({last_error}); "
         f"rerun to resume, or put the file in a folder and pass --mirror"
     )
 

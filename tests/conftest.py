@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -46,9 +47,43 @@ def pytest_report_header(config) -> list[str]:
     ]
 
 
-SHARED_DATA = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data"))
+def _data_root() -> Path:
+    """Where the tests' data is: $NMT_SHARED_DATA; else ../shared/data beside the checkout, where
+    it holds Multi30k; else a cache ($NMT_TEST_DATA, default ~/.cache/nmt/test-data) that
+    multi30k_folder() fills once."""
+    if os.environ.get("NMT_SHARED_DATA"):
+        return Path(os.environ["NMT_SHARED_DATA"])
+    beside = ROOT.parent / "shared" / "data"
+    if (beside / "multi30k" / "train.en.gz").is_file():
+        return beside
+    if os.environ.get("NMT_TEST_DATA"):
+        return Path(os.environ["NMT_TEST_DATA"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nmt" / "test-data"
+
+
+SHARED_DATA = _data_root()
 MULTI30K = SHARED_DATA / "multi30k"
-WMT14 = SHARED_DATA / "wmt14"
+
+
+@functools.cache
+def multi30k_folder() -> Path:
+    """MULTI30K, holding the Multi30k recipe's files, each with its pinned sha256: fetched the
+    first time through nmt's own download (nmt_cli.fetch: resumable, checked; $NMT_MIRROR_URL
+    for a mirror of them) where they are missing."""
+    from nmt_cli import fetch, recipes
+    from nmt_cli.errors import NmtError
+
+    for (_, name), sides in recipes.MULTI30K_FILES.items():
+        for lang, (sha256, size) in sides.items():
+            source = fetch.Source(f"{recipes.MULTI30K_BASE}{name}.{lang}.gz", sha256, size)
+            try:
+                fetch.fetch(source, MULTI30K)
+            except NmtError as e:
+                pytest.fail(
+                    f"the tests' Multi30k copy could not be had in {MULTI30K}: {e} (set NMT_SHARED_DATA "
+                    "to a folder holding multi30k/, or NMT_MIRROR_URL to a mirror of the files)"
+                )
+    return MULTI30K
 
 
 @dataclass
@@ -133,12 +168,7 @@ def one_error_line(result: Result) -> str:
 
 @pytest.fixture(scope="session")
 def multi30k_dir() -> Path:
-    if not (MULTI30K / "train.en.gz").exists():
-        pytest.fail(
-            f"the shared Multi30k copy is missing at {MULTI30K} (see README: tests read "
-            "../shared/data, or set NMT_SHARED_DATA)"
-        )
-    return MULTI30K
+    return multi30k_folder()
 
 
 def run_ok(*commands: list) -> None:

@@ -135,3 +135,19 @@ def test_a_full_disk_is_one_line_naming_the_folder_not_a_retry(server, tmp_path,
     with pytest.raises(NmtError, match=f"{tmp_path} has 0.0 GiB free; data.tgz needs"):
         fetch.fetch(source(server), tmp_path, wait=0)
     assert len(server.requests) == 1  # refused before asking
+
+
+def test_a_mirror_url_serves_every_pinned_file_by_its_name(server, tmp_path, monkeypatch):
+    """$NMT_MIRROR_URL: the file comes from there under its own name, its sha256 checked as
+    ever; without it, from its origin."""
+    server.break_first = False
+    origin = Source(
+        "http://127.0.0.1:9/somewhere/else/data.tgz", hashlib.sha256(PAYLOAD).hexdigest(), len(PAYLOAD)
+    )
+    monkeypatch.setenv(fetch.MIRROR_URL, f"http://127.0.0.1:{server.server_address[1]}/")
+    assert fetch.fetch(origin, tmp_path / "a", wait=0).read_bytes() == PAYLOAD
+    with pytest.raises(NmtError, match="checksum mismatch"):
+        fetch.fetch(Source(origin.url, "0" * 64), tmp_path / "b", wait=0)
+    monkeypatch.delenv(fetch.MIRROR_URL)
+    with pytest.raises(NmtError, match="127.0.0.1:9/somewhere"):
+        fetch.fetch(origin, tmp_path / "c", retries=1, wait=0)

@@ -1,6 +1,6 @@
 """The wmt14-en-fr and wmt16-en-ro code paths, offline, on miniature mirrors with the real
 archive names and inner layout: zip archives (a gzipped member among them), OPUS's TMX, WMT's
-plain and SGML dev and test sets. The text is newstest2014's (German standing in for the other
+plain and SGML dev and test sets. The text is Multi30k's (German standing in for the other
 language)."""
 
 import gzip

@@ -7,7 +7,7 @@ import shutil
 import sys
 
 import pytest
-from conftest import MULTI30K, TINY, one_error_line
+from conftest import TINY, multi30k_folder, one_error_line
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -29,7 +29,7 @@ def quickstarted(tmp_path_factory, multi30k_dir):
                 "--run-dir",
                 str(run_dir),
                 "--mirror",
-                str(MULTI30K),
+                str(multi30k_folder()),
                 "--minutes",
                 "5",
                 *TINY,
@@ -80,7 +80,7 @@ def test_quickstart_rerun_resumes_and_reports_on_stderr_only(tmp_path, nmt, quic
         "--run-dir",
         run,
         "--mirror",
-        MULTI30K,
+        multi30k_folder(),
         "--minutes",
         "5",
         *TINY,
@@ -108,7 +108,7 @@ def test_quickstart_refuses_to_change_the_casing_of_a_run(tmp_path, nmt, quickst
     run = tmp_path / "run"
     shutil.copytree(quickstarted, run)
     spm_before = (run / "bpe" / "spm.model").read_bytes()
-    line = one_error_line(nmt("quickstart", "--run-dir", run, "--mirror", MULTI30K, "--lowercase"))
+    line = one_error_line(nmt("quickstart", "--run-dir", run, "--mirror", multi30k_folder(), "--lowercase"))
     assert "without --lowercase" in line and "new --run-dir" in line
     assert (run / "bpe" / "spm.model").read_bytes() == spm_before
 
@@ -116,7 +116,9 @@ def test_quickstart_refuses_to_change_the_casing_of_a_run(tmp_path, nmt, quickst
 def test_quickstart_lowercase_translates_and_scores_in_lowercase(tmp_path, nmt):
     run = tmp_path / "run"
     tiny = [*TINY, "--max-steps", "10", "--save-every", "10", "--eval-every", "10", "--warmup", "5"]
-    result = nmt("quickstart", "--run-dir", run, "--mirror", MULTI30K, "--minutes", "5", "--lowercase", *tiny)
+    result = nmt(
+        "quickstart", "--run-dir", run, "--mirror", multi30k_folder(), "--minutes", "5", "--lowercase", *tiny
+    )
     assert result.code == 0, result.err
     assert json.loads((run / "bpe.json").read_text())["lowercase"] is True
     hyps = (run / "translations" / "test.de").read_text(encoding="utf-8")
@@ -128,7 +130,7 @@ def test_quickstart_lowercase_translates_and_scores_in_lowercase(tmp_path, nmt):
 def test_quickstart_refuses_a_run_directory_of_another_corpus(run_copy, nmt):
     prep = json.loads((run_copy / "prep.json").read_text())
     (run_copy / "prep.json").write_text(json.dumps({**prep, "recipe": "custom"}))
-    line = one_error_line(nmt("quickstart", "--run-dir", run_copy, "--mirror", MULTI30K))
+    line = one_error_line(nmt("quickstart", "--run-dir", run_copy, "--mirror", multi30k_folder()))
     assert "new --run-dir" in line
 
 
@@ -166,13 +168,15 @@ def test_quickstart_refuses_a_budget_too_short(nmt, tmp_path):
 
 def test_quickstart_passes_unknown_options_to_train_which_rejects_them(nmt, tmp_path):
     line = one_error_line(
-        nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", MULTI30K, "--no-such-option", "3")
+        nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", multi30k_folder(), "--no-such-option", "3")
     )
     assert "--no-such-option" in line
 
 
 def test_quickstart_refuses_launch_options_before_any_step(nmt, tmp_path):
-    line = one_error_line(nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", MULTI30K, "--gpus", "2"))
+    line = one_error_line(
+        nmt("quickstart", "--run-dir", tmp_path / "r", "--mirror", multi30k_folder(), "--gpus", "2")
+    )
     assert "--gpus is not for `nmt quickstart`" in line
     assert not (tmp_path / "r").exists()
 

@@ -1,4 +1,6 @@
-"""A miniature WMT14 mirror: the real archive names and inner layout, a few hundred real lines."""
+"""A miniature WMT14 mirror: the real archive names and inner layout, a few hundred real lines
+(Multi30k's validation pairs: the tests need no more data than Multi30k, which they fetch where
+it is missing)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from conftest import WMT14
+from conftest import multi30k_folder
 
 # Lines that cleaning must drop from the training data, and why.
 DIRTY = [
@@ -19,8 +21,10 @@ DIRTY = [
 
 
 def real_lines(n: int, start: int = 0) -> tuple[list[str], list[str]]:
-    en = gzip.open(WMT14 / "newstest2014.en.gz", "rt", encoding="utf-8").read().splitlines()
-    de = gzip.open(WMT14 / "newstest2014.de.gz", "rt", encoding="utf-8").read().splitlines()
+    """`n` real English-German pairs (at most 1,014)."""
+    folder = multi30k_folder()
+    en = gzip.open(folder / "val.en.gz", "rt", encoding="utf-8").read().splitlines()
+    de = gzip.open(folder / "val.de.gz", "rt", encoding="utf-8").read().splitlines()
     return en[start : start + n], de[start : start + n]
 
 
