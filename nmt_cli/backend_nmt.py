@@ -39,9 +39,9 @@ class Backend:
     """`model`'s parts (one model, or an ensemble's members) on the configured device."""
 
     def __init__(self, model: Model, config: TranslateConfig):
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.threads = torch.get_num_threads()
+        # torch's thread count is the process's: it is set for the searches only, then put back
+        # (a Python program that translates goes on with its own)
+        self.threads = config.threads or torch.get_num_threads()
         self.device = resolve_device(config.device)
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
@@ -110,11 +110,12 @@ class Backend:
                 return work(*args)
 
         workers = min(self.threads, len(batches[0])) if self.device.type == "cpu" else 1
-        if workers < 2:
-            yield from map(one, *batches)
-            return
-        torch.set_num_threads(1)
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads if workers < 2 else 1)
         try:
+            if workers < 2:
+                yield from map(one, *batches)
+                return
             with ThreadPoolExecutor(workers, thread_name_prefix="nmt-decode") as pool:
                 futures = [pool.submit(one, *batch) for batch in zip(*batches)]
                 try:
@@ -124,4 +125,4 @@ class Backend:
                     for future in futures:
                         future.cancel()
         finally:
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(before)

@@ -22,9 +22,10 @@ if os.environ.get("NMT_TEST_GPU") != "1":
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pytest_report_header(config) -> list[str]:
-    """Every log names its machine: the CPU's kind, as torch's kernels see it (a forced
-    ATEN_CPU_CAPABILITY too), the threads, and what `--precision auto` picks for training."""
+def machine_lines() -> list[str]:
+    """The machine, as every log of the suite names it: the CPU's kind, as torch's kernels see it
+    (a forced ATEN_CPU_CAPABILITY too), the threads, and what `--precision auto` picks for
+    training (held to fp32 where the kernels are held below bf16)."""
     import torch
 
     from nmt_cli.engine.device import cpu_has_bf16
@@ -34,17 +35,44 @@ def pytest_report_header(config) -> list[str]:
         (k for k, f in (("amx", "amx_bf16"), ("bf16", "avx512_bf16"), ("avx512", "avx512f")) if f in flags),
         "avx2",
     )
+    facts = dict(line.split(":", 1) for line in flags.splitlines()[:30] if ":" in line)
+    facts = {k.strip(): v.strip() for k, v in facts.items()}
+    name, family, number = (facts.get(k, "?") for k in ("model name", "cpu family", "model"))
+    model = f"{name}, family {family} model {number}"
     forced = {
         v: os.environ[v]
         for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "CT2_FORCE_CPU_ISA")
         if v in os.environ
     }
     return [
-        f"cpu: {kind}; torch kernels: {torch.backends.cpu.get_cpu_capability()}"
+        f"cpu: {model} ({kind}); torch kernels: {torch.backends.cpu.get_cpu_capability()}"
         + (f" (forced: {forced})" if forced else ""),
         f"threads: {torch.get_num_threads()}; --precision auto trains in "
         f"{'bf16' if cpu_has_bf16() else 'fp32'} (the fixtures in fp32 on every CPU)",
     ]
+
+
+def pytest_sessionstart(session) -> None:
+    """Name the machine at the top of every log, `-q` too (which hides the report header)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in machine_lines():
+            reporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def as_found():
+    """Each test leaves torch's thread count and the environment as it found them: what a later
+    test trains or decodes must not depend on the order of the tests."""
+    import torch
+
+    threads, env = torch.get_num_threads(), dict(os.environ)
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def _data_root() -> Path:

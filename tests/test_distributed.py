@@ -476,3 +476,18 @@ def test_gloo_binds_the_interface_that_reaches_the_rendezvous_host(monkeypatch):
         address = distributed.interface_address(name)
         if address is not None:
             assert distributed.interface_towards(address) in {name, "lo"}
+
+
+def test_the_launchers_workers_share_the_cores_unless_a_thread_count_was_chosen(monkeypatch):
+    """OMP_NUM_THREADS: cores // workers while the launcher starts them, then gone again; a
+    value the user (or CI) set is theirs, kept as it is."""
+    from nmt_cli.config import cpus
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with launcher._worker_threads(2):
+        assert os.environ["OMP_NUM_THREADS"] == str(max(1, cpus() // 2))
+    assert "OMP_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    with launcher._worker_threads(2):
+        assert os.environ["OMP_NUM_THREADS"] == "7"
+    assert os.environ["OMP_NUM_THREADS"] == "7"

@@ -303,3 +303,23 @@ def test_worker_options_that_cannot_be_had_are_one_line(trained, nmt):
         (["--procs", "2", "--engine", "ctranslate2"], "CTranslate2 decodes several batches"),
     ):
         assert said in one_error_line(nmt("translate", "--run-dir", trained, *flags, stdin=b"A dog.\n"))
+
+
+def test_the_python_api_sets_its_threads_for_its_searches_only(trained, monkeypatch):
+    """Translator.load(threads=1) decodes on one thread and leaves the program's own thread
+    count as it was, before and after (torch's count is the whole process's)."""
+    import torch
+
+    from nmt_cli.engine import decoding
+    from nmt_cli.translator import Translator
+
+    torch.set_num_threads(2)
+    seen = []
+    translate = decoding.translate
+    monkeypatch.setattr(
+        decoding, "translate", lambda *a, **k: seen.append(torch.get_num_threads()) or translate(*a, **k)
+    )
+    api = Translator.load(trained, threads=1)
+    assert torch.get_num_threads() == 2
+    assert len(api.translate(["a dog runs .", "two men talk ."])) == 2
+    assert seen == [1] and torch.get_num_threads() == 2

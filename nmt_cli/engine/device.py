@@ -55,9 +55,22 @@ def dtype_of(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
+# oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) below bf16 arithmetic, and torch's own
+# (ATEN_CPU_CAPABILITY): kernels held to them emulate bf16, whatever the CPU has.
+NO_BF16_ISA = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+NO_BF16_CAPABILITY = {"default", "avx2"}
+
+
 def cpu_has_bf16() -> bool:
-    """Whether the CPU has bf16 arithmetic (AVX512_BF16 or AMX); without it bf16 is emulated and
-    slower than fp32. torch offers no public query; these two private ones exist since 2.1."""
+    """Whether the CPU computes bf16 in hardware (AVX512_BF16 or AMX) and the kernels may use
+    it; without, bf16 is emulated and slower than fp32. A process whose kernels are held to an
+    older instruction set (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2: how CI runs an
+    AVX2-only machine's arithmetic on a newer CPU) is told no, as that machine would be. torch
+    offers no public query; these two private ones exist since 2.1."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in NO_BF16_ISA:
+        return False
+    if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in NO_BF16_CAPABILITY:
+        return False
     checks = (getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
     return any(check() for check in checks if check is not None)
 

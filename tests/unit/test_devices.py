@@ -275,3 +275,20 @@ def test_the_strict_recorders_refuse_what_torch_lets_through(cuda):
         with pytest.raises(Mistake, match="empty"):
             graph.capture_end()
     np.testing.assert_equal(cuda.current(), 0)
+
+
+def test_bf16_arithmetic_is_what_the_kernels_may_use_not_only_what_the_cpu_has(monkeypatch):
+    """CI's forced pass holds the kernels to AVX2 on a newer CPU: --precision auto must then
+    choose as an AVX2-only machine does (fp32), though the CPU has bf16 arithmetic."""
+    from nmt_cli.engine.device import cpu_has_bf16
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    for name in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_has_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not cpu_has_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert cpu_has_bf16()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert not cpu_has_bf16()
