@@ -342,7 +342,8 @@ def test_draws_follow_the_distribution_as_top_k_top_p_and_temperature_shape_it()
     assert shares() == pytest.approx(probs.tolist(), abs=0.01)
     assert shares(topk=2) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)
     assert shares(topp=0.7) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)  # 0.5 falls short of 0.7
-    assert shares(topp=0.5) == [1.0, 0.0, 0.0, 0.0]
+    assert shares(topp=0.45) == [1.0, 0.0, 0.0, 0.0]  # 0.5 alone reaches it
+    assert shares(topp=0.55) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)  # 0.5 falls short
     # top-p within what top-k kept: 0.5 / 0.95 + 0.3 / 0.95 falls short of 0.9
     assert shares(topk=3, topp=0.9) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], abs=0.01)
     assert shares(topk=3, topp=0.8) == pytest.approx([0.625, 0.375, 0, 0], abs=0.01)

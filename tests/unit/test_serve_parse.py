@@ -18,11 +18,39 @@ def request(**fields) -> bytes:
     return json.dumps({"text": ["a b c"], **fields}).encode()
 
 
+# A value other than the server's default for every decoding option, and the options it needs
+# beside it (a sampling option needs "sample").
+CHANGED = {
+    "beam": (6, {}),
+    "alpha": (1.5, {}),
+    "max_len_a": (2.0, {}),
+    "max_len_b": (7, {}),
+    "max_len": (9, {}),
+    "min_len": (3, {}),
+    "no_repeat_ngram": (2, {}),
+    "repetition_penalty": (1.3, {}),
+    "coverage_penalty": (0.4, {}),
+    "nbest": (2, {}),
+    "scores": (True, {}),
+    "sample": (True, {}),
+    "topk": (5, {"sample": True}),
+    "topp": (0.8, {"sample": True}),
+    "temperature": (0.7, {"sample": True}),
+    "seed": (9, {}),
+    "alignments": (True, {}),
+    "tag": ("<bt>", {}),
+}
+
+
 def test_every_decoding_option_is_a_request_field():
-    for field in dataclasses.fields(DecodeOptions):
-        value = getattr(DEFAULTS, field.name)
-        asked = parse(request(**{field.name: value}), ServeConfig(), DEFAULTS)
-        assert asked.text == ["a b c"] and asked.options == DEFAULTS, field.name
+    """Each option a request sets reaches the search, the rest stay the server's defaults; a
+    new DecodeOptions field must be added here."""
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(DecodeOptions)}
+    for name, (value, needs) in CHANGED.items():
+        assert value != getattr(DEFAULTS, name), name
+        asked = parse(request(**{name: value}, **needs), ServeConfig(), DEFAULTS, tags=("<bt>",))
+        assert asked.text == ["a b c"], name
+        assert asked.options == dataclasses.replace(DEFAULTS, **{name: value}, **needs), name
 
 
 def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
