@@ -148,16 +148,19 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
 def compile_cache(run: RunDir):
     """torch.compile's caches in the run directory while it trains: a resumed run (on another
     machine too, or after /tmp was cleared) reuses the kernels compiled before instead of
-    compiling them again. A cache directory the user chose stays theirs (torch itself writes
-    its default into the variable once it has compiled something)."""
+    compiling them again, in a folder of the CPU's kind (cpu_kind: a run resumed on another
+    kind of CPU compiles its own). A cache directory the user chose stays theirs (torch itself
+    writes its default into the variable once it has compiled something)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from nmt_cli.engine.device import cpu_kind
 
     key = "TORCHINDUCTOR_CACHE_DIR"
     before = os.environ.get(key)
     if before is not None and os.path.abspath(before) != os.path.abspath(default_cache_dir()):
         yield
         return
-    os.environ[key] = str(run.compile_cache)
+    os.environ[key] = str(run.compile_cache / cpu_kind())
     try:
         yield
     finally:

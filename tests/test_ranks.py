@@ -334,6 +334,69 @@ def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes_bit_identica
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT], ids=lambda s: s.name)
+def test_every_stopping_signal_to_the_launcher_is_passed_on_and_saved(run_copy, signum):
+    """Ctrl-C, a closed terminal, SIGQUIT: the launcher passes each on, the workers save where
+    they are and the job exits 128 + its number (SIGTERM and the resume: the test above)."""
+    launcher = subprocess.Popen(_cmd(run_copy, "--save-every", "1000"), stderr=subprocess.PIPE, text=True)
+    metrics = run_copy / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
+        assert time.monotonic() < deadline and launcher.poll() is None, "no step 10 in 3 minutes"
+        time.sleep(0.05)
+    launcher.send_signal(signum)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signum, err
+    stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {signum.name} at step")]
+    assert len(stopped) == 1 and "Traceback" not in err, err
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert step >= 10 and checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith(f"{step:08d}.pt")
+
+
+@pytest.mark.slow
+def test_a_worker_that_does_not_stop_is_killed_after_the_grace(run_copy, tmp_path):
+    """--stop-grace: a worker still running that long after the signal is killed; the launcher
+    does not wait for it (here rank 1 hangs in its signal handler)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    from nmt_cli.engine import trainer\n"
+        "    trainer.Trainer._on_signal = lambda self, signum, frame: time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    launcher = subprocess.Popen(
+        _cmd(run_copy, "--stop-grace", "3"), stderr=subprocess.PIPE, text=True, env=env
+    )
+    _wait_for(run_copy / "checkpoints" / "checkpoint_00000005.json", launcher)
+    launcher.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    _, err = launcher.communicate(timeout=120)
+    assert time.monotonic() - start < 60, err  # not the 600 s the worker would take
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    assert not [p for p in children(launcher.pid)]
+
+
+@pytest.mark.slow
+def test_patience_stops_every_rank_at_the_same_update(run_copy):
+    """--patience on 2 ranks: rank 0's decision, shared, stops both at one update and the job
+    ends well (the validation loss never moves: steps of 1e-30 change no output)."""
+    done = subprocess.run(
+        _cmd(run_copy, "--lr-scale", "1e-30", "--patience", "2", "--eval-every", "3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "validation loss did not improve in 2 evaluations (--patience)" in done.stderr, done.stderr
+    valid = [r for r in _metrics(run_copy) if r["kind"] == "valid"]
+    assert [r["step"] for r in valid] == [3, 6, 9]  # the first, then two without improvement
+    assert checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith("00000009.pt")
+
+
+@pytest.mark.slow
 def test_a_workers_own_error_is_one_line_and_not_restarted(run_copy, tmp_path):
     """An error that is the worker's own (here the message CUDA gives an illegal memory access,
     raised on purpose on rank 1) is the job's one error line, not a restart into the same error."""

@@ -110,6 +110,27 @@ def test_sigterm_then_resume_is_exact(run_copy, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP, signal.SIGQUIT], ids=lambda s: s.name)
+def test_ctrl_c_a_closed_terminal_and_sigquit_stop_after_a_checkpoint(run_copy, signum):
+    """Each signal that stops a run (as SIGTERM does, tested above) saves where it is and exits
+    128 + its number with one line saying how to go on."""
+    cmd = _cmd(run_copy)
+    cmd[cmd.index("--save-every") + 1] = "1000"  # only the signal's checkpoint
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    metrics = run_copy / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err
+    stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {signum.name} at step")]
+    assert len(stopped) == 1 and "Traceback" not in err, err
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert step >= 10 and _newest_step(run_copy) == step
+
+
 def test_disk_failure_while_checkpointing_keeps_the_previous_one(run_copy, nmt, monkeypatch):
     real_save = torch.save
     calls = {"n": 0}

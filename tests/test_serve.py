@@ -37,9 +37,10 @@ class Server:
             env={**os.environ, **(env or {})},
         )
         line = read_line(self.proc.stderr, DEADLINE).decode()
-        found = re.search(r"http://[\d.]+:(\d+)", line)
+        found = re.search(r"http://([\d.]+):(\d+)", line)
         assert found, line
-        self.url = f"http://127.0.0.1:{found.group(1)}"
+        self.host, self.port = found.group(1), int(found.group(2))
+        self.url = f"http://{self.host}:{self.port}"
 
     def post(self, body: bytes | dict, path: str = "/translate", **headers: str) -> tuple[int, dict, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -57,8 +58,7 @@ class Server:
         import socket
 
         data = json.dumps(body).encode()
-        port = int(self.url.rsplit(":", 1)[1])
-        connection = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE)
+        connection = socket.create_connection((self.host, self.port), timeout=DEADLINE)
         connection.sendall(
             b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(data)}\r\n\r\n".encode()
@@ -240,6 +240,21 @@ def test_the_queue_weighs_a_sentence_by_its_hypotheses_and_output_limit(package)
     assert forced > n + d.max_len_b
     assert t.work([line, line], d, prefixes=[long, ""]) == [d.rows * (forced + 1), d.rows * (n + d.max_len_b)]
     assert t.work([line], d, constraints=[[long, long]]) == [d.rows * min(2 * forced + 1, t.max_src)]
+
+
+def test_the_server_listens_on_the_address_it_is_given(package):
+    """--host: the server answers on that address and on no other (127.0.0.2 is this machine
+    too, as the whole of 127.0.0.0/8 is)."""
+    import socket
+
+    server = Server(package, "--host", "127.0.0.2")
+    try:
+        assert server.host == "127.0.0.2"
+        assert server.get("/health")[0] == 200
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE).close()
+    finally:
+        assert server.stop() == 0
 
 
 def test_an_api_key_guards_translate_but_not_health(package):

@@ -405,3 +405,22 @@ def test_requests_that_differ_only_in_seed_or_alpha_share_a_batch():
     assert decoder.batches[1:] == [["a", "b"], ["c"], ["d", "e"]]
     assert [o.alpha for o in decoder.options[1]] == [0.0, 2.0]
     assert [o.seed for o in decoder.options[3]] == [1, 2]
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_no_batching_decodes_each_request_alone(batching):
+    """--no-batching: each request is a decoding batch of its own, however many wait together
+    (with batching, requests that wait together share one)."""
+    import asyncio
+
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        return await asyncio.gather(post(["a", "b"]), post(["c"]), post(["d", "e", "f"]))
+
+    answers = _in_process(decoder, scenario, max_wait_ms=300, batching=batching)
+    assert [a[1]["translations"] for a in answers] == [["A", "B"], ["C"], ["D", "E", "F"]]
+    if batching:
+        assert decoder.batches == [["a", "b", "c", "d", "e", "f"]]
+    else:
+        assert sorted(decoder.batches) == [["a", "b"], ["c"], ["d", "e", "f"]]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import (
     TINY,
+    nmt_command,
     one_error_line,
     tiny_trainer,
 )
@@ -359,8 +360,30 @@ def test_a_compiled_update_meets_lengths_on_multiples_of_8_and_is_traced_once(ru
     assert counter.frame_count == 1 and t.state.step == 3
 
 
+@pytest.mark.soak
+def test_a_compiled_run_resumes_on_another_kind_of_cpu(run_copy):
+    """A --compile run resumed with the CPU's kernels held to AVX2 (another kind of CPU, as a
+    cluster's nodes differ) compiles kernels of its own beside the first kind's and trains on:
+    kernels cached under one kind crashed a compiled step under another. Two compiles of the
+    update: in the soak set."""
+    cmd = nmt_command(
+        "train", "--run-dir", run_copy, *TINY, "--compile", "--max-steps", 2, "--save-every", 2,
+        "--eval-every", 100,
+    )  # fmt: skip
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    cmd[cmd.index("--max-steps") + 1] = "4"
+    avx2 = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=avx2)
+    assert again.returncode == 0 and "resuming from step 2" in again.stderr, again.stderr
+    kinds = [p for p in RunDir(run_copy).compile_cache.iterdir() if p.is_dir()]
+    assert len(kinds) == 2 and all(any(p.rglob("*")) for p in kinds), kinds
+
+
 def test_the_compile_cache_is_the_runs_unless_the_user_chose_one(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from nmt_cli.engine.device import cpu_kind
 
     run, key = RunDir(tmp_path), "TORCHINDUCTOR_CACHE_DIR"
     for before in (None, default_cache_dir()):  # none set, or torch's default written in
@@ -369,8 +392,17 @@ def test_the_compile_cache_is_the_runs_unless_the_user_chose_one(tmp_path, monke
         else:
             monkeypatch.setenv(key, before)
         with train_mod.compile_cache(run):
-            assert os.environ[key] == str(run.compile_cache)
+            assert os.environ[key] == str(run.compile_cache / cpu_kind())
         assert os.environ.get(key) == before
+    # Each kind of CPU its own kernels: another kernel level or another oneDNN cap, another folder.
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    kinds = {cpu_kind()}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    kinds.add(cpu_kind())
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SOMETHING_ELSE")
+    kinds.add(cpu_kind())
+    assert len(kinds) == 3
     monkeypatch.setenv(key, str(tmp_path / "mine"))
     with train_mod.compile_cache(run):
         assert os.environ[key] == str(tmp_path / "mine")

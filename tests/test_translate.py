@@ -227,6 +227,25 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     alone = nmt("translate", "--model", last, *FAST, stdin=stdin)
     twice = nmt("translate", "--model", last, "--model", last, *FAST, stdin=stdin)
     assert twice.out == alone.out
+    # The Python API's ensemble (the guide's Translator.load([a, b])) is the command line's.
+    api = Translator.load([first, last], max_len_b=6)
+    assert api.translate(lines) == both.out.split("\n")[:-1]
+    # score-pairs with two models: each pair's log-probability the mean of the models' per
+    # step, as forced decoding of the ensemble gives it (one model twice: that model).
+    pairs = tmp_path / "pairs"
+    pairs.mkdir()
+    (pairs / "src").write_text("A dog runs on the grass.\nTwo men play football in a park.\n")
+    (pairs / "tgt").write_text("Ein Hund läuft auf dem Gras.\nZwei Männer spielen Fußball.\n")
+    files = ["--src", pairs / "src", "--tgt", pairs / "tgt"]
+    one = nmt("score-pairs", "--model", last, *files)
+    pair = nmt("score-pairs", "--model", last, "--model", last, *files)
+    mixed = nmt("score-pairs", "--model", first, "--model", last, *files)
+    assert one.code == pair.code == mixed.code == 0, (one.err, pair.err, mixed.err)
+    assert pair.out == one.out and mixed.out != one.out and len(mixed.out.splitlines()) == 2
+    ensemble = Translator.load([first, last]).score(
+        ["A dog runs on the grass."], ["Ein Hund läuft auf dem Gras."]
+    )
+    assert float(mixed.out.splitlines()[0].split("\t")[0]) == pytest.approx(ensemble[0].total, abs=1e-3)
     # score translates with the ensemble too, from a package and a checkpoint.
     package = tmp_path / "pkg"
     assert nmt("export", str(package), "--model", first).code == 0

@@ -75,6 +75,25 @@ def cpu_has_bf16() -> bool:
     return any(check() for check in checks if check is not None)
 
 
+def cpu_kind() -> str:
+    """The instruction sets this process's CPU kernels are built for, as a folder name: torch's
+    kernel level, oneDNN's cap, and the CPU's vector extensions (hashed). Compiled kernels are
+    kept apart by it: kernels compiled on one kind of CPU crashed a compiled step on another."""
+    import hashlib
+
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+        flags = " ".join(
+            sorted(f for f in line.split() if f.startswith(("avx", "amx", "fma", "f16c", "sse")))
+        )
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower()
+    digest = hashlib.sha256(f"{flags}|{cap}".encode()).hexdigest()[:8]
+    return f"cpu-{capability}{'-' + cap if cap else ''}-{digest}"
+
+
 def widen_onednn_cache(capacity: int = 16384) -> None:
     """Let oneDNN keep `capacity` compiled kernels instead of its default 1,024.
 

@@ -44,6 +44,11 @@ from nmt_cli.shards import Shard
 # update again for each alignment, or fail on a misaligned bias (pytorch#163083, #150403).
 ALIGN = 8
 
+# The signals that stop a run after a checkpoint: a scheduler's or the user's SIGTERM and
+# Ctrl-C, a closed terminal's SIGHUP, Ctrl-\'s SIGQUIT; the launcher passes each on to its
+# workers (torch's elastic agent forwards these four).
+STOPPING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
+
 # Updates in a window of training figures (engine/figures.py): the host reads them only this
 # often (and at validations and checkpoints); signals and the time budget are looked at then too.
 LOG_EVERY = 10
@@ -391,7 +396,7 @@ class Trainer:
         """Train until a limit is reached; returns the last figures."""
         self.resume()
         self._started = self._window_start = time.monotonic()
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOPPING}
         c = self.config
         resumed_at = self.state.step
         try:
