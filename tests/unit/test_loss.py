@@ -71,27 +71,6 @@ def test_the_loss_in_slices_equals_it_whole(monkeypatch, dtype):
     assert module._slices(10**6, 32000, torch.device("cuda", 0)) == [slice(0, 10**6)]
 
 
-def test_the_compiled_slice_kernels_equal_the_eager_ones():
-    """What a GPU runs (the slice functions compiled) against what the CPU runs, on the CPU."""
-    from nmt_cli.engine import loss as module
-
-    torch.manual_seed(2)
-    x = (3 * torch.randn(23, 40)).bfloat16()
-    target = torch.randint(0, 40, (23,))
-    sums = torch.compile(module._row_sums, dynamic=True)
-    grad_of = torch.compile(module._row_grad, dynamic=True)
-    lse, uniform = sums(x)
-    lse_eager, uniform_eager = module._row_sums_eager(x)
-    assert torch.allclose(lse, lse_eager, atol=1e-5) and torch.allclose(uniform, uniform_eager, atol=1e-5)
-    g, hit = torch.tensor([1.5, 0.01]), torch.tensor(0.9)
-    out = torch.full((30, 40), float("nan"), dtype=torch.bfloat16)
-    expected = out.clone()
-    grad_of(x, lse, target, g, hit, out[:23])
-    module._row_grad_eager(x, lse, target, g, hit, expected[:23])
-    assert torch.allclose(out[:23].float(), expected[:23].float(), atol=1e-2)
-    assert out[23:].isnan().all()  # only the rows given were written
-
-
 @pytest.mark.parametrize("kind", ["inverse-sqrt", "linear", "cosine", "constant"])
 def test_every_schedule_warms_up_to_its_peak_and_keeps_its_floor(kind):
     w, peak, floor, end = 100, 1e-3, 1e-5, 1000

@@ -1,0 +1,57 @@
+"""What torch.compile makes of the engine, against the eager code on the CPU: the whole update
+(model, output layer, loss) and the loss's slice kernels a GPU runs compiled. Each compiles for
+tens of seconds, which is why they are not in tests/unit."""
+
+import torch
+from updates import BATCHES, small_model
+
+from nmt_cli.engine import distributed
+from nmt_cli.engine.step import Objective, batch_loss
+
+
+def test_the_compiled_update_gives_the_eager_loss_and_gradients():
+    """--compile traces the model, its output layer and the loss as one graph, where the loss
+    is the plain formula the compiler fuses: the same loss, NLL and gradients as the eager
+    update's hand-written loss, under bf16 autocast, on batches of two shapes."""
+    import torch._dynamo
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    results = []
+    for compile in (False, True):
+        torch._dynamo.reset()
+        model = small_model()
+        objective = distributed.Group().wrap(Objective(model, 0.1), torch.device("cpu"), compile)
+        figures = []
+        for batch in BATCHES:
+            loss, nll = batch_loss(objective, batch, autocast)
+            (2 * loss + nll).backward()
+            figures.append(torch.stack([loss.detach(), nll.detach()]))
+        results.append((torch.stack(figures), [p.grad for p in model.parameters()]))
+    torch._dynamo.reset()
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    assert torch.allclose(compiled.float(), eager.float(), rtol=1e-3, atol=1e-3)
+    for got, want in zip(compiled_grads, eager_grads):
+        assert torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_the_compiled_slice_kernels_equal_the_eager_ones():
+    """What a GPU runs (the slice functions compiled) against what the CPU runs, on the CPU."""
+    from nmt_cli.engine import loss as module
+
+    torch.manual_seed(2)
+    x = (3 * torch.randn(23, 40)).bfloat16()
+    target = torch.randint(0, 40, (23,))
+    sums = torch.compile(module._row_sums, dynamic=True)
+    grad_of = torch.compile(module._row_grad, dynamic=True)
+    lse, uniform = sums(x)
+    lse_eager, uniform_eager = module._row_sums_eager(x)
+    assert torch.allclose(lse, lse_eager, atol=1e-5) and torch.allclose(uniform, uniform_eager, atol=1e-5)
+    g, hit = torch.tensor([1.5, 0.01]), torch.tensor(0.9)
+    out = torch.full((30, 40), float("nan"), dtype=torch.bfloat16)
+    expected = out.clone()
+    grad_of(x, lse, target, g, hit, out[:23])
+    module._row_grad_eager(x, lse, target, g, hit, expected[:23])
+    assert torch.allclose(out[:23].float(), expected[:23].float(), atol=1e-2)
+    assert out[23:].isnan().all()  # only the rows given were written
