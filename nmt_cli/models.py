@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export neve
 
 SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.json"
 CT2_WEIGHTS = "model.bin"
-MAX_SPM_BYTES = 64 << 20  # a sentencepiece model of a million pieces is ~20 MB
+MAX_SPM_BYTES = 64 << 20  # several times what a sentencepiece model of a million pieces holds
 NMT, CT2 = "nmt", "ctranslate2"
 VERSION = 2  # 2: a source embedding of its own; a model with one tied embedding is still written as 1
 

@@ -15,7 +15,8 @@ from nmt_cli.files import atomic_write_json
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import read_lines
 
-# Prep, BPE, decoding the test set and scoring take about 30 s on 2 CPU cores; the rest trains.
+# The minute of the budget the steps besides training take (prep, BPE, decoding and scoring the
+# test set; docs/benchmarks.md times them); the rest trains.
 RESERVE_MINUTES = 1.0
 STEPS = 6
 
