@@ -27,7 +27,8 @@ class Backend:
     def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
         ct2 = self._ct2 = require_ctranslate2()
         self._seeded = False
-        kind, index = device_of(ct2, config.device)
+        kind, one = device_of(ct2, config.device)
+        index: int | list[int] = one
         if gpus:  # a replica on each GPU; search() hands over all its batches at once
             if gpus > ct2.get_cuda_device_count():
                 raise NmtError(f"--gpus {gpus}, but CTranslate2 sees {ct2.get_cuda_device_count()} GPUs")

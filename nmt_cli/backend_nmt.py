@@ -22,7 +22,7 @@ from nmt_cli.models import Model
 def load_model(model: Model, device: torch.device, precision: str) -> Transformer:
     net = undrawn(model.config)
     try:
-        net.load_state_dict(model.load_weights())
+        net.load_state_dict(model.weights())
     except RuntimeError as e:
         raise NmtError(f"{model.where} does not fit its own model config: {str(e).splitlines()[0]}") from None
     net.eval()

@@ -47,7 +47,7 @@ def build_spec(model: Model):
     ct2 = require_ctranslate2()
     from nmt_cli.engine.model import sinusoids
 
-    c, w = model.config, {k: v.float().numpy() for k, v in model.load_weights().items()}
+    c, w = model.config, {k: v.float().numpy() for k, v in model.weights().items()}
     spec = ct2.specs.TransformerSpec.from_config(
         (c.num_encoder_layers, c.num_decoder_layers),
         c.heads,

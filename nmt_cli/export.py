@@ -59,7 +59,7 @@ def export_nmt(model: Model, out: Path) -> None:
             f"{model.where} is a CTranslate2 export: export from the run directory or an nmt package instead"
         )
     with writing(model, out) as staging:
-        weights = {k: v.contiguous() for k, v in model.load_weights().items()}
+        weights = {k: v.contiguous() for k, v in model.weights().items()}
         save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
         os.chmod(staging / WEIGHTS, new_file_mode())  # safetensors writes it 0600
         atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))

@@ -9,6 +9,7 @@ import contextlib
 import datetime as _dt
 import functools
 import hashlib
+import io
 import json
 import os
 import stat
@@ -146,7 +147,7 @@ def check_regular(path: Path, limit: int) -> None:
         os.close(fd)
 
 
-def open_appending(path: Path) -> IO[str]:
+def open_appending(path: Path) -> io.TextIOWrapper:
     """`path` opened to append text (created if need be), only if it is a regular file."""
     return os.fdopen(
         open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, new_file_mode()), "a", encoding="utf-8"

@@ -67,6 +67,12 @@ class Model:
     provenance: dict = field(default_factory=dict)
     members: tuple[Model, ...] = ()  # an ensemble's models, decoded together (`ensemble`)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Its weights as nmt's engine loads them; a CTranslate2 export has none to give."""
+        if self.load_weights is None:
+            raise NmtError(f"{self.where} is a CTranslate2 export: its weights are CTranslate2's own")
+        return self.load_weights()
+
     @property
     def parts(self) -> tuple[Model, ...]:
         """The models a translation runs: an ensemble's members, or this one."""

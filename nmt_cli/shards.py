@@ -67,7 +67,7 @@ class Shard:
         if header[: len(MAGIC)] != MAGIC:
             raise NmtError(f"{idx_path} is not an nmt token index (bad header); rerun `nmt bpe`")
         self.dtype = np.dtype(header[len(MAGIC) :].rstrip(b"\0").decode())
-        self.offsets = np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER)
+        self.offsets: np.ndarray = np.memmap(idx_path, dtype=np.int64, mode="r", offset=HEADER)
         size = bin_path.stat().st_size
         if size != int(self.offsets[-1]) * self.dtype.itemsize:
             raise NmtError(
@@ -75,7 +75,7 @@ class Shard:
                 f"{int(self.offsets[-1]) * self.dtype.itemsize}; rerun `nmt bpe`"
             )
         # np.memmap refuses empty files; an empty split is an empty array.
-        self.tokens = (
+        self.tokens: np.ndarray = (
             np.memmap(bin_path, dtype=self.dtype, mode="r") if size else np.zeros(0, dtype=self.dtype)
         )
 

@@ -46,7 +46,7 @@ def open_binary(path: Path) -> BinaryIO:
     f = open(path, "rb")
     if f.peek(2)[:2] == b"\x1f\x8b":  # gzip, whatever the file is called
         return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
-    return f  # type: ignore[return-value]
+    return f
 
 
 def read_lines(path: Path, damage: Damage | None = None) -> Iterator[str]:

@@ -14,7 +14,7 @@ import sys
 
 from nmt_cli import ui
 from nmt_cli.config import LaunchConfig, TrainConfig, from_json
-from nmt_cli.engine import checkpoint, launcher, state, trainer
+from nmt_cli.engine import checkpoint, launcher, parts, state, trainer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
@@ -170,7 +170,7 @@ def compile_cache(run: RunDir):
             os.environ[key] = before
 
 
-def data_of(run: RunDir) -> trainer.Data:
+def data_of(run: RunDir) -> parts.Data:
     """The binarized data of `run` (`nmt prep` and `nmt bpe`), as the trainer takes it."""
     manifest = run.load_manifest()
     prep, bpe = manifest.get("prep"), manifest.get("bpe")
@@ -184,7 +184,7 @@ def data_of(run: RunDir) -> trainer.Data:
     def pairs(split: str) -> tuple[Shard, Shard]:
         return Shard(run.tokens(split, src)), Shard(run.tokens(split, tgt))
 
-    return trainer.Data(
+    return parts.Data(
         train=pairs("train"),
         valid=pairs("valid") if "valid" in prep["splits"] else None,
         src=src,
@@ -206,7 +206,7 @@ def build_trainer(
     """A Trainer over `run`'s data, writing its checkpoints, best models and figures there,
     handed the parts `config` asks for."""
     data = data_of(run)
-    setup = trainer.build(config, data, reporter)
+    setup = parts.build(config, data, reporter)
     return trainer.Trainer(config, data, run, reporter, setup, bleu_of, init, resample)
 
 

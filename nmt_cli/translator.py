@@ -456,9 +456,8 @@ def requests(
         first = counts.lines
         lines = [decode_line(x, first + i + 1, counts.damage) for i, x in enumerate(raw)]
         starts = _aligned(prefixes, "--prefix", first, len(raw), counts.damage)
-        phrases = _aligned(constraints, "--constraints", first, len(raw), counts.damage)
-        if phrases is not None:
-            phrases = [[p for p in line.split("\t") if p.strip()] for line in phrases]
+        wanted = _aligned(constraints, "--constraints", first, len(raw), counts.damage)
+        phrases = None if wanted is None else [[p for p in line.split("\t") if p.strip()] for line in wanted]
         yield Request(first, lines, starts, phrases)
         counts.lines += len(raw)
     for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -14,6 +14,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -22,7 +23,7 @@ from rich.progress import (
 )
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)  # logs keep whole lines
-_log: TextIO | None = None  # the run directory's log.txt while a command holds the run
+_log: io.TextIOWrapper | None = None  # the run directory's log.txt while a command holds the run
 
 
 def log_to(path: Path | None, header: str = "") -> None:
@@ -34,8 +35,9 @@ def log_to(path: Path | None, header: str = "") -> None:
     if path is not None:
         from nmt_cli.files import open_appending
 
-        _log = open_appending(path)  # line-buffered below: a killed command keeps its lines
-        _log.reconfigure(line_buffering=True)
+        log = open_appending(path)
+        log.reconfigure(line_buffering=True)  # a killed command keeps its lines
+        _log = log
         note(f"=== {header}")
 
 
@@ -121,7 +123,7 @@ class TrainDisplay:
             console=console,
             disable=not self.live,
         )
-        self._task = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> TrainDisplay:
         self._bar.__enter__()

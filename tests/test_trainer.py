@@ -21,7 +21,7 @@ from conftest import (
 
 from nmt_cli import train as train_mod
 from nmt_cli.config import TrainConfig
-from nmt_cli.engine import checkpoint, state, step, trainer
+from nmt_cli.engine import checkpoint, parts, state, step, trainer
 from nmt_cli.engine.batches import (
     Epochs,
     Planned,
@@ -418,7 +418,7 @@ def test_auto_precision_trains_in_bf16_where_the_cpu_has_it(run_copy, monkeypatc
         def say(self, message: str) -> None:
             self.lines.append(message)
 
-    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: cpu_bf16)
+    monkeypatch.setattr(parts, "cpu_has_bf16", lambda: cpu_bf16)
     config = dict(size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1)
     said = Said()
     auto = train_mod.build_trainer(TrainConfig(device="cpu", **config), RunDir(run_copy), said)
@@ -665,13 +665,13 @@ def test_a_trainer_runs_on_data_in_memory_without_a_run_directory(tmp_path):
     src = [list(rng.integers(4, 60, rng.integers(3, 9))) for _ in range(200)]
     tgt = [list(reversed(s)) for s in src]
     shards = (Shard.in_memory(src, 64), Shard.in_memory(tgt, 64))
-    data = trainer.Data(train=shards, valid=shards, src="xx", tgt="yy", vocab_size=64)
+    data = parts.Data(train=shards, valid=shards, src="xx", tgt="yy", vocab_size=64)
     config = TrainConfig(
         size="tiny", d_model=16, ffn=32, heads=2, num_encoder_layers=1, num_decoder_layers=1,
         max_tokens=128, max_steps=6, eval_every=3, save_every=3, warmup=2, device="cpu",
     )  # fmt: skip
     out = Kept()
-    setup = trainer.build(config, data, state.Quiet())
+    setup = parts.build(config, data, state.Quiet())
     trainer.Trainer(config, data, out, state.Quiet(), setup).train()
     assert [r["step"] for r in out.figures if r["kind"] == "valid"] == [3, 6]
     assert [p.name for p in checkpoint.listed(out.checkpoints)] == [

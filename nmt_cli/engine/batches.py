@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from queue import Full, Queue
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from nmt_cli.engine.device import on
 from nmt_cli.engine.distributed import Group
 from nmt_cli.shards import Shard
 from nmt_cli.vocab import BOS, EOS, PAD
+
+# A sentence's token ids: a list, or a shard's array of them.
+Ids = Sequence[int] | np.ndarray
 
 
 @dataclass
@@ -39,7 +43,7 @@ class Split:
     weights: tuple[tuple[int, int, float], ...] = ()
 
     @classmethod
-    def of(cls, s: Shard, t: Shard, limit: int, corpora: list[dict] = ()) -> Split:
+    def of(cls, s: Shard, t: Shard, limit: int, corpora: Sequence[dict] = ()) -> Split:
         """The pairs of `s` and `t`, those with a side over `limit` tokens left out."""
         ends = np.cumsum([c["pairs"] for c in corpora], dtype=np.int64)
         weights = tuple((int(e - c["pairs"]), int(e), float(c["weight"])) for e, c in zip(ends, corpora))
@@ -148,7 +152,8 @@ class _Later:
 
     def __init__(self, fn: Callable, *args):
         self._done = threading.Event()
-        self._result, self._error = None, None
+        self._result: Any = None
+        self._error: BaseException | None = None
         threading.Thread(target=self._run, args=(fn, args), name="nmt-next-epoch", daemon=True).start()
 
     def _run(self, fn: Callable, args: tuple) -> None:
@@ -185,15 +190,12 @@ def to_device(
     src, tgt_in, tgt_out = arrays
     flat = tgt_out.reshape(-1)
     positions = np.flatnonzero(flat != PAD)
-    arrays = (src, tgt_in, flat) if every_position else (src, tgt_in, positions, flat[positions])
-    tensors = [torch.from_numpy(a) for a in arrays]
+    host = [src, tgt_in, flat] if every_position else [src, tgt_in, flat[positions], positions]
+    tensors = [torch.from_numpy(a) for a in host]
     if device.type == "cuda":
         tensors = [t.pin_memory() for t in tensors]
-    tensors = [t.to(device, non_blocking=True) for t in tensors]
-    if every_position:
-        tensors.insert(2, None)
-    src_t, tgt_in_t, positions_t, targets_t = tensors
-    return Batch(src_t, tgt_in_t, positions_t, targets_t, len(positions))
+    src_t, tgt_in_t, targets_t, *where = (t.to(device, non_blocking=True) for t in tensors)
+    return Batch(src_t, tgt_in_t, where[0] if where else None, targets_t, len(positions))
 
 
 def on_device(
@@ -313,7 +315,7 @@ def make_batches(
         longest = longest_i
     if start < n:
         batches.append(order[start:n])
-    rng.shuffle(batches)  # type: ignore[arg-type]
+    rng.shuffle(batches)
     return batches
 
 
@@ -327,7 +329,7 @@ def padding_share(batches: list[Planned], src_lengths: np.ndarray, tgt_lengths: 
     return 1 - real / padded if padded else 0.0
 
 
-def pad_sources(sentences: Sequence[Sequence[int]], rows: int = 0, length: int = 0) -> np.ndarray:
+def pad_sources(sentences: Sequence[Ids], rows: int = 0, length: int = 0) -> np.ndarray:
     """(B, S): each sentence's ids and its EOS, then PAD; at least `rows` x `length`, the rows
     past the sentences an EOS alone (a row of PAD alone would leave attention nothing to see)."""
     shape = (max(rows, len(sentences)), max(length, max((len(x) for x in sentences), default=0) + 1))
@@ -339,7 +341,7 @@ def pad_sources(sentences: Sequence[Sequence[int]], rows: int = 0, length: int =
     return source
 
 
-def pad_targets(ys: Sequence[Sequence[int]], rows: int = 0, length: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def pad_targets(ys: Sequence[Ids], rows: int = 0, length: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(B, T) decoder input BOS + ids, and (B, T) output ids + EOS, PAD after them; at least
     `rows` x `length`, the rows past the sentences a BOS in and nothing to predict."""
     shape = (max(rows, len(ys)), max(length, max((len(y) for y in ys), default=0) + 1))

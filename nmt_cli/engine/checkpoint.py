@@ -68,7 +68,9 @@ def path_for(folder: Path, step: int) -> Path:
 
 def step_of(path: Path) -> int:
     """The step of a checkpoint that `listed` found, from its name."""
-    return int(NAME.match(Path(path).with_suffix(".json").name).group(1))
+    found = NAME.match(Path(path).with_suffix(".json").name)
+    assert found is not None, path  # listed() keeps only names that match
+    return int(found.group(1))
 
 
 def listed(folder: Path) -> list[Path]:

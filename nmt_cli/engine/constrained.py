@@ -102,7 +102,7 @@ def search(
     tokens = torch.full((n * k, 1), BOS, dtype=torch.long, device=device)
     t = 0
     while True:
-        phrases = [constraints[s] for s in active]
+        phrases = [constraints[int(s)] for s in active]
         lprobs = rules(step(tokens).float())
         found = _candidates(lprobs, scores, progress, phrases, rules.at_limit())
         keep, rows, going = [], [], []
@@ -178,7 +178,8 @@ def _choose(
         for (j, token), score in found.items()
         if score > -math.inf
     ]
-    ended, live = [], []
+    ended: list[tuple] = []
+    live: list[tuple] = []
     for rank, c in enumerate(allocate(candidates, [c[3].bank(phrases) for c in candidates], 2 * k)):
         score, j, token, p = candidates[c]
         if token == EOS:

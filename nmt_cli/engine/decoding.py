@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ def _search(
     o = options
     if o.coverage_penalty:  # every finished translation of the beam, ranked with it afterwards
         o = dataclasses.replace(o, nbest=o.beam)
-    ceiling = min([m.config.max_positions - 1 for m in models] + [o.max_len or math.inf])
+    ceiling = int(min([m.config.max_positions - 1 for m in models] + [o.max_len or math.inf]))
     bound = constraints is not None and any(constraints)
     if bound and o.sample:
         raise ValueError("constraints are met by beam search, not by sampling")
@@ -107,7 +108,7 @@ def _search(
     step, reorder = _together(decoders)
     if gone is not None:
         step = _stoppable(step, gone, rules, o.nbest if o.sample else 1)
-    if bound:
+    if bound and constraints is not None:
         return constrained.search(step, reorder, rules, constraints, src.device)
     if o.sample:
         seeds = [sampling.seed_of(stream, j) for stream in streams for j in range(o.nbest)]
@@ -132,12 +133,11 @@ def _covered(
         tgt_in, tgt_out = pad_targets([h.tokens for _, h in flat])
         tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
         sources = src[rows]
-        weights = sum(m.cross_attention(sources, tgt_in_t).float() for m in models) / len(models)
+        weights = torch.stack([m.cross_attention(sources, tgt_in_t).float() for m in models]).mean(0)
         steps = torch.from_numpy(tgt_out != PAD).to(src.device)  # the translation's and its EOS's
         coverage = (weights * steps[..., None]).sum(1)  # (N, S)
         words = (sources != EOS) & (sources != PAD)  # the source's EOS is not a word to cover
-        coverage = coverage.masked_fill(~words, 0.0).tolist()
-        for (_, h), received in zip(flat, coverage):
+        for (_, h), received in zip(flat, coverage.masked_fill(~words, 0.0).tolist()):
             h.score += coverage_penalty(received, options.coverage_penalty)
     return [sorted(found, key=lambda h: -h.score)[: options.nbest] for found in hyps]
 
@@ -228,7 +228,7 @@ def _decoder(
         return step, cache.reorder
     # The reference: rerun the decoder's self-attention on the whole prefix every step (the
     # encoder side, memory and its keys/values, is computed once all the same).
-    state = {
+    state: dict[str, Any] = {
         "kv": model.memory_keys_values(memory.repeat_interleave(k, 0)),
         "mask": src_mask.repeat_interleave(k, 0),
         "prefix": torch.full((src.shape[0] * k, 0), BOS, dtype=torch.long, device=src.device),

@@ -16,7 +16,7 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -116,24 +116,24 @@ class Group:
             # at DDP's defaults (25 MB buckets overlap the backward pass; compiled, fewer and
             # larger: compiled_bucket_mb), and static_graph is for parameters that go unused
             # and activation checkpointing, neither of which is here (docs/scaling.md).
-            buckets = {"bucket_cap_mb": compiled_bucket_mb(model)} if compile else {}
-            model = DistributedDataParallel(
-                model, device_ids=ids, gradient_as_bucket_view=True, **{no_sync: False}, **buckets
-            )
+            settings: dict[str, Any] = {"gradient_as_bucket_view": True, no_sync: False}
+            if compile:
+                settings["bucket_cap_mb"] = compiled_bucket_mb(model)
+            model = DistributedDataParallel(model, device_ids=ids, **settings)
         if not compile:
             return model
         if not dynamic:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
-            return torch.compile(model, dynamic=False)
+            return cast(torch.nn.Module, torch.compile(model, dynamic=False))
         from torch.fx.experimental import _config as shapes_config
 
         shapes_config.use_duck_shape = False
-        return torch.compile(model, dynamic=True)
+        return cast(torch.nn.Module, torch.compile(model, dynamic=True))
 
     def no_sync(self, model: torch.nn.Module):
         """Skip the gradient all-reduce (micro-batches before the last of an update)."""
         if self.active and hasattr(model, "no_sync"):
-            return model.no_sync()
+            return cast(Any, model).no_sync()  # DDP's (through a compiled wrapper too)
         return contextlib.nullcontext()
 
     def barrier(self) -> None:

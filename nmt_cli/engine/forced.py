@@ -25,11 +25,9 @@ def log_probs(
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     tgt_in, tgt_out = pad_targets(tgt)
     tgt_in_t, tgt_out_t = torch.from_numpy(tgt_in).to(src.device), torch.from_numpy(tgt_out).to(src.device)
-    lprobs = 0.0
     for m in models:
         m.eval()
-        lprobs = lprobs + F.log_softmax(m.logits(m(src, tgt_in_t)).float(), dim=-1)
-    lprobs = lprobs / len(models)
+    lprobs = torch.stack([F.log_softmax(m.logits(m(src, tgt_in_t)).float(), dim=-1) for m in models]).mean(0)
     picked = lprobs.gather(2, tgt_out_t[..., None]).squeeze(2).masked_fill(tgt_out_t == PAD, 0.0)
     return picked.sum(1).tolist()
 
@@ -45,7 +43,7 @@ def aligned(
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     tgt_in, _ = pad_targets(tgt)
     tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
-    weights = sum(m.cross_attention(src, tgt_in_t).float() for m in models) / len(models)
+    weights = torch.stack([m.cross_attention(src, tgt_in_t).float() for m in models]).mean(0)
     lengths = ((src != PAD).sum(1) - 1).tolist()  # without the EOS
     out = []
     for row, (y, n) in enumerate(zip(tgt, lengths)):

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 _failed: str | None = None  # why recording failed in this process: the steps run as they are
-_pools: dict[int, tuple[int, int]] = {}  # each GPU's memory pool for the graphs recorded on it
+_pools: dict[int | None, Any] = {}  # each GPU's memory pool for the graphs recorded on it
 
 
 class Replayed:

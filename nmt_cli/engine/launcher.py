@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -153,7 +154,9 @@ def _launch_once(
         run_id = os.environ.get("NMT_RUN_ID", "nmt")
     # The agent sends the signal it got to the workers, waits this long, then SIGKILLs (a
     # LaunchConfig field of recent torch releases; its own default is 30 s).
-    grace = {"shutdown_timeout": grace_s} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
+    grace: dict[str, Any] = {}
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
+        grace["shutdown_timeout"] = grace_s
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,

@@ -12,7 +12,8 @@ D d_model, H heads, K head size (D / H), F FFN size, V vocabulary.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +206,8 @@ class Transformer(nn.Module):
     source and target vocabularies untie the source's (`src_embed`); the target's stays the
     output projection."""
 
+    positions: Tensor  # (max_positions, D) the sinusoids, a buffer
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config = c
@@ -222,6 +225,10 @@ class Transformer(nn.Module):
         self.packed_output: nn.Module | None = None
         self.narrow_residual = False  # set_kernels
         self.reset_parameters()
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        return cast("Sequence[DecoderLayer]", self.decoder)
 
     def set_kernels(self, fused_qkv: bool = False, narrow_residual: bool = False) -> None:
         """How training computes the model. `fused_qkv`: self-attention's three projections in one
@@ -274,7 +281,7 @@ class Transformer(nn.Module):
 
     def memory_keys_values(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Each decoder layer's encoder-decoder K/V, (B, H, S, K) each."""
-        return [layer.cross_attn.keys_values(memory) for layer in self.decoder]
+        return [layer.cross_attn.keys_values(memory) for layer in self.decoder_layers]
 
     def decode(
         self,
@@ -307,7 +314,7 @@ class Transformer(nn.Module):
         x, last = self.embed_tokens(tgt_in), layer % len(self.decoder)
         for i in range(last):
             x = self.decoder[i](x, kv[i], src_mask)
-        return self.decoder[last].cross_weights(x, kv[last], src_mask).mean(1)
+        return self.decoder_layers[last].cross_weights(x, kv[last], src_mask).mean(1)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced decoder states (B, T, D) for a batch of sources and shifted targets."""

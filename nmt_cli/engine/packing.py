@@ -25,6 +25,8 @@ def _packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 class PackedLinear(nn.Module):
     """A frozen linear layer whose weight lives in oneDNN's blocked layout: for decoding only."""
 
+    bias: Tensor | None  # a buffer
+
     def __init__(self, weight: Tensor, bias: Tensor | None):
         super().__init__()
         self.packed = _pack(weight)

@@ -69,10 +69,10 @@ class NextToken:
     def __call__(self, lprobs: Tensor) -> Tensor:
         """This step's `lprobs` (R, V) of the live rows, in place, with what may not come next at
         -inf."""
-        forcing = self.forced is not None and self.t < self.forced.shape[1]
-        if forcing:  # a prefix's token keeps its own log-prob whatever the bans below say
+        kept = None  # a prefix's tokens and their own log-probs, whatever the bans below say
+        if self.forced is not None and self.t < self.forced.shape[1]:
             tokens = self.forced[:, self.t]
-            given = lprobs.gather(1, tokens.clamp(min=0)[:, None])
+            kept = tokens, lprobs.gather(1, tokens.clamp(min=0)[:, None])
         # The host knows whether any row is at its limit: most steps skip the kernels that end one.
         at_limit = self.ending() if self.at_limit().any() else None
         lprobs = allowed(lprobs, at_limit)
@@ -81,8 +81,8 @@ class NextToken:
             lprobs[:, EOS] = -math.inf if at_limit is None else torch.where(at_limit, eos, -math.inf)
         if self.history is not None and self.t >= self.options.no_repeat_ngram - 1:
             ban_repeats(lprobs, self.history, self.options.no_repeat_ngram)
-        if forcing:
-            lprobs = force(lprobs, tokens, given)
+        if kept is not None:
+            lprobs = force(lprobs, *kept)
         return lprobs
 
     def end(self, sentences: Sequence[int]) -> None:

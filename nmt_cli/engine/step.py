@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any, cast
 
 import torch
 
@@ -91,27 +92,28 @@ def train_step(
     totals = group.all_reduce(torch.cat([sums, tokens]))  # loss, NLL, tokens of every rank
     scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
+    grads = [g for p in params if (g := p.grad) is not None]
     # The loss is a sum over this rank's tokens and DDP averaged over ranks: make the gradient
     # the mean over every token of the update.
     per_token = (group.world / totals[2]).float()
     divide = None  # what the fused step divides the gradients by as it reads them
     if fold:
-        grads = [p.grad for p in params]
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) * per_token
         clip = (clip_norm / (norm + 1e-6)).clamp(max=1.0) if clip_norm else 1.0  # clip_grad_norm_'s
         divide = 1.0 / (per_token * clip)
     else:
-        torch._foreach_mul_([p.grad for p in params], per_token)
+        torch._foreach_mul_(grads, per_token)
         norm = torch.nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
     skipped = (~(torch.isfinite(norm) & torch.isfinite(totals[0]))).float()
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
     # GradScaler's protocol with fused optimizers: the step is skipped on the device.
-    optimizer.found_inf, optimizer.grad_scale = skipped, divide
+    told = cast(Any, optimizer)  # the attributes torch's fused step reads, if set
+    told.found_inf, told.grad_scale = skipped, divide
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf, optimizer.grad_scale
+        del told.found_inf, told.grad_scale
     scaler.update()  # with fp16, backs the loss scale off after a non-finite update
     optimizer.zero_grad(set_to_none=True)
     return torch.cat([totals, norm.double()[None], skipped.double()[None]])

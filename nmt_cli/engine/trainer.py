@@ -15,26 +15,18 @@ import math
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
+from nmt_cli.config import TrainConfig
 from nmt_cli.engine import distributed, saving, validation
 from nmt_cli.engine.batches import Batch, Epochs, Split, on_device, padding_share
-from nmt_cli.engine.device import (
-    cpu_has_bf16,
-    dtype_of,
-    keep_large_blocks_in_heap,
-    resolve_device,
-    widen_onednn_cache,
-)
-from nmt_cli.engine.ema import Average
+from nmt_cli.engine.device import dtype_of
 from nmt_cli.engine.figures import Figures, Window
-from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.parts import Data, Setup
 from nmt_cli.engine.schedule import learning_rate
 from nmt_cli.engine.state import Initial, Interrupted, Outputs, Quiet, Reporter, State
-from nmt_cli.engine.step import STEP_FIGURES, Objective, train_step
+from nmt_cli.engine.step import STEP_FIGURES, train_step
 from nmt_cli.errors import NmtError
 from nmt_cli.shards import Shard
 
@@ -52,73 +44,6 @@ STOPPING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SI
 # Updates in a window of training figures (engine/figures.py): the host reads them only this
 # often (and at validations and checkpoints); signals and the time budget are looked at then too.
 LOG_EVERY = 10
-
-
-@dataclass(frozen=True)
-class Data:
-    """What a run trains on: token ids of the training pairs and of the validation pairs (or
-    none), their languages and vocabulary sizes, and the training corpora as `nmt prep` records
-    them (the number of pairs and the sampling weight of each)."""
-
-    train: tuple[Shard, Shard]
-    valid: tuple[Shard, Shard] | None
-    src: str
-    tgt: str
-    vocab_size: int  # the target's
-    corpora: tuple[dict, ...] = ()
-    src_vocab_size: int | None = None  # None: the vocabulary is joint
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What a Trainer is handed besides its data: where it runs (the process group, the device),
-    how it computes, and the parts it trains. `build` makes one from a TrainConfig."""
-
-    dist: distributed.Group
-    device: torch.device
-    precision: str  # resolved: fp32, bf16 or fp16
-    model_config: ModelConfig
-    model: Transformer
-    forward: torch.nn.Module  # the model with its loss as an update calls it (DDP and/or compiled)
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    ema: Average | None
-
-
-def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
-    """The process group, device, precision, model (seeded alike on every rank, sized for
-    `data`'s vocabularies), its DDP and compiled wrapping, optimizer, loss scaler and moving
-    average of `config`."""
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    dist, device = distributed.setup(resolve_device(config.device))
-    if device.type == "cpu":
-        keep_large_blocks_in_heap()
-        widen_onednn_cache()
-    # bf16 training on a CPU with bf16 arithmetic makes more updates at the same loss per
-    # update (docs/benchmarks.md); decoding stays fp32, faster there.
-    precision = resolve_precision(config.precision, device.type, cpu_has_bf16())
-    if config.precision == "auto" and device.type == "cpu" and precision == "bf16" and dist.is_main:
-        reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
-    model_config = config.model_config(data.vocab_size, data.src_vocab_size)
-    torch.manual_seed(config.seed)
-    model = Transformer(model_config).to(device)
-    model.set_kernels(config.fused_qkv, config.narrow_residual)
-    if dist.world > 1:  # same initial weights everywhere, different dropout per rank
-        torch.manual_seed(config.seed + 7919 * dist.rank)
-    objective = Objective(model, config.label_smoothing)
-    forward = dist.wrap(objective, device, config.compile, dynamic=not config.fixed_shapes)
-    return Setup(
-        dist,
-        device,
-        precision,
-        model_config,
-        model,
-        forward,
-        make_optimizer(model, config),
-        torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=precision == "fp16"),
-        Average(model, config.ema) if config.ema else None,
-    )
 
 
 class Trainer:
@@ -159,6 +84,7 @@ class Trainer:
         self.last: dict = {}  # the figures of the last read
         self.saved_at = -1
         self._signal: int | None = None
+        self._started = self._window_start = time.monotonic()  # train() starts them again
 
     def _load_data(self, data: Data, resample: Callable[[int], tuple[Shard, Shard]] | None) -> None:
         """The training epochs and the validation split, pairs over the length limit left out."""
@@ -315,13 +241,13 @@ class Trainer:
             return self._validate()
 
     def _validate(self) -> dict:
+        data = self.valid_data
+        assert data is not None  # validate() asks for it
         self.model.eval()
-        nll = validation.nll(
-            self.model, self.valid_data, self.config.max_tokens, self.dist, self.device, self.autocast
-        )
+        nll = validation.nll(self.model, data, self.config.max_tokens, self.dist, self.device, self.autocast)
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
         if self.config.eval_bleu and self.bleu_of is not None:
-            ids = validation.greedy_ids(self.model, self.valid_data, self.dist, self.device, self.autocast)
+            ids = validation.greedy_ids(self.model, data, self.dist, self.device, self.autocast)
             # Rank 0 scores; every rank needs the figure (--best-metric bleu, --patience).
             metrics["valid_bleu"] = self.dist.from_main(self.bleu_of(ids) if ids is not None else None)
         return metrics
@@ -358,9 +284,12 @@ class Trainer:
         """What the ranks must decide together: a signal that any rank received (save and stop
         all), the time budget (clocks differ: any rank's), and patience (rank 0's)."""
         c, s = self.config, self.state
-        time_up = bool(c.max_time) and self.elapsed() >= c.max_time * 60
-        patience = bool(c.patience) and s.bad_evals >= c.patience and self.dist.is_main
-        signum, time_up, patience = self.dist.host_max([self._signal or 0, time_up, patience])
+        mine = [
+            self._signal or 0,
+            int(bool(c.max_time) and self.elapsed() >= c.max_time * 60),
+            int(bool(c.patience) and s.bad_evals >= c.patience and self.dist.is_main),
+        ]
+        signum, time_up, patience = self.dist.host_max(mine)
         if signum:
             self.read_figures()
             if self.saved_at != s.step:
@@ -448,22 +377,6 @@ class Trainer:
                 signal.signal(sig, handler)
             # DDP holds the process group; released here, gloo's threads stop now rather than
             # during interpreter shutdown, where a rank could abort (SIGABRT) after a finished run.
-            self.forward = None
+            del self.forward
             gc.collect()
             self.dist.close()
-
-
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """The paper's Adam, or AdamW whose decoupled weight decay leaves biases and LayerNorms alone
-    (the weight matrices and the embedding decay). Fused (CPU and CUDA): it can skip a
-    non-finite update on the device (train_step)."""
-    settings = dict(lr=0.0, betas=(config.beta1, config.beta2), eps=config.adam_eps, fused=True)
-    if config.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), **settings)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": matrices, "weight_decay": config.weight_decay},
-        {"params": others, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, **settings)

@@ -10,6 +10,7 @@ from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import decoding
 from nmt_cli.engine.batches import Split, on_device, pad_sources
 from nmt_cli.engine.distributed import Group
+from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.step import Objective, batch_loss
 
 GREEDY = DecodeOptions(beam=1)  # validation BLEU: greedy, the default length limits
@@ -17,7 +18,7 @@ GREEDY = DecodeOptions(beam=1)  # validation BLEU: greedy, the default length li
 
 @torch.no_grad()
 def nll(
-    model: torch.nn.Module, data: Split, max_tokens: int, group: Group, device: torch.device, autocast
+    model: Transformer, data: Split, max_tokens: int, group: Group, device: torch.device, autocast
 ) -> float:
     """Validation NLL per target token (every rank gets it)."""
     # The plain model, not DDP: ranks run different numbers of batches here.
@@ -34,7 +35,7 @@ def nll(
 
 @torch.no_grad()
 def greedy_ids(
-    model: torch.nn.Module, data: Split, group: Group, device: torch.device, autocast, batch_size: int = 64
+    model: Transformer, data: Split, group: Group, device: torch.device, autocast, batch_size: int = 64
 ) -> list[list[int]] | None:
     """Greedy translations of every validation sentence as token ids, in corpus order (a cheap
     stand-in for the test score while training). Rank 0 gets them; the others get None."""

@@ -1,0 +1,103 @@
+"""What a Trainer is handed: the data a run trains on, and the parts it trains (the process
+group and device, the model with its loss as an update calls it, the optimizer, the loss scaler,
+the moving average), built from a TrainConfig by `build` (OpenNMT's build_trainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
+from nmt_cli.engine import distributed
+from nmt_cli.engine.device import cpu_has_bf16, keep_large_blocks_in_heap, resolve_device, widen_onednn_cache
+from nmt_cli.engine.ema import Average
+from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.state import Reporter
+from nmt_cli.engine.step import Objective
+from nmt_cli.shards import Shard
+
+
+@dataclass(frozen=True)
+class Data:
+    """What a run trains on: token ids of the training pairs and of the validation pairs (or
+    none), their languages and vocabulary sizes, and the training corpora as `nmt prep` records
+    them (the number of pairs and the sampling weight of each)."""
+
+    train: tuple[Shard, Shard]
+    valid: tuple[Shard, Shard] | None
+    src: str
+    tgt: str
+    vocab_size: int  # the target's
+    corpora: tuple[dict, ...] = ()
+    src_vocab_size: int | None = None  # None: the vocabulary is joint
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a Trainer is handed besides its data: where it runs (the process group, the device),
+    how it computes, and the parts it trains. `build` makes one from a TrainConfig."""
+
+    dist: distributed.Group
+    device: torch.device
+    precision: str  # resolved: fp32, bf16 or fp16
+    model_config: ModelConfig
+    model: Transformer
+    forward: torch.nn.Module  # the model with its loss as an update calls it (DDP and/or compiled)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: Average | None
+
+
+def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
+    """The process group, device, precision, model (seeded alike on every rank, sized for
+    `data`'s vocabularies), its DDP and compiled wrapping, optimizer, loss scaler and moving
+    average of `config`."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    dist, device = distributed.setup(resolve_device(config.device))
+    if device.type == "cpu":
+        keep_large_blocks_in_heap()
+        widen_onednn_cache()
+    # bf16 training on a CPU with bf16 arithmetic makes more updates at the same loss per
+    # update (docs/benchmarks.md); decoding stays fp32, faster there.
+    precision = resolve_precision(config.precision, device.type, cpu_has_bf16())
+    if config.precision == "auto" and device.type == "cpu" and precision == "bf16" and dist.is_main:
+        reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
+    model_config = config.model_config(data.vocab_size, data.src_vocab_size)
+    torch.manual_seed(config.seed)
+    model = Transformer(model_config).to(device)
+    model.set_kernels(config.fused_qkv, config.narrow_residual)
+    if dist.world > 1:  # same initial weights everywhere, different dropout per rank
+        torch.manual_seed(config.seed + 7919 * dist.rank)
+    objective = Objective(model, config.label_smoothing)
+    forward = dist.wrap(objective, device, config.compile, dynamic=not config.fixed_shapes)
+    return Setup(
+        dist,
+        device,
+        precision,
+        model_config,
+        model,
+        forward,
+        make_optimizer(model, config),
+        torch.amp.GradScaler("cuda", init_scale=2.0**7, enabled=precision == "fp16"),
+        Average(model, config.ema) if config.ema else None,
+    )
+
+
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The paper's Adam, or AdamW whose decoupled weight decay leaves biases and LayerNorms alone
+    (the weight matrices and the embedding decay). Fused (CPU and CUDA): it can skip a
+    non-finite update on the device (train_step)."""
+    settings: dict[str, Any] = {"lr": 0.0, "betas": (config.beta1, config.beta2), "eps": config.adam_eps}
+    settings["fused"] = True
+    if config.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), **settings)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": matrices, "weight_decay": config.weight_decay},
+        {"params": others, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, **settings)
