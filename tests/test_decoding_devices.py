@@ -65,7 +65,7 @@ def test_a_gpus_worker_decodes_on_its_own_gpu(trained, on_cuda_1, monkeypatch):
 def test_the_servers_decoding_thread_decodes_on_the_models_gpu(trained, on_cuda_1):
     """`nmt serve --device cuda:1`: its decoding thread (a new thread: GPU 0 current) searches
     with cuda:1 current."""
-    from nmt_cli.batcher import Batcher
+    from nmt_cli.serve.batcher import Batcher
 
     translator = Translator.load(trained, device="cuda:1")
     assert translator.config.device == "cuda:1"

@@ -62,7 +62,7 @@ def _in_process(decoder: StandIn, scenario, on_loop_end=None, **config):
     from aiohttp.test_utils import TestServer
 
     from nmt_cli.config import ServeConfig
-    from nmt_cli.serve import make_app
+    from nmt_cli.serve.app import make_app
 
     app = make_app(decoder, SimpleNamespace(where="stand-in"), ServeConfig(**config), on_loop_end=on_loop_end)
 
@@ -133,9 +133,9 @@ def test_a_batch_that_fails_after_its_client_left_does_not_stop_the_decoding_loo
 def test_the_server_exits_when_its_decoding_loop_stops(package, monkeypatch):
     """No zombie: a server whose decoding loop has ended (here a fault planted in it) stops
     and says why, instead of answering every request 503 for ever."""
-    from nmt_cli import serve
-    from nmt_cli.batcher import Batcher
     from nmt_cli.config import ServeConfig
+    from nmt_cli.serve import app as serve
+    from nmt_cli.serve.batcher import Batcher
 
     async def broken(self):
         raise RuntimeError("a fault in the loop")
@@ -161,8 +161,8 @@ def test_a_client_that_never_reads_its_answers_loses_its_connection(timeouts):
     from types import SimpleNamespace
 
     from nmt_cli.config import ServeConfig
-    from nmt_cli.connections import Connections
-    from nmt_cli.serve import listen, make_app
+    from nmt_cli.serve.app import listen, make_app
+    from nmt_cli.serve.connections import Connections
 
     config = ServeConfig(port=0, max_wait_ms=0, **{"write_timeout": 60.0, "header_timeout": 60.0, **timeouts})
 
@@ -307,8 +307,8 @@ def test_connections_per_client_address_are_capped():
     from types import SimpleNamespace
 
     from nmt_cli.config import ServeConfig
-    from nmt_cli.connections import Connections
-    from nmt_cli.serve import listen, make_app
+    from nmt_cli.serve.app import listen, make_app
+    from nmt_cli.serve.connections import Connections
 
     config = ServeConfig(port=0, max_connections_per_client=2)
 

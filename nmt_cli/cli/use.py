@@ -282,7 +282,7 @@ def serve(
 ) -> None:
     """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
     from nmt_cli import models
-    from nmt_cli import serve as serve_mod
+    from nmt_cli.serve import app as serve_mod
 
     translate_config, config = config_of(TranslateConfig, ctx), config_of(ServeConfig, ctx)
     if print_config:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nmt_cli.errors import NmtError
-from nmt_cli.serve import AIOHTTP_FLOOR, require, version_tuple
+from nmt_cli.serve.app import AIOHTTP_FLOOR, require, version_tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 # The first release past each advisory (docs/reliability.md names them).

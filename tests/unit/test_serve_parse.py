@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nmt_cli.config import DecodeOptions, ServeConfig
-from nmt_cli.serve import MAX_BEAM, MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
+from nmt_cli.serve.requests import MAX_BEAM, MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
 
 DEFAULTS = DecodeOptions(beam=5)
 
@@ -137,7 +137,7 @@ def test_the_servers_log_lines_are_rate_limited(capsys, monkeypatch):
     """A client sending malformed requests in a loop gets a bounded number of log lines."""
     import logging
 
-    from nmt_cli import connections
+    from nmt_cli.serve import connections
 
     now = [0.0]
     monkeypatch.setattr(connections.time, "monotonic", lambda: now[0])
