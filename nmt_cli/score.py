@@ -5,13 +5,14 @@ bootstrap against another system)."""
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from nmt_cli import metrics as measure
 from nmt_cli import translate, ui
-from nmt_cli.config import TranslateConfig
+from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.rundir import RunDir
@@ -27,6 +28,68 @@ def parse_metrics(values: list[str] | None) -> list[str]:
         if m not in measure.METRICS:
             raise NmtError(f"unknown metric {m!r} in --metrics: choose from {', '.join(measure.METRICS)}")
     return names
+
+
+def run(
+    run_dir: Path,
+    config: ScoreConfig,
+    translating: TranslateConfig,
+    model: list[Path],
+    stdin: Callable[[], list[str]],
+) -> None:
+    """`nmt score`: the report of `config`'s translations against their references, printed (and
+    saved in the run directory when it scores the run's own split); `model`: what translates,
+    if anything does (default: the run's)."""
+    from nmt_cli import models
+    from nmt_cli.files import atomic_write_json
+
+    metric_names = parse_metrics(list(config.metrics))
+    run = RunDir(run_dir)
+
+    def given(path: str | None) -> Path | None:
+        return Path(path) if path is not None else None
+
+    hyps, refs, names, found = inputs(
+        run,
+        config.split,
+        translating,
+        lambda: models.load(run_dir, model, translating.checkpoint),
+        bool(model),
+        src=given(config.src),
+        hyp=given(config.hyp),
+        ref=given(config.ref),
+        stdin=stdin,
+    )
+    lang = config.lang
+    if (config.moses_lc or config.compound_split) and lang is None:
+        lang = target_language(run, found)
+    by_run = run if config.ref is None else None
+    lowercase = config.lowercase or writes_lowercase(found, by_run, config.moses_lc)
+    compare = given(config.compare)
+    out = report(
+        hyps,
+        refs,
+        names,
+        metric_names,
+        tokenize=config.tokenize,
+        lowercase=lowercase,
+        moses_lc_lang=lang if config.moses_lc else None,
+        compound_split_lang=lang if config.compound_split else None,
+        baseline=(str(compare), list(read_lines(compare))) if compare is not None else None,
+    )
+    if config.ref is None and not model:
+        atomic_write_json(run.scores(config.split), out)
+    if config.json:
+        print(json.dumps(out, indent=2))
+        return
+    for r in out["scores"]:
+        print(f"{r['text']}\t{r['signature']}")
+    for m, c in out.get("compare", {}).items():
+        if m != "baseline":
+            print(
+                f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
+                f"p = {c['p_value']:.4f} (paired bootstrap)"
+            )
 
 
 def inputs(

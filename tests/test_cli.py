@@ -71,9 +71,9 @@ FILLED = {
         [
             ("TranslateConfig", {}, {"decode", "chunk", "max_tokens", "batch_size"}),
             ("DecodeOptions", {}, {"nbest"}),
+            ("ScoreConfig", {}, set()),
         ],
-        {"hyp", "ref", "src", "model", "run_dir", "split", "metrics", "tokenize", "lowercase"}
-        | {"moses_lc", "compound_split", "lang", "compare", "json_out"},
+        {"model", "run_dir"},
     ),
     "score-pairs": (
         [

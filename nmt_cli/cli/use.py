@@ -22,7 +22,7 @@ from nmt_cli.cli.options import (
     options_of,
     print_settings,
 )
-from nmt_cli.config import ServeConfig, TranslateConfig
+from nmt_cli.config import ScoreConfig, ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 
 # TranslateConfig's settings of how a model is loaded and run, options of every command that
@@ -100,107 +100,13 @@ def translate(
 @app.command()
 @decoding_options("nbest")
 @options_of(TranslateConfig, only=LOADING, switches=("int8",))
-def score(
-    ctx: typer.Context,
-    hyp: Annotated[
-        Optional[Path],
-        typer.Option(help="Translations (default: stdin, or with no --ref, the run's test set)."),
-    ] = None,
-    ref: Annotated[Optional[Path], typer.Option(help="References, line-aligned with --hyp.")] = None,
-    src: Annotated[
-        Optional[Path],
-        typer.Option(help="Translate this file (with --ref, instead of --hyp) with the model."),
-    ] = None,
-    model: ModelOption = None,
-    run_dir: RunDirOption = Path("run"),
-    split: Annotated[
-        str, typer.Option(help="Without --ref: the run's split to translate and score.")
-    ] = "test",
-    metrics: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            help="bleu, chrf, ter: comma-separated, or the option given again.", show_default="bleu,chrf,ter"
-        ),
-    ] = None,
-    tokenize: Annotated[str, typer.Option(help="sacreBLEU tokenizer for BLEU.")] = "13a",
-    lowercase: Annotated[bool, typer.Option("--lowercase", help="Case-insensitive scores.")] = False,
-    moses_lc: Annotated[
-        bool,
-        typer.Option(
-            "--moses-lc",
-            help="Lowercase + Moses normalise + "
-            "Moses tokenise both sides, BLEU with --tokenize none "
-            "(how Multi30k papers report).",
-        ),
-    ] = False,
-    compound_split: Annotated[
-        bool,
-        typer.Option(
-            "--compound-split",
-            help="Cased Moses tokenisation of both sides, hyphenated compounds split as ##AT##-##AT##, "
-            "BLEU with --tokenize none (how the Transformer paper scored WMT14 en-de).",
-        ),
-    ] = False,
-    lang: Annotated[
-        Optional[str],
-        typer.Option(help="Target language for --moses-lc or --compound-split (default: the run's)."),
-    ] = None,
-    compare: Annotated[
-        Optional[Path], typer.Option(help="Another system's translations: paired bootstrap test against it.")
-    ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
-) -> None:
+@options_of(ScoreConfig, switches=("lowercase", "moses_lc", "compound_split", "json"))
+def score(ctx: typer.Context, model: ModelOption = None, run_dir: RunDirOption = Path("run")) -> None:
     """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
-    import json
-
     from nmt_cli import score
-    from nmt_cli.files import atomic_write_json
-    from nmt_cli.rundir import RunDir
-    from nmt_cli.textio import read_lines
 
-    metric_names = score.parse_metrics(metrics)
-    if moses_lc and compound_split:
-        raise NmtError("--moses-lc and --compound-split are two ways of scoring: give one")
-    run = RunDir(run_dir)
-    config = config_of(TranslateConfig, ctx)
-    hyps, refs, names, found = score.inputs(
-        run,
-        split,
-        config,
-        lambda: models.load(run_dir, model, config.checkpoint),
-        bool(model),
-        src=src,
-        hyp=hyp,
-        ref=ref,
-        stdin=_stdin_lines,
-    )
-    if (moses_lc or compound_split) and lang is None:
-        lang = score.target_language(run, found)
-    lowercase = lowercase or score.writes_lowercase(found, run if ref is None else None, moses_lc)
-    report = score.report(
-        hyps,
-        refs,
-        names,
-        metric_names,
-        tokenize=tokenize,
-        lowercase=lowercase,
-        moses_lc_lang=lang if moses_lc else None,
-        compound_split_lang=lang if compound_split else None,
-        baseline=(str(compare), list(read_lines(compare))) if compare is not None else None,
-    )
-    if ref is None and not model:
-        atomic_write_json(run.scores(split), report)
-    if json_out:
-        print(json.dumps(report, indent=2))
-        return
-    for r in report["scores"]:
-        print(f"{r['text']}\t{r['signature']}")
-    for m, c in report.get("compare", {}).items():
-        if m != "baseline":
-            print(
-                f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
-                f"p = {c['p_value']:.4f} (paired bootstrap)"
-            )
+    config, translating = config_of(ScoreConfig, ctx), config_of(TranslateConfig, ctx)
+    score.run(run_dir, config, translating, list(model or []), _stdin_lines)
 
 
 @app.command("score-pairs")

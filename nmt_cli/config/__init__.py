@@ -19,7 +19,7 @@ from nmt_cli.config.common import (
 )
 from nmt_cli.config.corpus import BpeConfig, PrepConfig
 from nmt_cli.config.training import MULTI30K_CPU, PRESETS, CpuRecipe, LaunchConfig, ModelConfig, TrainConfig
-from nmt_cli.config.translation import ENGINES, DecodeOptions, ServeConfig, TranslateConfig
+from nmt_cli.config.translation import ENGINES, DecodeOptions, ScoreConfig, ServeConfig, TranslateConfig
 
 __all__ = [
     "ENGINES",
@@ -32,6 +32,7 @@ __all__ = [
     "LaunchConfig",
     "ModelConfig",
     "PrepConfig",
+    "ScoreConfig",
     "ServeConfig",
     "TrainConfig",
     "TranslateConfig",

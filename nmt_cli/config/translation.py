@@ -175,6 +175,39 @@ class TranslateConfig:
 
 
 @dataclass(frozen=True)
+class ScoreConfig:
+    """What `nmt score` measures and how: the translations (given, or the model's of a file or of
+    the run's split) against their references. A model it translates with: a TranslateConfig."""
+
+    hyp: str | None = knob(None, "Translations (default: stdin, or with no --ref, the run's test set).")
+    ref: str | None = knob(None, "References, line-aligned with --hyp.")
+    src: str | None = knob(None, "Translate this file (with --ref, instead of --hyp) with the model.")
+    split: str = knob("test", "Without --ref: the run's split to translate and score.")
+    metrics: tuple[str, ...] = knob(
+        (), "bleu, chrf, ter: comma-separated, or the option given again (default: all three)."
+    )
+    tokenize: str = knob("13a", "sacreBLEU tokenizer for BLEU.")
+    lowercase: bool = knob(False, "Case-insensitive scores.")
+    moses_lc: bool = knob(
+        False,
+        "Lowercase + Moses normalise + Moses tokenise both sides, BLEU with --tokenize none (how "
+        "Multi30k papers report).",
+    )
+    compound_split: bool = knob(
+        False,
+        "Cased Moses tokenisation of both sides, hyphenated compounds split as ##AT##-##AT##, BLEU "
+        "with --tokenize none (how the Transformer paper scored WMT14 en-de).",
+    )
+    lang: str | None = knob(None, "Target language for --moses-lc or --compound-split (default: the run's).")
+    compare: str | None = knob(None, "Another system's translations: paired bootstrap test against it.")
+    json: bool = knob(False, "Print JSON.")
+
+    def __post_init__(self) -> None:
+        if self.moses_lc and self.compound_split:
+            raise NmtError("--moses-lc and --compound-split are two ways of scoring: give one")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     host: str = knob("127.0.0.1", "Address to listen on.")
     port: int = knob(8080, "TCP port (0: any free one, printed).")
