@@ -8,7 +8,7 @@ import queue
 import threading
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -119,3 +119,64 @@ def arrivals(source: BinaryIO, most: int) -> Iterator[list[bytes]]:
             done = True
         if got:
             yield got
+
+
+# -- the input of a translation, and the files aligned with it ----------------------------------
+
+
+@dataclass
+class Counts:
+    """What a translation's input held: its lines, those cut to what the model reads, and the
+    damage reading repaired."""
+
+    lines: int = 0
+    truncated: int = 0
+    damage: Damage = field(default_factory=Damage)
+
+
+@dataclass
+class Request:
+    """Lines to translate: the number (from 0) of the first, and the lines of the files aligned
+    with the input, where given (constraints split into their phrases)."""
+
+    first: int
+    lines: list[str]
+    prefixes: list[str] | None = None
+    constraints: list[list[str]] | None = None
+
+
+def requests(
+    source: BinaryIO,
+    chunk: int,
+    counts: Counts,
+    prefixes: BinaryIO | None = None,
+    constraints: BinaryIO | None = None,
+) -> Iterator[Request]:
+    """The input in chunks of at most `chunk` lines, each as soon as input pauses, with the lines
+    of the files aligned with it; `counts` counts them (each once its request is dealt with) and
+    the damage of their bytes. An aligned file of another length is an error."""
+    for raw in arrivals(source, chunk):
+        first = counts.lines
+        lines = [decode_line(x, first + i + 1, counts.damage) for i, x in enumerate(raw)]
+        starts = _aligned(prefixes, "--prefix", first, len(raw), counts.damage)
+        wanted = _aligned(constraints, "--constraints", first, len(raw), counts.damage)
+        phrases = None if wanted is None else [[p for p in line.split("\t") if p.strip()] for line in wanted]
+        yield Request(first, lines, starts, phrases)
+        counts.lines += len(raw)
+    for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):
+        if file is not None and next(iter(file), None) is not None:
+            raise NmtError(
+                f"{name} has more lines than the input's {counts.lines}: give one line per input line"
+            )
+
+
+def _aligned(file: BinaryIO | None, name: str, first: int, n: int, damage: Damage) -> list[str] | None:
+    """The next `n` lines of a file aligned with the input (None without one)."""
+    if file is None:
+        return None
+    got = [decode_line(raw, first + i + 1, damage) for i, raw in enumerate(itertools.islice(file, n))]
+    if len(got) < n:
+        raise NmtError(
+            f"{name} ends at line {first + len(got)}, before the input: give one line per input line"
+        )
+    return got

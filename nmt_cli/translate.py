@@ -16,7 +16,8 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_json
 from nmt_cli.models import Model, from_run
 from nmt_cli.rundir import RunDir
-from nmt_cli.translator import Counts, Translator
+from nmt_cli.textio import Counts
+from nmt_cli.translator import Translator
 
 
 def translate_split(

@@ -7,75 +7,28 @@ large length-sorted batches), writing the translations in input order before rea
 memory stays bounded however long the input. Every input line gives exactly one output line;
 with scores (--scores, or --nbest above 1), `nbest` lines of line number, score and text.
 
-Two backends search the same way (`Backend`): nmt's own engine (backend_nmt.py) and CTranslate2
-(backend_ct2.py), on a run's model, a package or a CTranslate2 export (models.py).
+Two backends search the same way (backend.Backend): nmt's own engine (backend_nmt.py) and
+CTranslate2 (backend_ct2.py), on a run's model, a package or a CTranslate2 export (models.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, TextIO
+from typing import BinaryIO, TextIO
 
+from nmt_cli.backend import Backend, engine_of
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
-from nmt_cli.textio import Damage, arrivals, decode_line
+from nmt_cli.textio import Counts, requests
 
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
-
-
-class Backend(Protocol):
-    """What searches for translations: nmt's own engine or CTranslate2."""
-
-    def search(
-        self,
-        batches: list[list[Source]],
-        options: DecodeOptions,
-        gone: list[Callable[[], list[bool]]] | None = None,
-    ) -> Iterator[list[list[Hypothesis]]]:
-        """The `options.nbest` best hypotheses of each sentence of each batch, best first, batch
-        by batch in order; each beginning with its prefix and holding its constraints. `gone`:
-        each batch's, for each of its sentences whether nobody waits for it any more: such a
-        sentence's rows stop as soon as they can, and once that is every sentence, the search
-        raises errors.Stopped."""
-        ...
-
-    def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
-        """The log-probability of each target (ids without EOS, its EOS counted) given its
-        source, batch by batch in order."""
-        ...
-
-    def align(
-        self, batches: list[list[list[int]]], targets: list[list[list[int]]]
-    ) -> Iterator[list[list[tuple[int, int]]]]:
-        """Each target's (source position, target position) pairs: each target token (ids
-        without EOS) with the source token the last decoder layer's attention to the source
-        (heads averaged) weighs most when it is predicted, batch by batch in order."""
-        ...
-
-
-def engine_of(model: Model, config: TranslateConfig) -> str:
-    if model.members:
-        if config.engine == "ctranslate2" or config.int8:
-            raise NmtError("an ensemble is decoded by nmt's engine: drop --engine ctranslate2 and --int8")
-        return "nmt"
-    if model.ct2_dir is not None:
-        if config.engine == "nmt":
-            raise NmtError(
-                f"{model.where} is a CTranslate2 export: use --engine ctranslate2 (or "
-                "translate from an nmt package or the run directory)"
-            )
-        return "ctranslate2"
-    if config.int8:
-        return "ctranslate2"
-    return "nmt" if config.engine == "auto" else config.engine
 
 
 @dataclass(frozen=True)
@@ -97,13 +50,6 @@ class PairScore:
     @property
     def per_token(self) -> float:
         return self.total / self.tokens if self.tokens else 0.0
-
-
-@dataclass
-class Counts:
-    lines: int = 0
-    truncated: int = 0
-    damage: Damage = dataclasses.field(default_factory=Damage)
 
 
 class Translator:
@@ -429,51 +375,3 @@ class Translator:
             sink.flush()
             advance(len(request.lines))
         return self.counts
-
-
-@dataclass
-class Request:
-    """Lines to translate: the number (from 0) of the first, and the lines of the files aligned
-    with the input, where given (constraints split into their phrases)."""
-
-    first: int
-    lines: list[str]
-    prefixes: list[str] | None = None
-    constraints: list[list[str]] | None = None
-
-
-def requests(
-    source: BinaryIO,
-    chunk: int,
-    counts: Counts,
-    prefixes: BinaryIO | None = None,
-    constraints: BinaryIO | None = None,
-) -> Iterator[Request]:
-    """The input in chunks of at most `chunk` lines, each as soon as input pauses, with the lines
-    of the files aligned with it; `counts` counts them (each once its request is dealt with) and
-    the damage of their bytes. An aligned file of another length is an error."""
-    for raw in arrivals(source, chunk):
-        first = counts.lines
-        lines = [decode_line(x, first + i + 1, counts.damage) for i, x in enumerate(raw)]
-        starts = _aligned(prefixes, "--prefix", first, len(raw), counts.damage)
-        wanted = _aligned(constraints, "--constraints", first, len(raw), counts.damage)
-        phrases = None if wanted is None else [[p for p in line.split("\t") if p.strip()] for line in wanted]
-        yield Request(first, lines, starts, phrases)
-        counts.lines += len(raw)
-    for file, name in ((prefixes, "--prefix"), (constraints, "--constraints")):
-        if file is not None and next(iter(file), None) is not None:
-            raise NmtError(
-                f"{name} has more lines than the input's {counts.lines}: give one line per input line"
-            )
-
-
-def _aligned(file: BinaryIO | None, name: str, first: int, n: int, damage: Damage) -> list[str] | None:
-    """The next `n` lines of a file aligned with the input (None without one)."""
-    if file is None:
-        return None
-    got = [decode_line(raw, first + i + 1, damage) for i, raw in enumerate(itertools.islice(file, n))]
-    if len(got) < n:
-        raise NmtError(
-            f"{name} ends at line {first + len(got)}, before the input: give one line per input line"
-        )
-    return got

@@ -20,7 +20,8 @@ from typing import BinaryIO, TextIO
 
 from nmt_cli.config import TranslateConfig, cpus
 from nmt_cli.errors import NmtError
-from nmt_cli.translator import Counts, Request, Translator, requests
+from nmt_cli.textio import Counts, Request, requests
+from nmt_cli.translator import Translator
 
 
 @dataclass(frozen=True)
