@@ -13,21 +13,18 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import hashlib
 import itertools
 import os
 import re
-import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from nmt_cli import fetch, ui
 from nmt_cli.config import PrepConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open
+from nmt_cli.filters import SeenPairs, drop_reason
 from nmt_cli.normalize import normalize
 from nmt_cli.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
 from nmt_cli.rundir import RunDir
@@ -39,30 +36,6 @@ from nmt_cli.textio import Damage, chunks, open_binary, read_lines
 def _normalize_chunk(langs: tuple[str, str], pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     a, b = langs
     return [(normalize(x, a), normalize(y, b)) for x, y in pairs]
-
-
-class SeenPairs:
-    """Exact-duplicate detection in 8 bytes per distinct pair (a 64-bit hash in a sorted array)."""
-
-    def __init__(self, flush_every: int = 65536):
-        self.old = np.zeros(0, dtype=np.uint64)
-        self.recent: set[int] = set()
-        self.flush_every = flush_every
-
-    def add(self, a: str, b: str) -> bool:
-        """Record the pair; False if it was seen before."""
-        h = int.from_bytes(hashlib.blake2b(f"{a}\t{b}".encode(), digest_size=8).digest(), "little")
-        if h in self.recent:
-            return False
-        i = int(np.searchsorted(self.old, np.uint64(h)))  # a Python int would cast the array
-        if i < len(self.old) and int(self.old[i]) == h:
-            return False
-        self.recent.add(h)
-        if len(self.recent) >= self.flush_every:
-            new = np.sort(np.fromiter(self.recent, dtype=np.uint64, count=len(self.recent)))
-            self.old = np.insert(self.old, np.searchsorted(self.old, new), new)
-            self.recent.clear()
-        return True
 
 
 @dataclass
@@ -181,7 +154,7 @@ def clean_split(
                         out.write(split, (a, b), raw, stats[split])
                         continue
                     # A pair is remembered for dedup only once it passed the other filters.
-                    reason = _drop_reason(a, b, config) or (None if seen.add(tag + a, b) else "duplicate")
+                    reason = drop_reason(a, b, config) or (None if seen.add(tag + a, b) else "duplicate")
                     if reason is not None:
                         stats[split].dropped[reason] += 1
                         continue
@@ -248,68 +221,6 @@ def _warn_damage(split: str, damage: dict[str, Damage]) -> int:
                 f"line {d.first_bad_line}); they were replaced with U+FFFD"
             )
     return sum(d.not_utf8 for d in damage.values())
-
-
-# Scripts written without spaces between words, and how much of an English word one of their
-# letters carries, from translations of the Universal Declaration of Human Rights, article 1
-# (English 30 words; Chinese 40 Han characters; Japanese about 30 kanji and 50 kana; Thai
-# about 95 letters besides its combining vowel and tone marks): about 0.7, 0.3 and 0.3.
-UNSPACED = [
-    (0x3400, 0x4DBF, 0.7),
-    (0x4E00, 0x9FFF, 0.7),
-    (0xF900, 0xFAFF, 0.7),
-    (0x20000, 0x2FA1F, 0.7),  # Han
-    (0x3040, 0x30FF, 0.3),
-    (0x31F0, 0x31FF, 0.3),
-    (0xFF66, 0xFF9F, 0.3),  # kana
-    (0x0E00, 0x0EFF, 0.3),
-    (0x1000, 0x109F, 0.3),
-    (0x1780, 0x17FF, 0.3),
-]  # Thai, Lao,
-#                                                                  Myanmar, Khmer
-
-
-# Lines without such letters (nearly all, in most corpora) are counted by their spaces alone.
-_ANY_UNSPACED = re.compile("[" + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi, _ in UNSPACED) + "]")
-
-
-def _weight(c: str) -> float:
-    o = ord(c)
-    for lo, hi, w in UNSPACED:
-        if lo <= o <= hi:
-            return 0.0 if unicodedata.category(c)[0] in "MP" else w
-    return -1.0
-
-
-def length(text: str) -> float:
-    """Length in English-word equivalents, for any script: a space-separated token counts 1; in
-    one with letters of a script written without spaces, those letters count their weight and
-    the rest of the token 1 if it holds a letter or digit."""
-    if not _ANY_UNSPACED.search(text):
-        return len(text.split())
-    n = 0.0
-    for token in text.split():
-        if token.isascii():
-            n += 1
-            continue
-        weights = [_weight(c) for c in token]
-        if max(weights) < 0:
-            n += 1
-            continue
-        n += sum(w for w in weights if w > 0)
-        n += any(w < 0 and c.isalnum() for w, c in zip(weights, token))
-    return n
-
-
-def _drop_reason(a: str, b: str, config: PrepConfig) -> str | None:
-    if not a or not b:
-        return "empty"
-    na, nb = length(a), length(b)
-    if na > config.max_words or nb > config.max_words:
-        return "too long"
-    if na > config.max_ratio * nb or nb > config.max_ratio * na:
-        return "length ratio"
-    return None
 
 
 # -- the step ----------------------------------------------------------------------------------

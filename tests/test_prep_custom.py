@@ -5,8 +5,8 @@ import gzip
 import pytest
 from conftest import multi30k_slices, one_error_line, tagged_corpora
 
+from nmt_cli.filters import SeenPairs
 from nmt_cli.normalize import normalize
-from nmt_cli.prep import SeenPairs
 from nmt_cli.rundir import RunDir
 
 
@@ -181,7 +181,7 @@ UDHR = {
 
 
 def test_the_length_filter_keeps_translations_into_scripts_without_spaces(tmp_path, nmt):
-    from nmt_cli.prep import length
+    from nmt_cli.filters import length
 
     for lang in ("zh", "ja", "th"):
         for en, other in zip(UDHR["en"], UDHR[lang]):

@@ -3,7 +3,7 @@
 import pytest
 
 from nmt_cli.config import PrepConfig
-from nmt_cli.prep import _drop_reason, length
+from nmt_cli.filters import drop_reason, length
 from nmt_cli.recipes import resolved
 
 
@@ -13,12 +13,12 @@ def wmt():  # max_words 250, ratio 1.5
 
 
 def test_empty_long_and_unbalanced_pairs_are_dropped(wmt):
-    assert _drop_reason("", "Hallo", wmt) == "empty"
-    assert _drop_reason("Hello", "", wmt) == "empty"
-    assert _drop_reason("w " * 251, "w " * 251, wmt) == "too long"
-    assert _drop_reason("a b c d", "a b", wmt) == "length ratio"  # 4 > 1.5 x 2
-    assert _drop_reason("a b c", "a b", wmt) is None  # 3 = 1.5 x 2 is kept
-    assert _drop_reason("Hello there", "Hallo", resolved(PrepConfig("multi30k-en-de"))) is None  # ratio 9
+    assert drop_reason("", "Hallo", wmt) == "empty"
+    assert drop_reason("Hello", "", wmt) == "empty"
+    assert drop_reason("w " * 251, "w " * 251, wmt) == "too long"
+    assert drop_reason("a b c d", "a b", wmt) == "length ratio"  # 4 > 1.5 x 2
+    assert drop_reason("a b c", "a b", wmt) is None  # 3 = 1.5 x 2 is kept
+    assert drop_reason("Hello there", "Hallo", resolved(PrepConfig("multi30k-en-de"))) is None  # ratio 9
 
 
 def test_length_counts_words_and_weighs_unspaced_scripts():
