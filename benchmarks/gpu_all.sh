@@ -36,16 +36,7 @@ pack() {  # the logs, the figures and the Inductor cache's files under 1 MB, as 
 PACKER=$!
 trap 'kill $PACKER 2>/dev/null; pack' EXIT
 
-if ! python3 -c "import sacremoses" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$WORK/site" .whl/*.whl || exit 1
-    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-MIRROR=
-for m in "${NMT_MIRROR:-}" "$ROOT/.gpu/data/multi30k" "$ROOT/../shared/data/multi30k"; do
-    if [ -n "$m" ] && [ -f "$m/train.en.gz" ]; then MIRROR=$(cd "$m" && pwd); break; fi
-done
+. benchmarks/gpu_env.sh
 
 DATA=$WORK/data
 VOCAB=8000; [ $DRY = 1 ] && VOCAB=1000  # a smaller vocabulary learns faster on two cores

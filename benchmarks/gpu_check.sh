@@ -38,15 +38,7 @@ esac
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1
 
-if ! python3 -c "import sacremoses" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$WORK/site" .whl/*.whl || exit 1
-    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-for m in "${NMT_MIRROR:-}" "$ROOT/.gpu/data/multi30k" "$ROOT/../shared/data/multi30k"; do
-    if [ -n "$m" ] && [ -f "$m/train.en.gz" ]; then MIRROR=$m; break; fi
-done
+. benchmarks/gpu_env.sh
 : "${MIRROR:?no Multi30k: set NMT_MIRROR or run benchmarks/gpu_carry.sh}"
 export NMT_SHARED_DATA=${NMT_SHARED_DATA:-$(dirname "$MIRROR")}  # for tests/test_gpu.py
 

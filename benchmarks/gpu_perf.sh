@@ -21,16 +21,7 @@ export PYTHONUNBUFFERED=1
 # Compiled kernels (the fused loss, --compile) are cached here for the runs of this call.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$WORK/inductor}
 
-if ! python3 -c "import sacremoses" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$WORK/site" .whl/*.whl || exit 1
-    export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-MIRROR=
-for m in "${NMT_MIRROR:-}" "$ROOT/.gpu/data/multi30k" "$ROOT/../shared/data/multi30k"; do
-    if [ -n "$m" ] && [ -f "$m/train.en.gz" ]; then MIRROR=$m; break; fi
-done
+. benchmarks/gpu_env.sh
 
 DATA=$WORK/data
 rm -rf "$DATA"

@@ -510,3 +510,42 @@ def exported(package, tmp_path_factory) -> dict[str, Path]:
         )
         out[quantization] = where
     return out
+
+
+# -- processes stopped on purpose ----------------------------------------------------------------
+
+
+def hooked_env(folder: Path, code: str) -> dict[str, str]:
+    """The environment of a process that runs `code` at its start (a sitecustomize module in
+    `folder`): to plant a fault or a stand-in in a launcher's workers."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+
+
+def signal_at_step(proc, run_dir: Path, step: int, signum: int, seconds: float = 180) -> str:
+    """Send `signum` to a training process once its metrics log `step`; its stderr once it ends."""
+    import signal as _signal
+    import time
+
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + seconds
+    while not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None, f"no step {step} in {seconds} s"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err, err
+    assert _signal.Signals(signum).name in err, err
+    return err
+
+
+def stopped_step(err: str, signum: int) -> int:
+    """The step of the one line that says the run stopped by `signum` and saved."""
+    import signal as _signal
+
+    name = _signal.Signals(signum).name
+    stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {name} at step")]
+    assert len(stopped) == 1 and "run the same `nmt train` command again to resume" in stopped[0], err
+    return int(stopped[0].split(" at step ")[1].split(";")[0])

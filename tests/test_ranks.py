@@ -14,7 +14,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LONGER, TINY, UNTRAINED, children, env_of, nmt_command, rank_of
+from conftest import (
+    LONGER,
+    TINY,
+    UNTRAINED,
+    children,
+    env_of,
+    hooked_env,
+    nmt_command,
+    rank_of,
+    signal_at_step,
+    stopped_step,
+)
 
 from nmt_cli.engine import checkpoint
 from nmt_cli.rundir import RunDir
@@ -212,12 +223,10 @@ def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy, tm
     the log says how long it took. What is traced is the question here, so the ranks compile
     with torch's eager backend (seconds, not a minute of kernel building); the kernels built
     and cached: tests/test_compiled.py (one process) and test_trainer.py's soak tests."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import functools, torch\ntorch.compile = functools.partial(torch.compile, backend='eager')\n"
+    env = hooked_env(
+        tmp_path / "hook",
+        "import functools, torch\ntorch.compile = functools.partial(torch.compile, backend='eager')\n",
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         nmt_command(
             "train",
@@ -324,9 +333,7 @@ def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes_bit_identica
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err and "internal error" not in err, err
-    stopped = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM")]
-    assert len(stopped) == 1 and "run the same `nmt train` command again to resume" in stopped[0], err
-    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    step = stopped_step(err, signal.SIGTERM)
     assert 5 <= step < STEPS and checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith(
         f"{step:08d}.pt"
     )
@@ -342,17 +349,7 @@ def test_every_stopping_signal_to_the_launcher_is_passed_on_and_saved(run_copy, 
     """Ctrl-C, a closed terminal, SIGQUIT: the launcher passes each on, the workers save where
     they are and the job exits 128 + its number (SIGTERM and the resume: the test above)."""
     launcher = subprocess.Popen(_cmd(run_copy, "--save-every", "1000"), stderr=subprocess.PIPE, text=True)
-    metrics = run_copy / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
-        assert time.monotonic() < deadline and launcher.poll() is None, "no step 10 in 3 minutes"
-        time.sleep(0.05)
-    launcher.send_signal(signum)
-    _, err = launcher.communicate(timeout=120)
-    assert launcher.returncode == 128 + signum, err
-    stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {signum.name} at step")]
-    assert len(stopped) == 1 and "Traceback" not in err, err
-    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    step = stopped_step(signal_at_step(launcher, run_copy, 10, signum), signum)
     assert step >= 10 and checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith(f"{step:08d}.pt")
 
 
@@ -360,15 +357,13 @@ def test_every_stopping_signal_to_the_launcher_is_passed_on_and_saved(run_copy, 
 def test_a_worker_that_does_not_stop_is_killed_after_the_grace(run_copy, tmp_path):
     """--stop-grace: a worker still running that long after the signal is killed; the launcher
     does not wait for it (here rank 1 hangs in its signal handler)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
+    env = hooked_env(
+        tmp_path / "hook",
         "import os, time\n"
         "if os.environ.get('RANK') == '1':\n"
         "    from nmt_cli.engine import trainer\n"
-        "    trainer.Trainer._on_signal = lambda self, signum, frame: time.sleep(600)\n"
+        "    trainer.Trainer._on_signal = lambda self, signum, frame: time.sleep(600)\n",
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen(
         _cmd(run_copy, "--stop-grace", "3"), stderr=subprocess.PIPE, text=True, env=env
     )
@@ -403,9 +398,8 @@ def test_patience_stops_every_rank_at_the_same_update(run_copy):
 def test_a_workers_own_error_is_one_line_and_not_restarted(run_copy, tmp_path):
     """An error that is the worker's own (here the message CUDA gives an illegal memory access,
     raised on purpose on rank 1) is the job's one error line, not a restart into the same error."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
+    env = hooked_env(
+        tmp_path / "hook",
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
         "    from nmt_cli.engine import trainer\n"
@@ -414,9 +408,8 @@ def test_a_workers_own_error_is_one_line_and_not_restarted(run_copy, tmp_path):
         "        if self.state.step == 7:\n"
         "            raise RuntimeError('CUDA error: an illegal memory access was encountered')\n"
         "        return real(self, batches)\n"
-        "    trainer.Trainer.step = step\n"
+        "    trainer.Trainer.step = step\n",
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         _cmd(run_copy, "--max-restarts", "2"), capture_output=True, text=True, timeout=300, env=env
     )

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY, nmt_command, one_error_line
+from conftest import TINY, nmt_command, one_error_line, signal_at_step, stopped_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,14 +96,7 @@ def test_sigterm_then_resume_is_exact(run_copy, tmp_path):
         c[c.index("--max-steps") + 1] = "40"
     subprocess.run(ref_cmd, check=True, capture_output=True)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    metrics = run_copy / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and "stopped by SIGTERM" in err
+    assert stopped_step(signal_at_step(proc, run_copy, 10, signal.SIGTERM), signal.SIGTERM) >= 10
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     a, _ = _model(reference)
     b, _ = _model(run_copy)
@@ -117,17 +110,7 @@ def test_ctrl_c_a_closed_terminal_and_sigquit_stop_after_a_checkpoint(run_copy, 
     cmd = _cmd(run_copy)
     cmd[cmd.index("--save-every") + 1] = "1000"  # only the signal's checkpoint
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    metrics = run_copy / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
-        time.sleep(0.05)
-    proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signum, err
-    stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {signum.name} at step")]
-    assert len(stopped) == 1 and "Traceback" not in err, err
-    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    step = stopped_step(signal_at_step(proc, run_copy, 10, signum), signum)
     assert step >= 10 and _newest_step(run_copy) == step
 
 
