@@ -15,7 +15,8 @@ from strict_cuda import StrictCuda
 from nmt_cli import backend_nmt, workers
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.engine import decoding
-from nmt_cli.translator import Request, Translator
+from nmt_cli.textio import Request
+from nmt_cli.translator import Translator
 
 
 @pytest.fixture
