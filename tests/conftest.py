@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -481,12 +480,7 @@ def package(trained_longer, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("pkg") / "run"
     shutil.copytree(trained_longer, run)
     out = run.parent / "package"
-    subprocess.run(
-        [sys.executable, "-m", "nmt_cli", "export", str(out), "--run-dir", str(run)],
-        check=True,
-        capture_output=True,
-        timeout=DEADLINE,
-    )
+    run_ok(["export", out, "--run-dir", run])
     shutil.rmtree(run)
     return out
 
@@ -496,23 +490,8 @@ def exported(package, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for quantization in ("float32", "int8"):
         where = tmp_path_factory.mktemp("ct2") / quantization
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "nmt_cli",
-                "export",
-                str(where),
-                "--format",
-                "ctranslate2",
-                "--quantization",
-                quantization,
-                "--model",
-                str(package),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=DEADLINE,
+        run_ok(
+            ["export", where, "--format", "ctranslate2", "--quantization", quantization, "--model", package]
         )
         out[quantization] = where
     return out

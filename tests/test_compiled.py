@@ -1,7 +1,8 @@
 """What torch.compile makes of the engine, against the eager code on the CPU: the whole update
 (model, output layer, loss) and the loss's slice kernels a GPU runs compiled. Each compiles for
-tens of seconds, which is why they are not in tests/unit."""
+seconds to a minute, which is why they are not in tests/unit."""
 
+import pytest
 import torch
 from updates import BATCHES, small_model
 
@@ -9,15 +10,21 @@ from nmt_cli.engine import distributed
 from nmt_cli.engine.step import Objective, batch_loss
 
 
-def test_the_compiled_update_gives_the_eager_loss_and_gradients():
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.soak)])
+def test_the_compiled_update_gives_the_eager_loss_and_gradients(backend, monkeypatch):
     """--compile traces the model, its output layer and the loss as one graph, where the loss
     is the plain formula the compiler fuses: the same loss, NLL and gradients as the eager
-    update's hand-written loss, under bf16 autocast, on batches of two shapes."""
+    update's hand-written loss, under bf16 autocast, on batches of two shapes. In the suite the
+    graph, forward and backward, runs as traced (AOTAutograd, its decompositions); the kernels
+    Inductor builds from it (a minute under AVX2) are the soak set's."""
+    import functools
+
     import torch._dynamo
 
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16)
 
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
     results = []
     for compile in (False, True):
         torch._dynamo.reset()
