@@ -84,7 +84,7 @@ FILLED = {
     ),
     "serve": (
         [
-            ("ServeConfig", {}, {"max_chars", "max_body", "shutdown_timeout"}),
+            ("ServeConfig", {}, {"shutdown_timeout"}),
             (
                 "TranslateConfig",
                 {},

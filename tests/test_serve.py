@@ -257,12 +257,37 @@ def test_the_server_listens_on_the_address_it_is_given(package):
         assert server.stop() == 0
 
 
+def test_a_body_over_the_limit_is_refused_by_its_head_before_it_is_read(package):
+    """--max-body: a request whose Content-Length is over it gets its 413 at once, its body
+    never read (it was read, or waited for, first); --max-chars is an option too."""
+    import socket
+
+    server = Server(package, "--max-body", "1000", "--max-chars", "20")
+    try:
+        with socket.create_connection((server.host, server.port), timeout=DEADLINE) as s:
+            s.sendall(
+                b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 5000000\r\n\r\n{"text": ["'
+            )
+            start = time.monotonic()
+            head = s.recv(4096)
+            assert time.monotonic() - start < 5, head
+        assert head.startswith(b"HTTP/1.1 413") and b"--max-body" in head, head
+        assert server.post({"text": ["x" * 21]})[0] == 400
+        assert server.get("/health")[0] == 200
+    finally:
+        assert server.stop() == 0
+
+
 def test_an_api_key_guards_translate_but_not_health(package):
     server = Server(package, env={"NMT_API_KEY": "s3cret"})
     try:
         assert server.post({"text": ["A dog runs."]})[:2] == (401, {"error": "a valid API key is required"})
         assert server.post({"text": ["A dog runs."]}, Authorization="Bearer wrong")[0] == 401
         assert server.post({"text": ["A dog runs."]}, Authorization="Bearer s3cret")[0] == 200
+        assert server.post({"text": ["A dog runs."]}, Authorization="bearer s3cret")[0] == 200  # any case
+        assert server.post({"text": ["A dog runs."]}, Authorization="Basic s3cret")[0] == 401
+        assert server.post({"text": ["A dog runs."]}, Authorization="Bearer s3cre")[0] == 401
         assert server.get("/health")[0] == 200
         # any other route too: a decoding route added later is guarded without a word
         assert server.post({"text": ["A dog runs."]}, path="/score")[0] == 401

@@ -424,3 +424,31 @@ def test_no_batching_decodes_each_request_alone(batching):
         assert decoder.batches == [["a", "b", "c", "d", "e", "f"]]
     else:
         assert sorted(decoder.batches) == [["a", "b"], ["c"], ["d", "e", "f"]]
+
+
+def test_an_answer_that_cannot_be_made_fails_its_request_alone(monkeypatch):
+    """Two requests decoded in one batch: the one whose answer fails to be made gets a 500, the
+    other its translations, and the decoding loop goes on."""
+    import asyncio
+
+    from nmt_cli.serve import batcher
+
+    answer = batcher._answer
+
+    def failing(texts, hyps, options):
+        if any("BAD" in t for ts in texts for t in ts):
+            raise ValueError("this answer cannot be made")
+        return answer(texts, hyps, options)
+
+    monkeypatch.setattr(batcher, "_answer", failing)
+    decoder = StandIn()
+
+    async def scenario(post, get):
+        both = await asyncio.gather(post(["bad"]), post(["good"]))
+        return both, await post(["after"])
+
+    (bad, good), after = _in_process(decoder, scenario, max_wait_ms=300)
+    assert decoder.batches[0] == ["bad", "good"]  # one batch, the failing answer first
+    assert good == (200, {"translations": ["GOOD"]})
+    assert bad == (500, {"error": "decoding this request failed; the server's log says why"})
+    assert after == (200, {"translations": ["AFTER"]})

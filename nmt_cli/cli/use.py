@@ -168,8 +168,6 @@ def export(
 @app.command()
 @options_of(
     ServeConfig,
-    "max_chars",
-    "max_body",
     "shutdown_timeout",
     switches=(),
     panel="Serving",

@@ -227,8 +227,8 @@ class ServeConfig:
         "Output tokens per sentence at most, whatever a request asks: a request's max_len defaults "
         "to it, one above it gets 400 (0: the model's limit).",
     )
-    max_chars: int = 2000  # per sentence; beyond, 400
-    max_body: int = 1 << 20  # bytes per request; beyond, 413
+    max_chars: int = knob(2000, "Characters per sentence, prefix or constraint; beyond, 400.")
+    max_body: int = knob(1 << 20, "Bytes of a request's body; beyond, 413 (refused before it is read).")
     shutdown_timeout: float = 60.0  # seconds SIGTERM waits for requests in flight
     request_timeout: float = knob(
         60.0, "Seconds a request may wait and decode; beyond, 504 and it leaves the queue."

@@ -85,10 +85,12 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
         if request.headers.get("Content-Encoding", "identity").lower() != "identity":
             # Nothing is decompressed: a small compressed body can expand to gigabytes.
             return error(web, 415, "compressed request bodies are not accepted: send plain JSON")
+        if (request.content_length or 0) > config.max_body:  # refused unread, as its head says
+            return error(web, 413, f"the body exceeds {config.max_body} bytes (--max-body)")
         try:
             body = await asyncio.wait_for(request.read(), config.read_timeout)
         except web.HTTPRequestEntityTooLarge:
-            return error(web, 413, f"the body exceeds {config.max_body} bytes")
+            return error(web, 413, f"the body exceeds {config.max_body} bytes (--max-body)")
         except asyncio.TimeoutError:  # it promised more than it sends: the connection is not kept
             response = error(web, 408, f"the body did not arrive within {config.read_timeout:g} s")
             response.force_close()
@@ -135,7 +137,7 @@ def _guard(web, config: ServeConfig):
     --api-key, the key on every route but /health."""
     import hmac
 
-    expected = f"Bearer {config.api_key}".encode()
+    expected = config.api_key.encode()
     local = _loopback(config.host)  # the address is fixed: read it once, not per request
 
     @web.middleware
@@ -146,8 +148,10 @@ def _guard(web, config: ServeConfig):
             return error(web, 415, "send the request with Content-Type: application/json")
         # every route but /health: a decoding route added later is guarded without a word
         if config.api_key and request.path != "/health":
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            # the scheme's name in any case (RFC 9110: "bearer" is "Bearer"), the key exactly
+            scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+            key = given.strip().encode()
+            if scheme.lower() != "bearer" or not hmac.compare_digest(key, expected):
                 return error(web, 401, "a valid API key is required", **{"WWW-Authenticate": "Bearer"})
         return await handler(request)
 

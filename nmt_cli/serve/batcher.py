@@ -203,19 +203,27 @@ class Batcher:
                 for piece in pieces:
                     await self._serve([piece])
             else:
-                job = pieces[0][0]
-                _settle(job, error=e)  # unless its client left or its deadline passed meanwhile
-                if job in self.jobs:  # its other pieces are not decoded
-                    self.jobs.remove(job)
-                    self._done_with(job, job.taken, len(job.sentences))
+                self._fail(pieces[0][0], e)
             return
         start = 0
         for job, lo, hi in pieces:
             end = start + hi - lo
-            job.answers += _answer(texts[start:end], hyps[start:end], job.options)
-            if len(job.answers) == len(job.sentences):
-                _settle(job, answers=job.answers)
+            try:  # one job's answer that cannot be made fails that job alone
+                job.answers += _answer(texts[start:end], hyps[start:end], job.options)
+            except Exception as e:  # noqa: BLE001 - its client gets a 500, the others their answers
+                self._fail(job, e)
+            else:
+                if len(job.answers) == len(job.sentences):
+                    _settle(job, answers=job.answers)
             start = end
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        """`job` fails (unless its client left or its deadline passed meanwhile); its other
+        pieces are not decoded."""
+        _settle(job, error=error)
+        if job in self.jobs:
+            self.jobs.remove(job)
+            self._done_with(job, job.taken, len(job.sentences))
 
     def _decode(
         self, sentences: list[str], options: list[DecodeOptions], keys: list[int], prefixes, constraints, gone

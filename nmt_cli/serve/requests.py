@@ -102,6 +102,10 @@ def _sentences(data: dict, config: ServeConfig) -> tuple[list[str], list[str] | 
     ):
         if len(s) > config.max_chars:
             raise ValueError(f"{what} has {len(s)} characters; the limit is {config.max_chars}")
+        try:  # JSON's \ud800 escapes give a string that is no text: a lone surrogate
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} holds a lone surrogate ({s[e.start]!a}), which is not text") from None
     return text, prefixes, constraints
 
 

@@ -108,6 +108,10 @@ def test_a_ctranslate2_server_refuses_constraints():
             {"constraints": [["Hund"]], "sample": True, "nbest": 1},
             '"constraints" are met by nmt\'s beam search: drop "sample"',
         ),
+        # JSON's escapes can spell half a character: a string that is no text (it was a 500)
+        ({"text": ["a \ud800"]}, "sentence 0 holds a lone surrogate ('\\ud800')"),
+        ({"prefix": ["\udfff"]}, "prefix 0 holds a lone surrogate"),
+        ({"constraints": [["x\ud800"]]}, "a constraint of sentence 0 holds a lone surrogate"),
     ],
 )
 def test_a_bad_option_is_refused_naming_it(fields, message):
