@@ -26,6 +26,7 @@ class StandIn:
         self.batches: list = []
         self.options: list = []  # each batch's, a DecodeOptions per sentence
         self.stopped: list = []  # the batches given up midway
+        self.finished: list = []  # the batches whose decoding ended, answered or not
         self.release = threading.Event()
 
     def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, gone=None):
@@ -39,6 +40,7 @@ class StandIn:
                     raise Stopped("nobody waits for this search any more")
         if "stubborn" in sentences:  # held whatever happens, as a CTranslate2 batch is
             self.release.wait(DEADLINE)
+        self.finished.append(list(sentences))
         if "boom" in sentences:
             raise ValueError("the decoder failed")
         return [[s] for s in sentences]
@@ -452,3 +454,48 @@ def test_an_answer_that_cannot_be_made_fails_its_request_alone(monkeypatch):
     assert good == (200, {"translations": ["GOOD"]})
     assert bad == (500, {"error": "decoding this request failed; the server's log says why"})
     assert after == (200, {"translations": ["AFTER"]})
+
+
+def test_stopping_waits_for_a_batch_that_decodes_on_without_holding_the_event_loop():
+    """A batch that cannot be stopped (a CTranslate2 batch; here a stand-in held for 30 s) is
+    waited for when the server stops, but not on the event loop: the loop goes on running
+    meanwhile, so the drain's bound and a second signal can still act."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from aiohttp import ClientSession, web
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.serve.app import make_app
+
+    decoder = StandIn()
+    app = make_app(decoder, SimpleNamespace(where="stand-in"), ServeConfig(max_wait_ms=0))
+
+    async def run():
+        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1, handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        async with ClientSession() as session:
+            request = asyncio.ensure_future(
+                session.post(f"http://127.0.0.1:{port}/translate", json={"text": ["stubborn"]})
+            )
+            while not decoder.batches:
+                await asyncio.sleep(0.01)
+            stopping = asyncio.ensure_future(runner.cleanup())
+            await asyncio.sleep(0.5)  # the loop runs on while the batch is held
+            seen = (stopping.done(), len(decoder.finished))
+            decoder.release.set()
+            await asyncio.wait_for(stopping, DEADLINE)
+            request.cancel()
+            return seen
+
+    held = threading.Timer(30, decoder.release.set)  # the stand-in's own end, were the loop held
+    held.start()
+    try:
+        seen = asyncio.run(run())
+    finally:
+        held.cancel()
+    assert seen == (False, 0)  # the loop ran before the batch ended, and stopping waited for it
+    assert decoder.finished == [["stubborn"]]  # and it was waited for

@@ -218,7 +218,10 @@ def make_app(
         if on_loop_end is not None:
             task.remove_done_callback(on_loop_end)
         task.cancel()
-        batcher.decoder.shutdown(wait=True)
+        # A batch in its thread may decode on (CTranslate2's cannot be stopped): wait for it
+        # without holding the event loop, so that the drain's bound and a second signal act.
+        await asyncio.wrap_future(batcher.decoder.submit(lambda: None))
+        batcher.decoder.shutdown(wait=False)
 
     @web.middleware
     async def in_progress(request, handler):  # a connection with a request running is not idle
