@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nmt_cli import floors
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 
@@ -23,6 +24,7 @@ def require_ctranslate2():
         raise NmtError(
             "CTranslate2 is not installed: pip install 'nmt-cli[ct2]' (or pip install ctranslate2)"
         ) from None
+    floors.check("ctranslate2", ctranslate2.__version__, floors.CTRANSLATE2, "ct2")
     return ctranslate2
 
 

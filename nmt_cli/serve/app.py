@@ -34,12 +34,11 @@ import asyncio
 import ipaddress
 import json
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable
 
-from nmt_cli import ui
+from nmt_cli import floors, ui
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
@@ -47,10 +46,6 @@ from nmt_cli.serve.batcher import Batcher
 from nmt_cli.serve.connections import Connections, connection_limit, with_json_errors
 from nmt_cli.serve.requests import parse
 from nmt_cli.translator import Translator
-
-# The last release that fixed a server-side advisory (docs/reliability.md); pyproject.toml's
-# floor, checked again here because an environment may hold an older aiohttp than pip chose.
-AIOHTTP_FLOOR = (3, 14, 4)
 
 
 def require():
@@ -61,17 +56,8 @@ def require():
         raise NmtError(
             "aiohttp is not installed: pip install 'nmt-cli[serve]' (or pip install aiohttp)"
         ) from None
-    if version_tuple(aiohttp.__version__) < AIOHTTP_FLOOR:
-        floor = ".".join(map(str, AIOHTTP_FLOOR))
-        raise NmtError(
-            f"aiohttp {aiohttp.__version__} has known server-side holes: pip install 'aiohttp>={floor}'"
-        )
+    floors.check("aiohttp", aiohttp.__version__, floors.AIOHTTP, "serve")
     return web
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """ "3.14.4", "2.13.0+cpu", "3.15.0rc1" as (3, 14, 4), (2, 13, 0), (3, 15, 0)."""
-    return tuple(int(re.match(r"\d*", part)[0] or 0) for part in version.split("+")[0].split(".")[:3])
 
 
 def error(web, status: int, message: str, **headers: str):
