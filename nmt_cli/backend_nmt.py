@@ -46,6 +46,7 @@ class Backend:
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
         self.graphs = None if config.cuda_graphs else False  # None: decoding's default
+        self.slots = self.threads if self.device.type == "cpu" else 1  # batches searched at once
 
     def search(
         self,

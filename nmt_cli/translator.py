@@ -92,6 +92,10 @@ class Translator:
         # room for the EOS in every model; a target also has its BOS before it
         self.max_src = min(m.config.max_positions for m in model.parts) - 1
         self.max_tgt = self.max_src - 1
+        # what a search holds per sentence, by costs(): float32 caches, whatever the precision
+        self.parts = [
+            (m.config.num_decoder_layers * m.config.d_model * 4, m.config.vocab_size) for m in model.parts
+        ]
         self.counts = Counts()
 
     def check_tag(self, tag: str) -> None:
@@ -117,6 +121,41 @@ class Translator:
                 self.counts.truncated += 1
         return ids
 
+    def costs(
+        self,
+        lines: list[str],
+        options: DecodeOptions,
+        prefixes: list[str] | None = None,
+        constraints: list[list[str]] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """What decoding each line may cost: its work in tokens, its hypotheses at once
+        (DecodeOptions.rows) times its output limit (hypothesis.limits: what its length, prefix,
+        constraints and max_len allow); and the bytes its search holds at most (the decoder's
+        caches for those rows and limit, the encoder's keys and values, a step's scores over
+        the vocabulary, the alignments' attention); an empty line nothing. `nmt serve`'s queue
+        and its memory are bounded by them, so they are read on the server's event loop: the
+        pieces of the raw text, not cleaned (cleaning would cost most of the time and changes a
+        count by a piece or two)."""
+        tagged = 1 if options.tag else 0
+        lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.source_sp.encode(lines)]
+        forced = self.target_sp.encode(prefixes) if prefixes is not None else None
+        phrases = [self.target_sp.encode(c) for c in constraints] if constraints else None
+        work = self.work_of(lengths, options, forced, phrases)
+        sizes = []
+        for length, tokens in zip(lengths, work):
+            if not length:
+                sizes.append(0)
+                continue
+            limit = tokens // options.rows + 1
+            size = sum(
+                per_token * (4 * options.rows * limit + 2 * (length + 1)) + 12 * options.rows * vocab
+                for per_token, vocab in self.parts
+            )
+            if options.alignments:
+                size += 4 * options.nbest * limit * (length + 1) * len(self.parts)
+            sizes.append(size)
+        return work, sizes
+
     def work(
         self,
         lines: list[str],
@@ -124,16 +163,13 @@ class Translator:
         prefixes: list[str] | None = None,
         constraints: list[list[str]] | None = None,
     ) -> list[int]:
-        """What decoding each line may cost, in tokens: its hypotheses at once (DecodeOptions.rows)
-        times its output limit (hypothesis.limits: what its length, prefix, constraints and
-        max_len allow); an empty line nothing. `nmt serve`'s queue is bounded by it, so it is
-        read on the server's event loop: the pieces of the raw text, not cleaned (cleaning would
-        cost most of the time and changes a count by a piece or two)."""
-        tagged = 1 if options.tag else 0
-        lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.source_sp.encode(lines)]
-        forced = self.target_sp.encode(prefixes) if prefixes is not None else None
-        phrases = [self.target_sp.encode(c) for c in constraints] if constraints else None
-        return self.work_of(lengths, options, forced, phrases)
+        """The work of each line (costs)."""
+        return self.costs(lines, options, prefixes, constraints)[0]
+
+    def slots(self) -> int:
+        """How many searches step at once at most: a server's batches take turns at so many
+        (backend_nmt spreads a call's batches over its CPU threads; a GPU one at a time)."""
+        return getattr(self.backend, "slots", 1)
 
     def work_of(
         self,

@@ -88,7 +88,7 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
     try:
         assert server.get("/health") == (
             200,
-            {"status": "ok", "engine": "nmt", "queued": 0, "given_up": 0},  # no path: the operator's
+            {"status": "ok", "engine": "nmt", "queued": 0, "decoding": 0, "given_up": 0},  # no path
         )
         answers: dict[int, tuple] = {}
 
@@ -167,7 +167,7 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
             (json.dumps({"text": [" ".join(["word"] * 10_000)]}).encode(), 400),
             (json.dumps({"text": ["x" * 100] * 300}).encode(), 413),
             (json.dumps({"text": ["y" * 1000] * 2000}).encode(), 413),  # 2 MB body
-            (json.dumps({"text": ["a"] * 100, "beam": 32}).encode(), 413),  # 3200 hypotheses
+            (json.dumps({"text": ["a"] * 200, "beam": 16}).encode(), 413),  # 3200 hypotheses
             # past --max-queue 4: more work than four sentences of 32 pieces at beam 4
             (json.dumps({"text": ["a"] * 7}).encode(), 413),
             (json.dumps({"text": ["a"] * 6, "prefix": [" ".join(["Hund"] * 400)] * 6}).encode(), 413),
@@ -298,8 +298,8 @@ def test_an_api_key_guards_translate_but_not_health(package):
 
 
 def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi30k_bpe):
-    """A client that disconnects while its request waits behind another frees its place: its
-    sentences leave the queue at once instead of being decoded for nobody."""
+    """A client that disconnects while its request waits behind another (or decodes beside it)
+    frees its place: its sentences leave the queue at once instead of being decoded for nobody."""
 
     sources = sources_of(multi30k_bpe)[:500]
     server = Server(package, "--max-queue", "1000", "--max-sentences", "500")
@@ -317,11 +317,11 @@ def test_a_request_whose_client_leaves_is_dropped_from_the_queue(package, multi3
             assert time.monotonic() < deadline and not answer, seen
             seen.append(server.get("/health")[1]["queued"])
         leaving.close()
-        while seen[-1] == 800:
-            assert time.monotonic() < deadline
+        while seen[-1] != 500:  # its queued pieces at once, the one decoding beside at its next step
+            assert time.monotonic() < deadline and seen[-1] <= 800, seen
             seen.append(server.get("/health")[1]["queued"])
         # Its 300 sentences left while the first request was still being decoded.
-        assert seen[-1] == 500 and not answer, seen
+        assert not answer, seen
         first.join(DEADLINE)
         assert answer[0][0] == 200 and len(answer[0][1]["translations"]) == 500
         assert server.get("/health")[1]["queued"] == 0
@@ -348,6 +348,34 @@ def test_the_batch_of_a_client_that_leaves_stops_decoding(package, multi30k_bpe)
             time.sleep(0.005)
         assert health["queued"] == 0  # the batch given up, the rest never decoded
         assert server.post({"text": sources[:2]})[0] == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_costliest_request_allowed_holds_no_other_up(package, multi30k_bpe):
+    """8 sentences at the widest beam, kept decoding to the model's limit by min_len (what the
+    caps allow at most): a one-sentence request sent while it decodes is answered, exactly as
+    `nmt translate` answers it, before the costly one ends (nmt's engine takes their steps in
+    turn); past the caps, 400."""
+    sources = sources_of(multi30k_bpe)[:8]
+    expected = Translator(from_dir(package), TranslateConfig()).translate(sources[:2])
+    server = Server(package)
+    try:
+        costly = {"text": sources, "beam": 16, "min_len": 1023, "max_len_b": 1023}
+        for past in ({"min_len": 100_000}, {"max_len_b": 100_000}, {"max_len": 1024}, {"beam": 17}):
+            status, body, _ = server.post({**costly, **past})
+            assert status == 400 and "on this server" in body["error"], body
+        leaving = server.sent(costly)
+        deadline = time.monotonic() + DEADLINE
+        while (health := server.get("/health")[1])["decoding"] < 1 or health["queued"] < 8:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.005)
+        assert server.post({"text": sources[:2]})[:2] == (200, {"translations": expected})
+        assert server.get("/health")[1]["queued"] >= 8, "the costly request ended first"
+        leaving.close()
+        while (health := server.get("/health")[1])["given_up"] < 1 or health["queued"]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.005)
     finally:
         assert server.stop() == 0
 

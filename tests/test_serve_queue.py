@@ -20,7 +20,7 @@ class StandIn:
     `release` on any holding "slow" (or gives up when nobody waits for it) or "stubborn", and
     upper-cases the rest; records each batch."""
 
-    config, engine, tags = TranslateConfig(), "stand-in", ()
+    config, engine, tags, max_src = TranslateConfig(), "stand-in", (), 1023
 
     def __init__(self):
         self.batches: list = []
@@ -53,6 +53,21 @@ class StandIn:
 
     def work_of(self, lengths, options, forced=None, phrases=None):
         return [options.rows if n else 0 for n in lengths]
+
+    def costs(self, sentences, options, prefixes=None, constraints=None):  # `size` bytes each
+        return self.work(sentences, options), [self.size if s else 0 for s in sentences]
+
+    size = 0
+
+    def slots(self):
+        return 1
+
+
+class Stepping(StandIn):
+    """A stand-in that takes its steps as nmt's engine does: "slow" asks `gone` (where a step
+    waits for its turn) every 10 ms while it is held."""
+
+    engine = "nmt"
 
 
 def _in_process(decoder: StandIn, scenario, on_loop_end=None, **config):
@@ -499,3 +514,89 @@ def test_stopping_waits_for_a_batch_that_decodes_on_without_holding_the_event_lo
         held.cancel()
     assert seen == (False, 0)  # the loop ran before the batch ended, and stopping waited for it
     assert decoder.finished == [["stubborn"]]  # and it was waited for
+
+
+def test_a_request_that_arrives_while_a_long_one_decodes_starts_at_its_next_step():
+    """nmt's engine decodes several batches at once, taking turns step by step: a request that
+    arrives while a long one is held is answered before the long one ends. A decoder that
+    cannot share its steps (CTranslate2) decodes one batch at a time: the request waits."""
+    import asyncio
+
+    def run(decoder):
+        async def scenario(post, get):
+            held = asyncio.ensure_future(post(["slow"]))
+            while not decoder.batches:
+                await asyncio.sleep(0.01)
+            quick = asyncio.ensure_future(post(["quick"]))
+            done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if decoder.engine == "nmt" else 0.5)
+            answered_first = bool(done)
+            decoder.release.set()
+            return answered_first, await held, await quick
+
+        return _in_process(decoder, scenario, max_wait_ms=0)
+
+    stepping = Stepping()
+    assert run(stepping) == (True, (200, {"translations": ["SLOW"]}), (200, {"translations": ["QUICK"]}))
+    assert stepping.finished == [["quick"], ["slow"]]
+    apart = StandIn()
+    assert run(apart)[0] is False and apart.finished == [["slow"], ["quick"]]
+
+
+@pytest.mark.parametrize("room", [1, 2])
+def test_batches_begin_while_the_memory_of_those_decoding_leaves_room(room):
+    """Each sentence's search holds its bytes (here 1 MiB): with --max-memory 1 a request waits
+    for the batch that holds it, with 2 it is decoded beside it; a sentence larger than
+    --max-memory alone is refused with 413, whatever is decoding."""
+    import asyncio
+
+    decoder = Stepping()
+    decoder.size = 1 << 20
+
+    async def scenario(post, get):
+        held = asyncio.ensure_future(post(["slow"]))
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        quick = asyncio.ensure_future(post(["quick"]))
+        done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if room > 1 else 0.5)
+        decoder.size = (room + 1) << 20
+        refused = await post(["too large"])
+        decoder.size = 1 << 20
+        decoder.release.set()
+        return bool(done), refused, await held, await quick
+
+    beside, refused, held, quick = _in_process(decoder, scenario, max_wait_ms=0, max_memory=room)
+    assert beside == (room > 1) and held[0] == quick[0] == 200
+    assert decoder.finished == ([["quick"], ["slow"]] if room > 1 else [["slow"], ["quick"]])
+    assert refused[0] == 413 and f"decodes in {room} MiB (--max-memory)" in refused[1]["error"]
+
+
+class Wordy(StandIn):
+    """A stand-in whose sentences cost their words (rows x words), as a long sentence costs
+    CTranslate2 more than a short one."""
+
+    def work(self, sentences, options, prefixes=None, constraints=None):
+        return [options.rows * len(s.split()) for s in sentences]
+
+    def work_of(self, lengths, options, forced=None, phrases=None):
+        return [options.rows * n for n in lengths]
+
+
+@pytest.mark.parametrize("engine", ["ctranslate2", "nmt"])
+def test_a_decoder_that_cannot_share_its_steps_gets_batches_of_bounded_cost(engine):
+    """CTranslate2 cannot take a request into a batch it has begun: its batches are cut to
+    --max-batch typical sentences' work (here 4 x 32 words), a long sentence alone, so that a
+    long request goes in pieces that take their turn with the others'. nmt's engine takes its
+    steps in turn with other batches, and batches by sentences alone."""
+    long, longer = " ".join(["w"] * 100), " ".join(["w"] * 300)
+    decoder = Wordy()
+    decoder.engine = engine
+
+    async def scenario(post, get):
+        return await post([long, long, "s1", "s2", "s3", "s4", longer])
+
+    status, body = _in_process(decoder, scenario, max_batch=4, max_wait_ms=0)
+    assert status == 200 and len(body["translations"]) == 7
+    if engine == "ctranslate2":
+        assert decoder.batches == [[long], [long, "s1", "s2", "s3"], ["s4"], [longer]]
+    else:
+        assert decoder.batches == [[long, long, "s1", "s2"], ["s3", "s4", longer]]

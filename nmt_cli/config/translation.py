@@ -225,7 +225,19 @@ class ServeConfig:
     max_output_len: int = knob(
         0,
         "Output tokens per sentence at most, whatever a request asks: a request's max_len defaults "
-        "to it, one above it gets 400 (0: the model's limit).",
+        "to it; a max_len, min_len or max_len_b above it gets 400 (0: the model's limit).",
+    )
+    max_beam: int = knob(16, "Beam (or n-best when sampling) of a request at most; beyond, 400.")
+    max_memory: int = knob(
+        1024,
+        "MiB that the searches being decoded may hold (their caches and alignments, as estimated "
+        "from each sentence's length and options): a batch waits for room; a request with one "
+        "sentence over it alone gets 413.",
+    )
+    concurrent_batches: int = knob(
+        4,
+        "Batches nmt's engine decodes at once, taking turns step by step: a request that arrives "
+        "while a long one decodes starts at its next step (CTranslate2: 1).",
     )
     max_chars: int = knob(2000, "Characters per sentence, prefix or constraint; beyond, 400.")
     max_body: int = knob(1 << 20, "Bytes of a request's body; beyond, 413 (refused before it is read).")
@@ -265,6 +277,9 @@ class ServeConfig:
             "max_chars",
             "max_body",
             "max_connections",
+            "max_beam",
+            "max_memory",
+            "concurrent_batches",
         ):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")

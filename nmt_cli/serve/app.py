@@ -5,11 +5,13 @@
     GET /health -> {"status": "ok", ...}
 
 Requests that arrive within `max_wait_ms` of each other are decoded together (dynamic
-batching), up to `max_batch` sentences at the default beam, by one decoding thread; the event
-loop only parses, checks and answers. A large request is decoded in pieces, and each batch
-serves first the requests served least so far, so a short request waits for at most about one
-batch whatever is queued; one request may ask for `max_hypotheses` (sentences x beam) at most,
-and for `max_output_len` tokens per sentence at most. Every decoding option is checked against
+batching), up to `max_batch` sentences at the default beam, in decoding threads; the event loop
+only parses, checks and answers. A large request is decoded in pieces, and each batch serves
+first the requests served least so far; nmt's engine decodes `concurrent_batches` at once,
+taking their steps in turn (batcher.py), so a short request is not held up by a long one. One
+request may ask for `max_hypotheses` (sentences x beam) at most, a beam of `max_beam`, and
+`max_output_len` tokens per sentence at most (also its min_len and max_len_b); each sentence's
+search must fit `max_memory`. Every decoding option is checked against
 its range (config.translation.RANGES) as on the command line; NaN and infinities are refused.
 The queue counts work: a sentence's hypotheses times its output limit in tokens (what its length,
 prefix, constraints and max_len allow; a blank line nothing). Past `max_queue` typical sentences'
@@ -82,7 +84,9 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             response.force_close()
             return response
         try:
-            asked = parse(body, config, translator.config.decode, translator.tags, translator.engine)
+            asked = parse(
+                body, config, translator.config.decode, translator.tags, translator.engine, translator.max_src
+            )
         except OverflowError as e:
             return error(web, 413, str(e))
         except ValueError as e:
@@ -178,6 +182,7 @@ def make_app(
                 "status": "ok" if alive else "the decoding loop has stopped",
                 "engine": translator.engine,
                 "queued": request.app[batcher_key].pending,
+                "decoding": len(request.app[batcher_key].decoding),  # batches
                 "given_up": request.app[batcher_key].stopped,  # batches nobody waited for
             },
             status=200 if alive else 503,
@@ -206,7 +211,7 @@ def make_app(
         task.cancel()
         # A batch in its thread may decode on (CTranslate2's cannot be stopped): wait for it
         # without holding the event loop, so that the drain's bound and a second signal act.
-        await asyncio.wrap_future(batcher.decoder.submit(lambda: None))
+        await batcher.drained()
         batcher.decoder.shutdown(wait=False)
 
     @web.middleware

@@ -1,18 +1,25 @@
-"""The decoding queue of `nmt serve`: requests gathered into batches by one decoding thread,
-the requests served least first, large ones in pieces; each request's answers in order."""
+"""The decoding queue of `nmt serve`: requests gathered into batches, the requests served least
+first, large ones in pieces; each request's answers in order. nmt's engine decodes several
+batches at once, taking turns step by step (turns.py): a request that arrives while others
+decode starts at their next step. CTranslate2 cannot share its steps: it decodes one batch at a
+time, each cut to a bounded cost. Batches are admitted while the memory their searches hold
+(Translator.costs) fits --max-memory."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.errors import Stopped
+from nmt_cli.serve.turns import Turns
 from nmt_cli.translator import Translator
 
 
@@ -23,9 +30,11 @@ class Job:
     prefixes: list[str] | None
     constraints: list[list[str]] | None
     done: asyncio.Future
-    costs: list[int]  # each sentence's work (Translator.work): what it holds of the queue
+    costs: list[int]  # each sentence's work (Translator.costs): what it holds of the queue
+    sizes: list[int]  # ... and the bytes its search holds while it decodes
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
+    decoding: bool = False  # a piece of it is being decoded: its next waits (one at a time)
     answers: list = field(default_factory=list)  # the answers of the pieces decoded, in order
 
 
@@ -47,8 +56,17 @@ class Batcher:
         # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
         self.most_work = config.max_queue * translator.work_of([TYPICAL], translator.config.decode)[0]
-        self.arrived = asyncio.Event()
-        self.decoder = ThreadPoolExecutor(1, thread_name_prefix="nmt-decode")
+        self.memory = config.max_memory << 20  # bytes the batches being decoded may hold
+        self.held = 0
+        # nmt's engine asks `gone` before each step, where a batch waits for its turn
+        self.stepped = translator.engine == "nmt"
+        self.at_once = config.concurrent_batches if self.stepped else 1
+        self.turns = Turns(translator.slots() if self.stepped else 1)
+        self.batch_ids = itertools.count()
+        self.decoding: set[asyncio.Task] = set()  # the batches being decoded
+        self.busy: set[Future] = set()  # ... in their threads, which may outlive their tasks
+        self.changed = asyncio.Event()  # a job arrived or a batch ended
+        self.decoder = ThreadPoolExecutor(self.at_once, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
         self.stopped = 0  # batches given up midway: nobody waited for them any more
 
@@ -60,25 +78,31 @@ class Batcher:
         constraints: list[list[str]] | None = None,
     ) -> asyncio.Future | None:
         """The future of the job's answer, or None when the queue is full; OverflowError when the
-        job alone is more work than the queue holds (it would never fit); RuntimeError when the
-        decoding loop has stopped (nothing would ever answer it)."""
+        job alone is more work than the queue holds, or one of its sentences more memory than
+        --max-memory (it would never fit); RuntimeError when the decoding loop has stopped
+        (nothing would ever answer it)."""
         if not self.running:
             raise RuntimeError("the decoding loop has stopped")
-        costs = self.translator.work(sentences, options, prefixes, constraints)
+        costs, sizes = self.translator.costs(sentences, options, prefixes, constraints)
         if sum(costs) > self.most_work:
             raise OverflowError(
                 f"this request is {sum(costs) / self.most_work * self.config.max_queue:.0f} typical "
                 f"sentences of work; the queue holds {self.config.max_queue} (--max-queue)"
             )
+        if max(sizes, default=0) > self.memory:
+            raise OverflowError(
+                f"a sentence of this request needs {max(sizes) / 2**20:.0f} MiB to decode; this server "
+                f"decodes in {self.config.max_memory} MiB (--max-memory): ask for a narrower beam or a "
+                "shorter output"
+            )
         if self.work + sum(costs) > self.most_work:
             return None
-        job = Job(
-            sentences, options, prefixes, constraints, asyncio.get_running_loop().create_future(), costs
-        )
+        done = asyncio.get_running_loop().create_future()
+        job = Job(sentences, options, prefixes, constraints, done, costs, sizes)
         self.jobs.append(job)
         self.pending += len(sentences)
         self.work += sum(costs)
-        self.arrived.set()
+        self.changed.set()
         return job.done
 
     def withdraw(self, done: asyncio.Future) -> None:
@@ -96,25 +120,47 @@ class Batcher:
         self.pending -= hi - lo
         self.work -= sum(job.costs[lo:hi])
 
-    def _next(self) -> Job:
-        """The job served least so far (then the oldest): a short request waits for at most the
-        batch being decoded, however large the requests queued before it."""
-        return min(self.jobs, key=lambda j: (j.taken, j.arrived))
+    def _waiting(self) -> list[Job]:
+        """The jobs that may join a batch: those with no piece being decoded (a large request's
+        pieces go one after another, never taking every batch)."""
+        return [j for j in self.jobs if not j.decoding]
 
-    def _take(self) -> list[Piece]:
+    def _next(self) -> Job | None:
+        """The waiting job served least so far (then the oldest): a short request waits for at
+        most the batch being decoded, however large the requests queued before it."""
+        return min(self._waiting(), key=lambda j: (j.taken, j.arrived), default=None)
+
+    def _fits(self, first: Job) -> bool:
+        """Whether another batch may begin with `first`: a batch is free and its next sentence's
+        memory fits beside what the batches being decoded hold."""
+        return len(self.decoding) < self.at_once and self.held + first.sizes[first.taken] <= self.memory
+
+    def _take(self, first: Job) -> list[Piece]:
         """One decoding batch: pieces of the jobs with the next job's options (all but the seed
         and alpha, which each sentence keeps), least served first, up to `max_batch` sentences
-        at the default beam (fewer at a wider beam, so that every batch is about as much work)."""
-        first = self._next()
+        at the default beam (fewer at a wider beam, so that every batch is about as much work),
+        as many as the memory left holds. A batch that cannot share its steps (CTranslate2) is
+        also cut to `max_batch` typical sentences' work: a long request goes in pieces that take
+        their turn with the others'."""
         budget = self.config.max_batch * self.translator.config.decode.rows  # hypotheses
+        work = self.most_work // self.config.max_queue * self.config.max_batch if not self.stepped else None
+        room = self.memory - self.held
         pieces: list[Piece] = []
         shared = first.options.shared()
-        same = [j for j in self.jobs if j.options.shared() == shared]
+        same = [j for j in self._waiting() if j.options.shared() == shared]
         rows = first.options.rows
         for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
             if pieces and (not self.config.batching or budget < rows):
                 break
             n = min(len(job.sentences) - job.taken, max(1, budget // rows))
+            n = _within(job.sizes[job.taken : job.taken + n], room, first=not pieces)
+            if work is not None:
+                n = min(n, _within(job.costs[job.taken : job.taken + n], work, first=not pieces))
+            if not n:
+                break
+            room -= sum(job.sizes[job.taken : job.taken + n])
+            if work is not None:
+                work -= sum(job.costs[job.taken : job.taken + n])
             pieces.append((job, job.taken, job.taken + n))
             job.taken += n
             budget -= n * rows
@@ -122,8 +168,8 @@ class Batcher:
                 self.jobs.remove(job)
         return pieces
 
-    def _ready(self) -> bool:
-        waited = time.monotonic() - self._next().arrived
+    def _ready(self, first: Job) -> bool:
+        waited = time.monotonic() - first.arrived
         queued = sum(len(j.sentences) - j.taken for j in self.jobs)
         return (
             not self.config.batching
@@ -139,31 +185,59 @@ class Batcher:
             await self._loop()
         finally:
             self.running = False
+            for task in self.decoding:
+                task.cancel()
+
+    async def drained(self) -> None:
+        """Wait, without holding the event loop, for the batches still decoding in their threads
+        (CTranslate2's cannot be stopped midway)."""
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in list(self.busy)), return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:
-            while not self.jobs:
-                self.arrived.clear()
-                await self.arrived.wait()
-            while self.jobs and not self._ready():
-                self.arrived.clear()
-                left = self.config.max_wait_ms / 1000 - (time.monotonic() - self._next().arrived)
+            while (first := self._next()) is None:
+                self.changed.clear()
+                await self.changed.wait()
+            while first is not None and not self._ready(first):
+                self.changed.clear()
+                left = self.config.max_wait_ms / 1000 - (time.monotonic() - first.arrived)
                 try:
-                    await asyncio.wait_for(self.arrived.wait(), timeout=max(left, 0.0))
+                    await asyncio.wait_for(self.changed.wait(), timeout=max(left, 0.0))
                 except asyncio.TimeoutError:
                     pass
-            if not self.jobs:
+                first = self._next()
+            if first is None:
                 continue
-            pieces = self._take()
-            try:
-                await self._serve(pieces)
-            except Exception as e:  # noqa: BLE001 - a fault of ours: those requests get a 500
-                ui.say("nmt serve: a batch failed: " + "".join(traceback.format_exception_only(e)).strip())
-                for job, _, _ in pieces:
-                    _settle(job, error=e)
-            finally:
-                for job, lo, hi in pieces:
-                    self._done_with(job, lo, hi)
+            if not self._fits(first):  # until a batch ends or a job arrives
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            pieces = self._take(first)
+            for job, _, _ in pieces:
+                job.decoding = True
+            held = sum(sum(job.sizes[lo:hi]) for job, lo, hi in pieces)
+            self.held += held
+            task = asyncio.get_running_loop().create_task(self._batch(pieces, held))
+            self.decoding.add(task)
+            if not self.stepped:  # one batch at a time
+                await asyncio.wait([task])
+
+    async def _batch(self, pieces: list[Piece], held: int) -> None:
+        try:
+            await self._serve(pieces)
+        except Exception as e:  # noqa: BLE001 - a fault of ours: those requests get a 500
+            ui.say("nmt serve: a batch failed: " + "".join(traceback.format_exception_only(e)).strip())
+            for job, _, _ in pieces:
+                _settle(job, error=e)
+        finally:
+            for job, lo, hi in pieces:
+                self._done_with(job, lo, hi)
+                job.decoding = False
+            self.held -= held
+            task = asyncio.current_task()
+            if task is not None:
+                self.decoding.discard(task)
+            self.changed.set()
 
     async def _serve(self, pieces: list[Piece]) -> None:
         """Decode `pieces` as one batch and answer each job whose last piece this is; if the
@@ -181,20 +255,22 @@ class Batcher:
         options = [job.options for job, lo, hi in pieces for _ in range(lo, hi)]
         jobs = [job for job, lo, hi in pieces for _ in range(lo, hi)]  # each sentence's
 
-        def gone() -> list[bool]:  # asked from the decoding thread between steps
+        batch, threads = next(self.batch_ids), set()
+
+        def gone() -> list[bool]:  # asked from the decoding threads before each step
+            if self.stepped:  # the step waits for its turn
+                key = (batch, threading.get_ident())
+                threads.add(key)
+                self.turns.step(key)
             return [job.done.done() for job in jobs]
 
+        future = self.decoder.submit(
+            self._decode, sentences, options, keys, prefixes, constraints, gone, threads
+        )
+        self.busy.add(future)
+        future.add_done_callback(self.busy.discard)
         try:
-            texts, hyps = await loop.run_in_executor(
-                self.decoder,
-                self._decode,
-                sentences,
-                options,
-                keys,
-                prefixes,
-                constraints,
-                gone,
-            )
+            texts, hyps = await asyncio.wrap_future(future, loop=loop)
         except Stopped:  # every client left or passed its deadline while it decoded
             self.stopped += 1
             return
@@ -226,9 +302,19 @@ class Batcher:
             self._done_with(job, job.taken, len(job.sentences))
 
     def _decode(
-        self, sentences: list[str], options: list[DecodeOptions], keys: list[int], prefixes, constraints, gone
+        self,
+        sentences: list[str],
+        options: list[DecodeOptions],
+        keys: list[int],
+        prefixes,
+        constraints,
+        gone,
+        threads: set,
     ):
-        hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints, gone)
+        try:
+            hyps = self.translator.hypotheses(sentences, options, keys, prefixes, constraints, gone)
+        finally:  # its threads take no more steps
+            self.turns.leave(list(threads))
         return self.translator.texts(hyps), hyps
 
 
@@ -241,6 +327,17 @@ def _settle(job: Job, answers: list | None = None, error: BaseException | None =
         job.done.set_exception(error)
     else:
         job.done.set_result(answers)
+
+
+def _within(sizes: list[int], room: int, first: bool) -> int:
+    """How many of `sizes`, from the first, fit in `room` (at least one if `first`: a batch
+    always takes something)."""
+    total = 0
+    for n, size in enumerate(sizes):
+        total += size
+        if total > room:
+            return max(n, 1) if first else n
+    return len(sizes)
 
 
 def _joined(parts: list[tuple[list | None, int, int]], none) -> list | None:

@@ -10,7 +10,6 @@ import re
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.errors import NmtError
 
-MAX_BEAM = 32
 # each constraint adds a bank to a sentence's search, and every token of them raises its length
 # limit: enough for terminology, not a way to stall it
 MAX_CONSTRAINTS = 16
@@ -26,11 +25,17 @@ class Request:
 
 
 def parse(
-    body: bytes, config: ServeConfig, defaults: DecodeOptions, tags: tuple[str, ...] = (), engine: str = "nmt"
+    body: bytes,
+    config: ServeConfig,
+    defaults: DecodeOptions,
+    tags: tuple[str, ...] = (),
+    engine: str = "nmt",
+    ceiling: int = 1023,
 ) -> Request:
     """The request's sentences, their prefixes and constraints, and its decoding options (any
     field of DecodeOptions, `defaults` for the rest), for a model with `tags` decoded by
-    `engine`; ValueError (400) or OverflowError (413)."""
+    `engine` whose outputs have at most `ceiling` tokens; ValueError (400) or OverflowError
+    (413)."""
     data = _json(body)
     fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
     unknown = set(data) - {"text", "prefix", "constraints"} - set(fields)
@@ -47,14 +52,19 @@ def parse(
             '"constraints" are met by nmt\'s beam search: '
             + ('drop "sample"' if engine == "nmt" else f"this server decodes with {engine}")
         )
+    # what a request may cost, bounded by the operator: a min_len or max_len_b past the output
+    # cap would keep every row decoding to the model's limit for nothing
+    cap = min(config.max_output_len or ceiling, ceiling)
+    for name in ("max_len", "min_len", "max_len_b"):
+        if name in data and getattr(options, name) > cap:
+            raise ValueError(f'"{name}" must be at most {cap} on this server (--max-output-len)')
     if config.max_output_len:
-        if options.max_len > config.max_output_len:
-            raise ValueError(
-                f'"max_len" must be at most {config.max_output_len} on this server (--max-output-len)'
-            )
         options = dataclasses.replace(options, max_len=options.max_len or config.max_output_len)
-    if options.rows > MAX_BEAM:
-        raise ValueError(f'"{"nbest" if options.sample else "beam"}" must be at most {MAX_BEAM}')
+    if options.rows > config.max_beam:
+        raise ValueError(
+            f'"{"nbest" if options.sample else "beam"}" must be at most {config.max_beam} on this server '
+            "(--max-beam)"
+        )
     if len(text) * options.rows > config.max_hypotheses:
         raise OverflowError(
             f"{len(text)} sentences at beam {options.rows} are {len(text) * options.rows} hypotheses; "

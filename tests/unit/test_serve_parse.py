@@ -9,7 +9,7 @@ import json
 import pytest
 
 from nmt_cli.config import DecodeOptions, ServeConfig
-from nmt_cli.serve.requests import MAX_BEAM, MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
+from nmt_cli.serve.requests import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
 
 DEFAULTS = DecodeOptions(beam=5)
 
@@ -87,7 +87,8 @@ def test_a_ctranslate2_server_refuses_constraints():
         ({"sample": True, "topk": 10**50}, '"topk" must be from 0 to 100000'),
         ({"sample": True, "temperature": 1e-300}, '"temperature" must be from 1e-06 to 100'),
         ({"sample": True, "topp": float("nan")}, '"topp" must be in (0, 1], not nan'),
-        ({"beam": MAX_BEAM + 1}, f'"beam" must be at most {MAX_BEAM}'),
+        ({"beam": 17}, '"beam" must be at most 16 on this server (--max-beam)'),
+        ({"sample": True, "nbest": 17}, '"nbest" must be at most 16 on this server (--max-beam)'),
         ({"width": 1}, "unknown field(s): width"),
         ({"prefix": "Ein"}, '"prefix" must be a list of strings, one per sentence'),
         ({"prefix": ["Ein", "Zwei"]}, '"prefix" must be a list of strings, one per sentence'),
@@ -127,6 +128,19 @@ def test_the_operator_caps_the_output_length_of_every_request():
     with pytest.raises(ValueError, match='"max_len" must be at most 40 on this server'):
         parse(request(max_len=41), capped, DEFAULTS)
     assert parse(request(), ServeConfig(), DEFAULTS).options.max_len == 0  # no cap: the model's
+
+
+@pytest.mark.parametrize("name", ["max_len", "min_len", "max_len_b"])
+def test_no_length_a_request_asks_for_passes_the_output_cap(name):
+    """A min_len or max_len_b past the cap would keep every row decoding to the model's limit
+    (the cap: --max-output-len, else the model's own limit)."""
+    with pytest.raises(ValueError, match=f'"{name}" must be at most 40 on this server'):
+        parse(request(**{name: 41}), ServeConfig(max_output_len=40), DEFAULTS)
+    assert getattr(parse(request(**{name: 40}), ServeConfig(max_output_len=40), DEFAULTS).options, name) == 40
+    with pytest.raises(ValueError, match=f'"{name}" must be at most 63 on this server'):
+        parse(request(**{name: 64}), ServeConfig(), DEFAULTS, ceiling=63)
+    with pytest.raises(ValueError, match=f'"{name}" must be at most 63 on this server'):
+        parse(request(**{name: 64}), ServeConfig(max_output_len=100), DEFAULTS, ceiling=63)
 
 
 def test_a_request_takes_only_a_tag_the_model_was_trained_with():
