@@ -3,12 +3,11 @@ averaged model."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from nmt_cli.engine.checkpoint import average, best_listed, listed, save_tensors
 from nmt_cli.errors import NmtError
-from nmt_cli.files import now
+from nmt_cli.files import now, read_json
 from nmt_cli.rundir import RunDir
 
 
@@ -30,7 +29,7 @@ def average_run(run: RunDir, last: int, say: Callable[[str], None], best: int = 
             say(f"only {len(paths)} checkpoints exist; averaging all of them")
         chosen = paths[-last:]
     weights, meta = average(chosen)
-    newest = json.loads(chosen[-1].with_suffix(".json").read_text(encoding="utf-8"))
+    newest = read_json(chosen[-1].with_suffix(".json"), 1 << 20)
     record = {
         **{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},
         "step": newest["step"],

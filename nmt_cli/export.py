@@ -14,8 +14,19 @@ from pathlib import Path
 
 from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_write_json, fsync_dir, new_file_mode, now, sha256_file
-from nmt_cli.models import CT2, CT2_WEIGHTS, NMT, PROVENANCE, SETTINGS, VERSION, WEIGHTS, Model, sha_key
+from nmt_cli.files import atomic_write_json, copy_regular, fsync_dir, new_file_mode, now, sha256_file
+from nmt_cli.models import (
+    CT2,
+    CT2_WEIGHTS,
+    MAX_SPM_BYTES,
+    NMT,
+    PROVENANCE,
+    SETTINGS,
+    VERSION,
+    WEIGHTS,
+    Model,
+    sha_key,
+)
 from nmt_cli.vocab import Vocabularies
 
 
@@ -75,8 +86,12 @@ def writing(model: Model, out: Path) -> Iterator[Path]:
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for held, dest in _packaged(model, staging):
-        shutil.copyfile(held, dest)
+    try:
+        for held, dest in _packaged(model, staging):
+            copy_regular(held, dest, MAX_SPM_BYTES)
+    except BaseException:  # nothing half-copied left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     atomic_write_json(staging / PROVENANCE, model.provenance)
     yield staging
     for written in staging.iterdir():  # durable before the rename makes the export visible

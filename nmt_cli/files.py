@@ -137,6 +137,30 @@ def read_regular(path: Path, limit: int) -> bytes:
     return data
 
 
+def read_json(path: Path, limit: int = 16 << 20, kind: type = dict):
+    """The JSON of the regular file `path` (at most `limit` bytes), which must be a `kind`; one
+    error line naming the file otherwise."""
+    try:
+        data = json.loads(read_regular(path, limit).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise NmtError(f"{path} is not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(data, kind):
+        raise NmtError(f"{path} holds a JSON {type(data).__name__}, not what nmt wrote there")
+    return data
+
+
+def copy_regular(src: Path, dest: Path, limit: int) -> None:
+    """Copy the regular file `src` to `dest`, from the descriptor that was checked (a link to a
+    device or a FIFO is refused, not read for ever), refused past `limit` bytes."""
+    with os.fdopen(open_regular(src, os.O_RDONLY), "rb") as f, open(dest, "wb") as out:
+        copied = 0
+        while chunk := f.read(min(1 << 20, limit + 1 - copied)):
+            copied += len(chunk)
+            if copied > limit:
+                raise NmtError(f"{src} is larger than {limit} bytes: it is not what nmt wrote")
+            out.write(chunk)
+
+
 def check_regular(path: Path, limit: int) -> None:
     """Refuse `path` unless it is a regular file of at most `limit` bytes, not a link."""
     fd = open_regular(path, os.O_RDONLY)

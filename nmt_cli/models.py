@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import check_regular, read_regular, sha256_file
+from nmt_cli.files import check_regular, read_json, read_regular, sha256_file
 from nmt_cli.rundir import RunDir
 from nmt_cli.vocab import Vocabularies
 
@@ -317,9 +317,9 @@ def _provenance(run: RunDir, path: Path, meta: dict) -> dict:
         # A split's scores belong to this model only if `nmt score` translated it with it.
         p, key = run.scores(split), run.translation(split, manifest["prep"]["tgt"])
         key = key.with_suffix(key.suffix + ".json")
-        made = json.loads(key.read_text()) if key.exists() else {}
+        made = read_json(key) if key.exists() else {}
         if p.exists() and made and made.get("model_sha256") == meta.get("sha256"):
-            report = json.loads(p.read_text(encoding="utf-8"))
+            report = read_json(p)
             scores[split] = {
                 "settings": made.get("settings"),
                 "scores": [
@@ -330,7 +330,7 @@ def _provenance(run: RunDir, path: Path, meta: dict) -> dict:
     for step in ("prep", "bpe", "train"):
         p = run.config_path(step)
         if p.exists():
-            configs[step] = json.loads(p.read_text(encoding="utf-8"))
+            configs[step] = read_json(p)
     return {
         "model_file": path.name,
         "model_sha256": meta.get("sha256"),

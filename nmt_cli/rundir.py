@@ -36,8 +36,19 @@ from pathlib import Path
 from typing import Any
 
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_write_json, atomic_write_text, file_stats, now, open_appending, open_regular
+from nmt_cli.files import (
+    atomic_write_json,
+    atomic_write_text,
+    file_stats,
+    now,
+    open_appending,
+    open_regular,
+    read_json,
+    read_regular,
+)
 from nmt_cli.vocab import Vocabularies
+
+MAX_METRICS_BYTES = 1 << 30  # a record per log line of a months-long run is a fraction of it
 
 
 class RunDir:
@@ -163,7 +174,8 @@ class RunDir:
         if not self.metrics.exists():
             return []
         records = []
-        for line in self.metrics.read_text(encoding="utf-8").splitlines():
+        text = read_regular(self.metrics, MAX_METRICS_BYTES).decode("utf-8", errors="replace")
+        for line in text.splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
@@ -186,8 +198,8 @@ class RunDir:
         if not self.manifest_path.exists():
             return {}
         try:
-            return json.loads(self.manifest_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
+            return read_json(self.manifest_path)
+        except NmtError as e:
             raise NmtError(
                 f"{self.manifest_path} is not valid JSON ({e}); delete it and rerun the steps"
             ) from None

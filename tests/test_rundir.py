@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from nmt_cli import files
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_text, file_stats
 from nmt_cli.rundir import RunDir
@@ -111,3 +113,59 @@ def test_a_runs_logs_and_lock_are_never_written_through_a_link_or_into_a_fifo(tm
     assert victim.read_text() == "untouched\n"
     run.add_metric({"kind": "train", "step": 1})  # a regular file is written as before
     assert run.metric_records() == [{"kind": "train", "step": 1}]
+
+
+@pytest.mark.parametrize("planted", ["link to /dev/zero", "fifo"])
+def test_what_nmt_reads_from_a_run_directory_is_a_regular_file_or_one_error(trained, tmp_path, planted):
+    """A checkpoint, its record, the manifest, metrics.jsonl and the sentencepiece model an
+    export copies, each planted as a link to /dev/zero (read or copied for ever) or as a FIFO
+    (a read that waits for ever): one error naming the file, at once, and no half-written
+    export left behind. A record that is JSON but not an object, and a checkpoint holding a
+    list, are one error too."""
+    import torch
+
+    from nmt_cli.engine import checkpoint
+    from nmt_cli.export import export_nmt
+    from nmt_cli.models import locate
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    run = RunDir(run_dir)
+    newest = checkpoint.listed(run.checkpoints)[-1]
+    uses = {
+        newest: lambda: checkpoint.load_tensors(newest),
+        newest.with_suffix(".json"): lambda: checkpoint.load_tensors(newest),
+        run.manifest_path: run.load_manifest,
+        run.metrics: run.metric_records,
+        run_dir / "bpe" / "spm.model": lambda: export_nmt(locate(run_dir), tmp_path / "out"),
+    }
+    def endless(signum, frame):
+        raise TimeoutError("still reading after 20 s")
+
+    signal.signal(signal.SIGALRM, endless)
+    for path, use in uses.items():
+        kept = path.with_name(path.name + ".kept")
+        path.rename(kept)
+        if planted == "fifo":
+            os.mkfifo(path)
+        else:
+            path.symlink_to("/dev/zero")
+        signal.alarm(20)  # a read for ever fails the test, not hangs the suite
+        try:
+            with pytest.raises(NmtError, match=f"{path.name} is (a symbolic link|not a regular file)"):
+                use()
+        finally:
+            signal.alarm(0)
+        path.unlink()
+        kept.rename(path)
+    assert not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()
+    record = newest.with_suffix(".json")
+    meta = json.loads(record.read_text())
+    record.write_text("[]")
+    with pytest.raises(NmtError, match=f"{record.name} holds a JSON list, not what nmt wrote there"):
+        checkpoint.load_tensors(newest)
+    torch.save([1, 2], newest)
+    sha256, size = files.sha256_file(newest), newest.stat().st_size
+    record.write_text(json.dumps({**meta, "sha256": sha256, "bytes": size}))
+    with pytest.raises(NmtError, match=f"{newest.name} holds a list, not a checkpoint's tensors"):
+        checkpoint.load_tensors(newest)

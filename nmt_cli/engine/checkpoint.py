@@ -10,7 +10,7 @@ warning in favour of the one before it.
 from __future__ import annotations
 
 import contextlib
-import json
+import hashlib
 import os
 import pickle
 import re
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_open, atomic_write_json, sha256_file
+from nmt_cli.files import atomic_open, atomic_write_json, open_regular, read_json, sha256_file
 
 NAME = re.compile(r"checkpoint_(\d{8})\.json$")
 
@@ -39,18 +39,33 @@ def save_tensors(path: Path, tensors: dict[str, Any], meta: dict) -> None:
 def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]:
     """The tensors and record of a file written by save_tensors; refuses code and corruption."""
     record_path = path.with_suffix(".json")
-    if not record_path.exists() or not path.exists():
-        raise NmtError(f"{path if not path.exists() else record_path} not found")
+    if not os.path.lexists(record_path) or not os.path.lexists(path):
+        raise NmtError(f"{path if not os.path.lexists(path) else record_path} not found")
+    meta = read_json(record_path, 1 << 20)
+    # both read from descriptors checked to be regular files: a link to /dev/zero or a FIFO
+    # would be hashed or unpickled for ever
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+        if verify:
+            size = os.fstat(f.fileno()).st_size
+            if size != meta.get("bytes", size):
+                raise NmtError(f"{path} is not the size {record_path.name} records: corrupt or cut short")
+            digest = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+            if digest.hexdigest() != meta.get("sha256"):
+                raise NmtError(
+                    f"{path} does not match the sha256 in {record_path.name}: it is corrupt or half-written"
+                )
+            f.seek(0)
+        tensors = _unpickled(f, path)
+    if not isinstance(tensors, dict):
+        raise NmtError(f"{path} holds a {type(tensors).__name__}, not a checkpoint's tensors")
+    return tensors, meta
+
+
+def _unpickled(f, path: Path) -> Any:
     try:
-        meta = json.loads(record_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise NmtError(f"{record_path} is not valid JSON ({e})") from None
-    if verify and sha256_file(path) != meta.get("sha256"):
-        raise NmtError(
-            f"{path} does not match the sha256 in {record_path.name}: it is corrupt or half-written"
-        )
-    try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise NmtError(
@@ -59,7 +74,6 @@ def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
         raise NmtError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
-    return tensors, meta
 
 
 def path_for(folder: Path, step: int) -> Path:
@@ -105,7 +119,7 @@ def best_listed(folder: Path) -> list[tuple[float, Path]]:
     for p in Path(folder).iterdir():
         if BEST.match(p.name):
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                found.append((float(json.loads(p.read_text())["best"]["score"]), p.with_suffix(".pt")))
+                found.append((float(read_json(p, 1 << 20)["best"]["score"]), p.with_suffix(".pt")))
     return sorted(found)
 
 
