@@ -12,6 +12,9 @@ with the default settings, a fresh server for each part:
 - greedy: the same honest load beside one client that sends the largest request allowed (256
   of the longest sentences at beam 8: --max-hypotheses) again and again: the honest p99
   against the honest part's (target: within 2x), none lost, none wrong.
+- costly: the same beside one client looping the costliest request the caps allow: 8 of the
+  longest sentences at the widest beam (--max-beam 16), kept decoding to the model's limit by
+  min_len; the server's peak memory (VmHWM) and, alone, that request's seconds.
 - stalled: `--stalled` connections that send half a request head and wait; /health and one
   honest request must answer within 1 s, and the server closes the stalled ones within
   --header-timeout.
@@ -51,6 +54,7 @@ from benchmarks.common import cpu_name  # noqa: E402
 from benchmarks.deploy import NMT, exports, nmt, split_files  # noqa: E402
 
 GREEDY_BEAM = 8
+COSTLY_BEAM = 16  # --max-beam's default
 
 
 class Server:
@@ -195,6 +199,50 @@ def greedy(served: Path, requests, expected, clients: int, pool: list[str], base
     print(json.dumps(row), flush=True)
 
 
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory so far (Linux's VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def costly(served: Path, requests, expected, clients: int, pool: list[str], baseline: dict) -> None:
+    limit = 1023  # the model's output limit (max_positions - 1), what min_len may reach
+    largest = sorted(pool, key=len, reverse=True)[:8]
+    body = json.dumps({"text": largest, "beam": COSTLY_BEAM, "min_len": limit, "max_len_b": limit}).encode()
+    server = Server(served)
+    stop, answers = threading.Event(), []
+    try:
+        start = time.perf_counter()
+        status, _ = post(server.url, body, timeout=600)
+        alone_s, rss_alone = time.perf_counter() - start, peak_rss_mb(server.proc.pid)
+
+        def hog() -> None:
+            while not stop.is_set():
+                answers.append(post(server.url, body, timeout=600)[0])
+
+        hogging = threading.Thread(target=hog)
+        hogging.start()
+        time.sleep(1.0)
+        result = load(server.url, requests, expected, clients)
+        stop.set()
+        hogging.join()
+        rss = peak_rss_mb(server.proc.pid)
+    finally:
+        server.stop()
+    part = "honest beside one client looping the costliest request allowed"
+    row = summary(part, result, sum(map(len, requests)))
+    row["costly_alone_s"] = round(alone_s, 1)
+    row["costly_alone_status"] = status
+    row["costly_requests_answered"] = answers.count(200)
+    row["costly_statuses"] = sorted(set(answers))
+    row["server_peak_rss_mb_costly_alone"] = rss_alone
+    row["server_peak_rss_mb"] = rss
+    row["p99_vs_honest_alone"] = round(row["p99_ms"] / baseline["p99_ms"], 2)
+    print(json.dumps(row), flush=True)
+
+
 def _closed_by_server(s: socket.socket) -> bool:
     """Whether the server closed `s`, at once or after its 408 (a half-sent head gets one)."""
     got = b""
@@ -311,7 +359,8 @@ def raw(port: int, data: bytes) -> int:
 def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
     ok = json.dumps({"text": probe}).encode()
     many = json.dumps({"text": ["a"] * 300}).encode()
-    wide = json.dumps({"text": ["a"] * 256, "beam": 32}).encode()
+    wide = json.dumps({"text": ["a"] * 256, "beam": 16}).encode()
+    stall = {"text": ["a dog"] * 8, "beam": 16, "max_len_b": 100_000}
     cases = [  # (what, the status it must get, how it is sent, what is sent)
         ("malformed request line", 400, "raw", b"GARBAGE\r\n\r\n"),
         ("header line without a colon", 400, "raw", b"POST /translate HTTP/1.1\r\nnocolon\r\n\r\n"),
@@ -325,6 +374,7 @@ def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
         ("raw control character in a string", 400, "post", b'{"text": ["a\x01b"]}'),
         ("beam 0", 400, "post", b'{"text": ["a"], "beam": 0}'),
         ("beam 1000", 400, "post", b'{"text": ["a"], "beam": 1000}'),
+        ("bearer in lower case, no --api-key", 200, "post-bearer", ok),
         ("beam 4.5", 400, "post", b'{"text": ["a"], "beam": 4.5}'),
         ("nbest above beam", 400, "post", b'{"text": ["a"], "beam": 2, "nbest": 3}'),
         ("alpha Infinity", 400, "post", b'{"text": ["a"], "alpha": Infinity}'),
@@ -338,7 +388,13 @@ def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
         ("temperature 1e-300", 400, "post", b'{"text": ["a"], "sample": true, "temperature": 1e-300}'),
         ("a sentence of 100,000 characters", 400, "post", json.dumps({"text": ["a" * 100_000]}).encode()),
         ("300 sentences", 413, "post", many),
-        ("256 sentences at beam 32", 413, "post", wide),
+        ("256 sentences at beam 16", 413, "post", wide),
+        ("beam 17, past --max-beam", 400, "post", b'{"text": ["a"], "beam": 17}'),
+        ("min_len 100,000", 400, "post", json.dumps({**stall, "min_len": 100_000}).encode()),
+        ("max_len_b 100,000", 400, "post", json.dumps(stall).encode()),
+        ("a lone surrogate in text", 400, "post", b'{"text": ["a \\ud800"]}'),
+        ("a lone surrogate in prefix", 400, "post", b'{"text": ["a"], "prefix": ["\\udfff b"]}'),
+        ("a 1 MB body refused by its head", 413, "post", b'{"text": ["' + b"a" * (1 << 20) + b'"]}'),
         ("a body of 2 MB", 413, "post", b'{"text": ["' + b"a" * (2 << 20) + b'"]}'),
         ("a gzip body", 415, "gzip", ok),
         ("Content-Type text/plain", 415, "plain", ok),
@@ -360,6 +416,7 @@ def hostile(served: Path, probe: list[str], expected: dict[str, str]) -> None:
                         "gzip": {"Content-Encoding": "gzip"},
                         "plain": {"Content-Type": "text/plain"},  # a browser's CORS-free POST
                         "host": {"Host": "attacker.example:8080"},  # DNS rebinding
+                        "post-bearer": {"Authorization": "bearer anything"},  # no key set: ignored
                     }.get(how, {})
                     got = post(server.url, what, **headers)[0]
             except Exception as e:  # noqa: BLE001 - reported as a failure of the case
@@ -422,7 +479,9 @@ def main() -> None:
     ap.add_argument("--unread", type=int, default=1000)
     ap.add_argument("--ct2", choices=["float32", "int8"], help="a CTranslate2 export instead")
     ap.add_argument(
-        "--parts", nargs="*", default=["honest", "greedy", "stalled", "hostile", "unread", "sigterm"]
+        "--parts",
+        nargs="*",
+        default=["honest", "greedy", "costly", "stalled", "hostile", "unread", "sigterm"],
     )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-serve-load-"))
@@ -441,10 +500,12 @@ def main() -> None:
             flush=True,
         )
         baseline = None
-        if "honest" in args.parts or "greedy" in args.parts:
+        if {"honest", "greedy", "costly"} & set(args.parts):
             baseline = honest(served, requests, expected, args.clients)
         if "greedy" in args.parts:
             greedy(served, requests, expected, args.clients, pool, baseline)
+        if "costly" in args.parts:
+            costly(served, requests, expected, args.clients, pool, baseline)
         if "stalled" in args.parts:
             stalled(served, args.stalled, pool[:3], expected)
         if "hostile" in args.parts:

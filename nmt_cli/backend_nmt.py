@@ -47,6 +47,8 @@ class Backend:
         self.models = [load_model(m, self.device, precision) for m in model.parts]
         self.graphs = None if config.cuda_graphs else False  # None: decoding's default
         self.slots = self.threads if self.device.type == "cpu" else 1  # batches searched at once
+        # a server that steps `slots` searches at once gives each one thread, as _each does
+        self.one_thread = False
 
     def search(
         self,
@@ -112,7 +114,7 @@ class Backend:
 
         workers = min(self.threads, len(batches[0])) if self.device.type == "cpu" else 1
         before = torch.get_num_threads()
-        torch.set_num_threads(self.threads if workers < 2 else 1)
+        torch.set_num_threads(1 if workers > 1 or self.one_thread else self.threads)
         try:
             if workers < 2:
                 yield from map(one, *batches)

@@ -15,6 +15,7 @@ import traceback
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
@@ -62,6 +63,8 @@ class Batcher:
         self.stepped = translator.engine == "nmt"
         self.at_once = config.concurrent_batches if self.stepped else 1
         self.turns = Turns(translator.slots() if self.stepped else 1)
+        if self.turns.slots > 1 and hasattr(translator, "backend"):  # slots x 1 thread, not slots x all
+            cast(Any, translator.backend).one_thread = True  # nmt's backend (self.stepped)
         self.batch_ids = itertools.count()
         self.decoding: set[asyncio.Task] = set()  # the batches being decoded
         self.busy: set[Future] = set()  # ... in their threads, which may outlive their tasks
