@@ -166,6 +166,13 @@ class Translator:
         """The work of each line (costs)."""
         return self.costs(lines, options, prefixes, constraints)[0]
 
+    def steps_in_turn(self) -> bool:
+        """Whether a server may decode several batches at once, taking their steps in turn:
+        nmt's engine on a CPU. On a GPU one batch at a time until a GPU has measured it (a graph
+        captured in one thread while another launches kernels would fail its capture)."""
+        device = getattr(self.backend, "device", None)
+        return self.engine == "nmt" and getattr(device, "type", None) == "cpu"
+
     def slots(self) -> int:
         """How many searches step at once at most: a server's batches take turns at so many
         (backend_nmt spreads a call's batches over its CPU threads; a GPU one at a time)."""

@@ -139,6 +139,7 @@ def test_what_nmt_reads_from_a_run_directory_is_a_regular_file_or_one_error(trai
         run.metrics: run.metric_records,
         run_dir / "bpe" / "spm.model": lambda: export_nmt(locate(run_dir), tmp_path / "out"),
     }
+
     def endless(signum, frame):
         raise TimeoutError("still reading after 20 s")
 

@@ -62,6 +62,9 @@ class StandIn:
     def slots(self):
         return 1
 
+    def steps_in_turn(self):
+        return self.engine == "nmt"
+
 
 class Stepping(StandIn):
     """A stand-in that takes its steps as nmt's engine does: "slow" asks `gone` (where a step

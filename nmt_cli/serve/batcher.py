@@ -60,7 +60,7 @@ class Batcher:
         self.memory = config.max_memory << 20  # bytes the batches being decoded may hold
         self.held = 0
         # nmt's engine asks `gone` before each step, where a batch waits for its turn
-        self.stepped = translator.engine == "nmt"
+        self.stepped = translator.steps_in_turn()
         self.at_once = config.concurrent_batches if self.stepped else 1
         self.turns = Turns(translator.slots() if self.stepped else 1)
         if self.turns.slots > 1 and hasattr(translator, "backend"):  # slots x 1 thread, not slots x all
