@@ -1,44 +1,57 @@
 """Turns at the decoding steps of `nmt serve`: the batches being decoded by nmt's engine take
-their steps in turn, first come first served, so that a batch that arrives while a long one
-decodes starts at the long one's next step instead of after its last."""
+their steps in turn, so that a batch that arrives while a long one decodes starts at the long
+one's next step instead of after its last. The turn goes to the search that has used the least
+time stepping (as Linux's fair scheduler picks the task with the least virtual run time): a
+search of cheap steps takes many while a costly one takes one, so a short request beside a
+costly one waits for about one of its steps, not one per step of its own."""
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import deque
+import time
+from collections.abc import Callable
 
 
 class Turns:
     """Up to `slots` searches step at once (the threads a step's work is spread over); the
-    others wait in line. A search asks for its next step with `step(key)`, which gives its
-    slot up (if it holds one) and waits in line for one again: each step goes round."""
+    others wait. A search asks for its next step with `step(key)`, which gives its slot up (if
+    it holds one) and waits until it is the waiting search that has used the least time
+    stepping (first come first on a tie). A newcomer counts from the least time of those
+    stepping or waiting, so it neither waits for their past nor takes all turns for itself."""
 
-    def __init__(self, slots: int = 1):
-        self.slots = slots
-        self.line: deque = deque()  # who waits for a slot, first come first
-        self.holding: set = set()
+    def __init__(self, slots: int = 1, clock: Callable[[], float] = time.monotonic):
+        self.slots, self.clock = slots, clock
+        self.used: dict = {}  # each search's time spent stepping
+        self.began: dict = {}  # when each holder took its slot
+        self.waiting: dict = {}  # who waits for a slot, with its place in the line
+        self.order = itertools.count()
         self.changed = threading.Condition()
 
     def step(self, key) -> None:
         """Wait for the turn of `key` (its batch and thread) to take a step."""
         with self.changed:
-            if key in self.holding:
-                if not self.line:  # nobody waits: go on without a round trip
-                    return
-                self.holding.discard(key)
-                self.changed.notify_all()
-            self.line.append(key)
-            while self.line[0] != key or len(self.holding) >= self.slots:
+            now = self.clock()
+            if key in self.began:
+                self.used[key] += now - self.began.pop(key)
+            elif key not in self.used:
+                self.used[key] = min((self.used[k] for k in (*self.began, *self.waiting)), default=0.0)
+            self.waiting[key] = next(self.order)
+            self.changed.notify_all()
+            while len(self.began) >= self.slots or self._first() != key:
                 self.changed.wait()
-            self.line.popleft()
-            self.holding.add(key)
-            self.changed.notify_all()  # the next in line may have a slot too
+            del self.waiting[key]
+            self.began[key] = self.clock()
+            self.changed.notify_all()  # the next may have a slot too
+
+    def _first(self):
+        return min(self.waiting, key=lambda k: (self.used[k], self.waiting[k]))
 
     def leave(self, keys) -> None:
         """`keys` step no more: their slots are free and they leave the line."""
         with self.changed:
             for key in keys:
-                self.holding.discard(key)
-                if key in self.line:
-                    self.line.remove(key)
+                self.began.pop(key, None)
+                self.waiting.pop(key, None)
+                self.used.pop(key, None)
             self.changed.notify_all()
