@@ -18,11 +18,18 @@ class Turns:
     others wait. A search asks for its next step with `step(key)`, which gives its slot up (if
     it holds one) and waits until it is the waiting search that has used the least time
     stepping (first come first on a tie). A newcomer counts from the least time of those
-    stepping or waiting, so it neither waits for their past nor takes all turns for itself."""
+    stepping or waiting (the most that least has been), so it neither waits for their past nor
+    takes all turns for itself; and no search counts more than `lead` seconds past that least,
+    so one that has stepped long (alone, before the others came) waits for `lead` seconds of
+    theirs at most, and a search of cheap steps beside one of costly steps gets about `lead`
+    seconds of steps to each costly one."""
 
-    def __init__(self, slots: int = 1, clock: Callable[[], float] = time.monotonic):
-        self.slots, self.clock = slots, clock
+    def __init__(self, slots: int = 1, clock: Callable[[], float] = time.monotonic, lead: float = 0.1):
+        self.slots, self.clock, self.lead = slots, clock, lead
         self.used: dict = {}  # each search's time spent stepping
+        # the least time of those stepping or waiting, never lowered: where a newcomer starts,
+        # so that a stream of short searches, each starting low, cannot keep a long one waiting
+        self.floor = 0.0
         self.began: dict = {}  # when each holder took its slot
         self.waiting: dict = {}  # who waits for a slot, with its place in the line
         self.order = itertools.count()
@@ -33,15 +40,18 @@ class Turns:
         with self.changed:
             now = self.clock()
             if key in self.began:
-                self.used[key] += now - self.began.pop(key)
+                # a search is never more than `lead` ahead of the least: one that has stepped
+                # long waits for the others' `lead` seconds at most, not for all of its past
+                self.used[key] = min(self.used[key] + now - self.began.pop(key), self.floor + self.lead)
             elif key not in self.used:
-                self.used[key] = min((self.used[k] for k in (*self.began, *self.waiting)), default=0.0)
+                self.used[key] = self.floor
             self.waiting[key] = next(self.order)
             self.changed.notify_all()
             while len(self.began) >= self.slots or self._first() != key:
                 self.changed.wait()
             del self.waiting[key]
             self.began[key] = self.clock()
+            self.floor = max(self.floor, min(self.used[k] for k in (*self.began, *self.waiting)))
             self.changed.notify_all()  # the next may have a slot too
 
     def _first(self):

@@ -62,10 +62,11 @@ def test_searches_of_equal_steps_take_them_in_turn():
 
 def test_a_search_of_cheap_steps_is_not_held_up_by_one_of_costly_steps():
     """A search whose steps cost a tenth of another's takes about ten while the other takes
-    one: the short request beside a costly one waits for about one costly step in all."""
+    one (a lead of one costly step): the short request beside a costly one waits for about
+    one costly step in all."""
     clock = Clock()
     searches = {"costly": (30, 10.0), "cheap": (8, 1.0)}
-    order = _steps(Turns(1, clock), searches, clock, after={"cheap": ("costly", 3)})
+    order = _steps(Turns(1, clock, lead=10.0), searches, clock, after={"cheap": ("costly", 3)})
     first, last = order.index("cheap"), len(order) - order[::-1].index("cheap")
     assert order[first:last].count("costly") <= 1, order
 
@@ -100,3 +101,20 @@ def test_a_search_that_leaves_frees_its_slot_for_the_others():
     turns.step(gone)  # holds the only slot, then leaves without another step
     turns.leave([gone])
     assert _steps(turns, {"a": (3, 1.0), "b": (3, 1.0)}, clock)
+
+
+def test_a_search_that_has_stepped_long_waits_for_the_lead_at_most():
+    """A search holding a slot without stepping (a thread whose search ended while its batch's
+    other one goes on) keeps the least time at 0 while another steps 20 units in the other
+    slot: a search that comes then is not served until it has caught up 20 units, the long
+    one counts at most `lead` (2 units) past the least and steps again after about 2 units of
+    the newcomer's (4 of its steps)."""
+    clock = Clock()
+    turns = Turns(2, clock, lead=2.0)
+    idle = ("idle", 0)
+    turns.step(idle)
+    searches = {"long": (30, 1.0), "late": (30, 0.5)}
+    order = _steps(turns, searches, clock, after={"late": ("long", 20)})
+    turns.leave([idle])
+    first = order.index("late")
+    assert "long" in order[first : first + 8], order
