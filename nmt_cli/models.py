@@ -172,7 +172,8 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
     tensors, meta = loaded or checkpoint.load_tensors(path)  # verifies the sha256 once, here
     config = _declared(meta.get("model"), record_path)
     vocabs = run.vocabularies()
-    weights = {k: v.float() for k, v in checkpoint.weights_of(tensors).items()}
+    weights = {k: v.float() for k, v in checkpoint.weights_of(tensors, path).items()}
+    same_shapes(config, {k: tuple(v.shape) for k, v in weights.items()}, record_path, path.name)
     return Model(
         where=path,
         config=config,
@@ -286,27 +287,35 @@ def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -
     """Refuse a package whose declared model shape is not the one its weights file holds (the
     file's header alone is read). A model is built from the declared shape before any weight is
     loaded: a package that declared more than it holds could make its user allocate at will."""
-    import torch
     from safetensors import safe_open
-
-    from nmt_cli.engine.model import undrawn
 
     try:
         with safe_open(str(weights_path), "pt") as f:
             held = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a bad header
         raise NmtError(f"{weights_path} is not a safetensors file ({type(e).__name__}: {e})") from None
+    same_shapes(config, held, settings_path, weights_path.name)
+
+
+def same_shapes(config: ModelConfig, held: dict[str, tuple], declared_by: Path, holder: str) -> None:
+    """Refuse weights whose shapes (`held`) are not those of a model of `config`, compared on
+    the meta device: nothing of the declared model is allocated (a record that declares a
+    larger model than its weights would otherwise have it built first)."""
+    import torch
+
+    from nmt_cli.engine.model import undrawn
+
     try:
         with torch.device("meta"):  # shapes only: nothing is allocated
             declared = {k: tuple(v.shape) for k, v in undrawn(config).state_dict().items()}
     except (ValueError, TypeError, RuntimeError) as e:
-        raise NmtError(f"{settings_path} declares an impossible model shape ({e})") from None
+        raise NmtError(f"{declared_by} declares an impossible model shape ({e})") from None
     if declared != held:
         differ = sorted(k for k in declared.keys() | held.keys() if declared.get(k) != held.get(k))
         raise NmtError(
-            f"{settings_path} declares a model shape that {weights_path.name} does not hold "
+            f"{declared_by} declares a model shape that {holder} does not hold "
             f"({len(differ)} tensors differ, e.g. {differ[0]}: declared {declared.get(differ[0])}, "
-            f"held {held.get(differ[0])}): the package is damaged or was changed"
+            f"held {held.get(differ[0])}): it is damaged or was changed"
         )
 
 

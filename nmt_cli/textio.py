@@ -21,6 +21,9 @@ PAUSE = 0.02  # seconds
 # Bytes of one line kept at most; the rest of a longer line is read and dropped, so that a line
 # without end cannot fill the memory. Far past what any model reads (16,384 positions).
 MAX_LINE = 1 << 20
+# Bytes of input gathered into one chunk, and read ahead of it, at most (a chunk of 10,000 lines
+# of MAX_LINE bytes each would be 10 GB).
+MAX_CHUNK = 16 << 20
 
 
 @dataclass
@@ -89,29 +92,43 @@ _END = object()
 
 
 def arrivals(source: BinaryIO, most: int) -> Iterator[list[bytes]]:
-    """The lines of `source` in lists of at most `most`: each list is what arrived before input
-    paused for PAUSE seconds (or `most` lines). A thread reads ahead, at most `most` lines."""
+    """The lines of `source` in lists of at most `most` lines and about MAX_CHUNK bytes: each
+    list is what arrived before input paused for PAUSE seconds (or that much). A thread reads
+    ahead, at most `most` lines and MAX_CHUNK bytes."""
     lines: queue.Queue = queue.Queue(maxsize=most)
+    ahead, room = [0], threading.Condition()  # bytes read ahead, and a wait for room
 
     def read() -> None:
         try:
             for raw in lines_of(source):
+                with room:
+                    room.wait_for(lambda: ahead[0] < MAX_CHUNK)
+                    ahead[0] += len(raw)
                 lines.put(raw)
             lines.put(_END)
         except BaseException as e:  # noqa: B036 - handed to the reading side, raised there
             lines.put(e)
 
+    def taken(item):
+        if isinstance(item, bytes):
+            with room:
+                ahead[0] -= len(item)
+                room.notify()
+        return item
+
     threading.Thread(target=read, daemon=True, name="nmt-read").start()
     done = False
     while not done:
-        got = [lines.get()]  # wait as long as it takes for the first line
-        while len(got) < most:
+        got = [taken(lines.get())]  # wait as long as it takes for the first line
+        size = len(got[0]) if isinstance(got[0], bytes) else 0
+        while len(got) < most and size < MAX_CHUNK:
             try:
-                got.append(lines.get(timeout=PAUSE))
+                got.append(taken(lines.get(timeout=PAUSE)))
             except queue.Empty:
                 break
             if got[-1] is _END or isinstance(got[-1], BaseException):
                 break
+            size += len(got[-1])
         if got[-1] is _END or isinstance(got[-1], BaseException):
             last = got.pop()
             if isinstance(last, BaseException):

@@ -27,6 +27,10 @@ from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
 from nmt_cli.textio import Counts, requests
 
+# Characters of a source line kept per position the model reads: sentencepiece's pieces hold 16
+# characters at most (its max_sentencepiece_length), so the cut never changes what the model
+# reads.
+PIECE_CHARS = 32
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
 
@@ -111,7 +115,9 @@ class Translator:
 
     def encode(self, lines: list[str], tag: str = "") -> list[list[int]]:
         """Source lines as ids, cleaned as training's were, `tag` before each (not an empty one)."""
-        cleaned = [normalize(line, self.src_lang) for line in lines]
+        # a piece holds a few characters at most: a line is cut far past what the model reads
+        # (and counted as cut below) before sentencepiece makes a list of ids of all of it
+        cleaned = [normalize(line, self.src_lang)[: PIECE_CHARS * self.max_src] for line in lines]
         if tag:
             cleaned = [f"{tag} {line}" if line else line for line in cleaned]
         ids = self.source_sp.encode(cleaned, out_type=int)

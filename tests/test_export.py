@@ -166,6 +166,43 @@ def test_every_kind_of_model_file_has_its_settings_bounded(package, exported, tr
         assert locate(model).config.max_positions <= 16384  # the untouched copy loads
 
 
+def test_a_checkpoint_record_that_declares_another_shape_is_refused_before_a_model_is_built(
+    trained_longer, tmp_path, nmt
+):
+    """A run's checkpoint record that declares a larger model than its weights (in-range
+    settings: d_model 16384, 256 heads, 16384 positions, or a vocabulary of a million) is one
+    error line when the model is located, compared on the meta device, before any model of
+    that shape is built (it asked for gigabytes first); a checkpoint whose "model" holds no
+    tensors is one line too."""
+    from nmt_cli.files import sha256_file
+
+    checkpoint = sorted((trained_longer / "checkpoints").glob("*.pt"))[-1]
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "bpe").mkdir()
+    shutil.copy(trained_longer / "bpe" / "spm.model", run / "bpe")
+    pt = run / "checkpoints" / checkpoint.name
+    record = pt.with_suffix(".json")
+    shutil.copy(checkpoint, pt)
+    shutil.copy(checkpoint.with_suffix(".json"), record)
+    original = record.read_text()
+    for changes in ({"d_model": 16384, "heads": 256, "max_positions": 16384}, {"vocab_size": 1_000_000}):
+        settings = json.loads(original)
+        settings["model"].update(changes)
+        record.write_text(json.dumps(settings))
+        refused = f"{record.name} declares a model shape that {pt.name} does not hold"
+        with pytest.raises(NmtError, match=refused):
+            locate(pt)
+    line = one_error_line(nmt("translate", "--model", pt, stdin=b"x\n"))
+    assert "declares a model shape that" in line
+    torch.save({"model": [1, 2]}, pt)
+    settings = json.loads(original)
+    settings.update(sha256=sha256_file(pt), bytes=pt.stat().st_size)
+    record.write_text(json.dumps(settings))
+    with pytest.raises(NmtError, match=f"{pt.name} holds no model weights"):
+        locate(pt)
+
+
 def test_a_models_members_are_regular_files_that_match_their_sha256(package, exported, tmp_path, nmt):
     """A member planted as a link to /dev/zero or as a FIFO (an endless read) is refused before
     it is opened for reading; a changed spm.model, or a CTranslate2 export's changed model.bin,

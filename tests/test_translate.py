@@ -342,3 +342,21 @@ def test_the_python_api_sets_its_threads_for_its_searches_only(trained, monkeypa
     assert torch.get_num_threads() == 2
     assert len(api.translate(["a dog runs .", "two men talk ."])) == 2
     assert seen == [1] and torch.get_num_threads() == 2
+
+
+def test_a_long_line_is_cut_before_sentencepiece_sees_all_of_it(trained):
+    """A source line of 1 MiB: sentencepiece is handed no more than PIECE_CHARS characters per
+    position the model reads (a list of ids of all of it held ~1 GB for 60 such lines), and
+    what the model reads is what it read of the whole line."""
+    from nmt_cli import translator as translator_module
+    from nmt_cli.translator import Translator
+
+    api = Translator.load(trained)
+    line = "a dog runs on the grass . " * 40_000
+    whole = api.source_sp.encode([line], out_type=int)[0][: api.max_src]
+    handed = []
+    encode = api.source_sp.encode
+    api.source_sp.encode = lambda lines, **k: handed.extend(map(len, lines)) or encode(lines, **k)
+    ids = api.encode([line])
+    assert handed and max(handed) <= translator_module.PIECE_CHARS * api.max_src
+    assert ids == [whole] and api.counts.truncated == 1

@@ -166,10 +166,13 @@ def load_agreed(
     return found
 
 
-def weights_of(tensors: dict) -> dict[str, torch.Tensor]:
+def weights_of(tensors: dict, where: Path | str = "the checkpoint") -> dict[str, torch.Tensor]:
     """The weights a checkpoint's model is used with: the moving average where training kept one
-    (--ema), else the training weights."""
-    return tensors.get("ema") or tensors["model"]
+    (--ema), else the training weights; one error line if it holds no such tensors."""
+    found = tensors.get("ema") or tensors.get("model")
+    if not isinstance(found, dict) or not all(isinstance(v, torch.Tensor) for v in found.values()):
+        raise NmtError(f"{where} holds no model weights (a dict of tensors under 'model')")
+    return found
 
 
 def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -180,7 +183,7 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
     first_meta: dict = {}
     for path in paths:
         tensors, meta = load_tensors(path)
-        model = weights_of(tensors)
+        model = weights_of(tensors, path)
         del tensors  # the optimizer state is not needed: keep one model besides the sum
         if total is None:
             total = {k: v.detach().to(torch.float32).clone() for k, v in model.items()}

@@ -37,3 +37,14 @@ def test_a_cut_line_ends_at_a_whole_character(monkeypatch):
     assert list(textio.lines_of(io.BytesIO(text))) == [("a" + "é" * 4 + "\n").encode(), b"z"]
     exact = b"y" * 10 + b"\n"  # a line of exactly the limit is whole
     assert list(textio.lines_of(io.BytesIO(exact + b"w"))) == [exact, b"w"]
+
+
+def test_a_chunk_of_input_and_what_is_read_ahead_of_it_are_bounded_in_bytes(monkeypatch):
+    """10,000 lines a chunk of lines up to 1 MiB each would hold 10 GB: a chunk ends past
+    MAX_CHUNK bytes, and the reading thread stays that far ahead at most."""
+    monkeypatch.setattr(textio, "MAX_CHUNK", 64 << 10)
+    line = b"w" * (16 << 10) + b"\n"
+    chunks = list(textio.arrivals(io.BytesIO(line * 40), 10_000))
+    assert sum(chunks, []) == [line] * 40
+    assert all(sum(map(len, c)) < textio.MAX_CHUNK + len(line) for c in chunks), [len(c) for c in chunks]
+    assert len(chunks) >= 40 * len(line) // (textio.MAX_CHUNK + len(line))
