@@ -54,6 +54,7 @@ from benchmarks.common import cpu_name  # noqa: E402
 from benchmarks.deploy import NMT, exports, nmt, split_files  # noqa: E402
 
 GREEDY_BEAM = 8
+SERVER_OPTIONS: list[str] = []  # --server-option: given to every server started (e.g. --concurrent-batches 4)
 COSTLY_BEAM = 16  # --max-beam's default
 
 
@@ -64,7 +65,7 @@ class Server:
         # its log goes to a file: a pipe nobody reads would block the server once full
         self.log = tempfile.NamedTemporaryFile(prefix="nmt-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [*NMT, "serve", "--model", str(model), "--port", "0", *options],
+            [*NMT, "serve", "--model", str(model), "--port", "0", *SERVER_OPTIONS, *options],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
             cwd=ROOT,
@@ -483,7 +484,11 @@ def main() -> None:
         nargs="*",
         default=["honest", "greedy", "costly", "stalled", "hostile", "unread", "sigterm"],
     )
+    ap.add_argument(
+        "--server-option", action="append", default=[], help="an option of `nmt serve` for every server"
+    )
     args = ap.parse_args()
+    SERVER_OPTIONS.extend(o for option in args.server_option for o in option.split())
     work = Path(tempfile.mkdtemp(prefix="nmt-serve-load-"))
     try:
         models = exports(args.run, work, ct2=bool(args.ct2))
@@ -496,7 +501,7 @@ def main() -> None:
         requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.requests)]
         print(
             f"cpu: {cpu_name()}; model {served.name}; {args.clients} clients, {len(requests)} "
-            f"requests, {sum(map(len, requests))} sentences",
+            f"requests, {sum(map(len, requests))} sentences; serve {' '.join(SERVER_OPTIONS)}",
             flush=True,
         )
         baseline = None

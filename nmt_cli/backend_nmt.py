@@ -47,7 +47,7 @@ class Backend:
         self.models = [load_model(m, self.device, precision) for m in model.parts]
         self.graphs = None if config.cuda_graphs else False  # None: decoding's default
         self.slots = self.threads if self.device.type == "cpu" else 1  # batches searched at once
-        # a server that steps `slots` searches at once gives each one thread, as _each does
+        # a server that steps `slots` searches at once: each on one thread, in its caller's
         self.one_thread = False
 
     def search(
@@ -112,7 +112,11 @@ class Backend:
             with on(self.device):
                 return work(*args)
 
-        workers = min(self.threads, len(batches[0])) if self.device.type == "cpu" else 1
+        # one_thread (a server stepping several searches at once): every batch in the calling
+        # thread, which then holds its turn only while it searches (a worker thread done with
+        # its batches would hold one while another of the same call searches on)
+        many = self.device.type == "cpu" and not self.one_thread
+        workers = min(self.threads, len(batches[0])) if many else 1
         before = torch.get_num_threads()
         torch.set_num_threads(1 if workers > 1 or self.one_thread else self.threads)
         try:

@@ -359,7 +359,7 @@ def test_the_costliest_request_allowed_holds_no_other_up(package, multi30k_bpe):
     turn); past the caps, 400."""
     sources = sources_of(multi30k_bpe)[:8]
     expected = Translator(from_dir(package), TranslateConfig()).translate(sources[:2])
-    server = Server(package)
+    server = Server(package, "--concurrent-batches", "4")
     try:
         costly = {"text": sources, "beam": 16, "min_len": 1023, "max_len_b": 1023}
         for past in ({"min_len": 100_000}, {"max_len_b": 100_000}, {"max_len": 1024}, {"beam": 17}):
@@ -490,3 +490,37 @@ def test_a_second_signal_stops_the_drain_at_once(package, multi30k_bpe):
     assert b"stopped at once: the requests in flight are lost" in server.proc.stderr.read()
     request.join(DEADLINE)
     assert answer and answer[0][0] is None, answer  # lost: the connection closed unanswered
+
+
+def test_searches_that_take_turns_run_in_their_callers_thread(trained, monkeypatch):
+    """With --concurrent-batches above 1 each batch's searches run one after another in its
+    own decoding thread: a worker thread done with its share of a call would hold a turn it no
+    longer uses, and with two such the server's batches waited on each other for ever."""
+    import asyncio
+
+    from nmt_cli.config import ServeConfig
+    from nmt_cli.engine import decoding
+    from nmt_cli.serve.batcher import Batcher
+
+    seen: list = []
+    translate = decoding.translate
+    monkeypatch.setattr(
+        decoding, "translate", lambda *a, **k: seen.append(threading.get_ident()) or translate(*a, **k)
+    )
+    lines = [f"a dog runs {'on the grass ' * i}." for i in range(8)]
+    for at_once, apart in ((1, True), (4, False)):
+        translator = Translator.load(trained, threads=2, batch_size=2, max_len_b=6)
+
+        async def serve(translator=translator, at_once=at_once) -> list:
+            batcher = Batcher(translator, ServeConfig(concurrent_batches=at_once, max_wait_ms=0))
+            loop = asyncio.create_task(batcher.run())
+            await asyncio.sleep(0)
+            try:
+                return await asyncio.wait_for(batcher.submit(lines, translator.config.decode), DEADLINE)
+            finally:
+                loop.cancel()
+                batcher.decoder.shutdown(wait=True)
+
+        seen.clear()
+        assert len(asyncio.run(serve())) == 8
+        assert len(seen) == 4 and (len(set(seen)) > 1) == apart, seen

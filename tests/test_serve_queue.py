@@ -536,7 +536,7 @@ def test_a_request_that_arrives_while_a_long_one_decodes_starts_at_its_next_step
             decoder.release.set()
             return answered_first, await held, await quick
 
-        return _in_process(decoder, scenario, max_wait_ms=0)
+        return _in_process(decoder, scenario, max_wait_ms=0, concurrent_batches=4)
 
     stepping = Stepping()
     assert run(stepping) == (True, (200, {"translations": ["SLOW"]}), (200, {"translations": ["QUICK"]}))
@@ -567,7 +567,9 @@ def test_batches_begin_while_the_memory_of_those_decoding_leaves_room(room):
         decoder.release.set()
         return bool(done), refused, await held, await quick
 
-    beside, refused, held, quick = _in_process(decoder, scenario, max_wait_ms=0, max_memory=room)
+    beside, refused, held, quick = _in_process(
+        decoder, scenario, max_wait_ms=0, max_memory=room, concurrent_batches=4
+    )
     assert beside == (room > 1) and held[0] == quick[0] == 200
     assert decoder.finished == ([["quick"], ["slow"]] if room > 1 else [["slow"], ["quick"]])
     assert refused[0] == 413 and f"decodes in {room} MiB (--max-memory)" in refused[1]["error"]

@@ -235,9 +235,11 @@ class ServeConfig:
         "sentence over it alone gets 413.",
     )
     concurrent_batches: int = knob(
-        4,
-        "Batches nmt's engine decodes at once, taking turns step by step: a request that arrives "
-        "while a long one decodes starts at its next step (CTranslate2: 1).",
+        1,
+        "Batches nmt's engine decodes at once, taking turns step by step by the time each has used: "
+        "a request that arrives while a costly one decodes starts at its next step (guards against "
+        "costly requests; with honest clients alone it lowers throughput: docs/benchmarks.md). "
+        "CTranslate2: 1.",
     )
     max_chars: int = knob(2000, "Characters per sentence, prefix or constraint; beyond, 400.")
     max_body: int = knob(1 << 20, "Bytes of a request's body; beyond, 413 (refused before it is read).")

@@ -63,8 +63,10 @@ class Batcher:
         self.stepped = translator.steps_in_turn()
         self.at_once = config.concurrent_batches if self.stepped else 1
         self.turns = Turns(translator.slots() if self.stepped else 1)
-        if self.turns.slots > 1 and hasattr(translator, "backend"):  # slots x 1 thread, not slots x all
-            cast(Any, translator.backend).one_thread = True  # nmt's backend (self.stepped)
+        if self.at_once > 1 and self.turns.slots > 1 and hasattr(translator, "backend"):
+            # nmt's backend: each search on one thread, its caller's (slots x 1 thread, not
+            # slots x all of them; and no worker thread holding a turn it no longer uses)
+            cast(Any, translator.backend).one_thread = True
         self.batch_ids = itertools.count()
         self.decoding: set[asyncio.Task] = set()  # the batches being decoded
         self.busy: set[Future] = set()  # ... in their threads, which may outlive their tasks
