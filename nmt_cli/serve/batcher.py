@@ -1,9 +1,9 @@
 """The decoding queue of `nmt serve`: requests gathered into batches, the requests served least
-first, large ones in pieces; each request's answers in order. nmt's engine decodes several
-batches at once, taking turns step by step (turns.py): a request that arrives while others
-decode starts at their next step. CTranslate2 cannot share its steps: it decodes one batch at a
-time, each cut to a bounded cost. Batches are admitted while the memory their searches hold
-(Translator.costs) fits --max-memory."""
+first, large ones in pieces; each request's answers in order. With --concurrent-batches above 1,
+nmt's engine on a CPU decodes several batches at once, taking turns step by step (turns.py): a
+request that arrives while others decode starts at their next step. CTranslate2 cannot share
+its steps: it decodes one batch at a time, each cut to a bounded cost. Batches are admitted
+while the memory their searches hold (Translator.costs) fits --max-memory."""
 
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ class Batcher:
         self.memory = config.max_memory << 20  # bytes the batches being decoded may hold
         self.held = 0
         # nmt's engine asks `gone` before each step, where a batch waits for its turn
-        self.stepped = translator.steps_in_turn()
-        self.at_once = config.concurrent_batches if self.stepped else 1
+        self.at_once = config.concurrent_batches if translator.steps_in_turn() else 1
+        self.stepped = self.at_once > 1
+        self.cut = translator.engine != "nmt"  # batches that cannot share their steps
         self.turns = Turns(translator.slots() if self.stepped else 1)
-        if self.at_once > 1 and self.turns.slots > 1 and hasattr(translator, "backend"):
+        if self.stepped and self.turns.slots > 1 and hasattr(translator, "backend"):
             # nmt's backend: each search on one thread, its caller's (slots x 1 thread, not
             # slots x all of them; and no worker thread holding a turn it no longer uses)
             cast(Any, translator.backend).one_thread = True
@@ -148,7 +149,7 @@ class Batcher:
         also cut to `max_batch` typical sentences' work: a long request goes in pieces that take
         their turn with the others'."""
         budget = self.config.max_batch * self.translator.config.decode.rows  # hypotheses
-        work = self.most_work // self.config.max_queue * self.config.max_batch if not self.stepped else None
+        work = self.most_work // self.config.max_queue * self.config.max_batch if self.cut else None
         room = self.memory - self.held
         pieces: list[Piece] = []
         shared = first.options.shared()
