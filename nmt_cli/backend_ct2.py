@@ -51,6 +51,8 @@ class Backend:
             # CTranslate2's threads within one batch scale poorly on small matrices
             # (docs/benchmarks.md). The workers share the weights. On GPUs, one worker each.
             cpu = kind == "cpu"
+            # batches it decodes side by side: a worker per CPU thread, or one per GPU
+            self.workers = threads if cpu else (len(index) if isinstance(index, list) else 1)
             self.translator = ct2.Translator(
                 str(where),
                 device=kind,

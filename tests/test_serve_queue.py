@@ -520,9 +520,10 @@ def test_stopping_waits_for_a_batch_that_decodes_on_without_holding_the_event_lo
 
 
 def test_a_request_that_arrives_while_a_long_one_decodes_starts_at_its_next_step():
-    """nmt's engine decodes several batches at once, taking turns step by step: a request that
-    arrives while a long one is held is answered before the long one ends. A decoder that
-    cannot share its steps (CTranslate2) decodes one batch at a time: the request waits."""
+    """With --concurrent-batches 4, nmt's engine decodes several batches at once, taking turns
+    step by step, and CTranslate2 hands them to its workers side by side: a request that arrives
+    while a long one is held is answered before the long one ends. A decoder that can do
+    neither decodes one batch at a time: the request waits."""
     import asyncio
 
     def run(decoder):
@@ -531,7 +532,8 @@ def test_a_request_that_arrives_while_a_long_one_decodes_starts_at_its_next_step
             while not decoder.batches:
                 await asyncio.sleep(0.01)
             quick = asyncio.ensure_future(post(["quick"]))
-            done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if decoder.engine == "nmt" else 0.5)
+            beside = decoder.engine in ("nmt", "ctranslate2")
+            done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if beside else 0.5)
             answered_first = bool(done)
             decoder.release.set()
             return answered_first, await held, await quick
@@ -541,6 +543,9 @@ def test_a_request_that_arrives_while_a_long_one_decodes_starts_at_its_next_step
     stepping = Stepping()
     assert run(stepping) == (True, (200, {"translations": ["SLOW"]}), (200, {"translations": ["QUICK"]}))
     assert stepping.finished == [["quick"], ["slow"]]
+    workers = StandIn()
+    workers.engine = "ctranslate2"
+    assert run(workers)[0] is True and workers.finished == [["quick"], ["slow"]]
     apart = StandIn()
     assert run(apart)[0] is False and apart.finished == [["slow"], ["quick"]]
 

@@ -235,11 +235,11 @@ class ServeConfig:
         "sentence over it alone gets 413.",
     )
     concurrent_batches: int = knob(
-        1,
-        "Batches nmt's engine decodes at once, taking turns step by step by the time each has used: "
-        "a request that arrives while a costly one decodes starts at its next step (guards against "
-        "costly requests; with honest clients alone it lowers throughput: docs/benchmarks.md). "
-        "CTranslate2: 1.",
+        0,
+        "Batches decoded at once: nmt's engine takes their steps in turn by the time each has used "
+        "(on a CPU), CTranslate2's workers decode them side by side; a request that arrives while "
+        "a costly one decodes is not held up by it (0: nmt's engine 1, as its p99 on honest load "
+        "alone is lower so; CTranslate2 its workers, one per CPU thread or GPU).",
     )
     max_chars: int = knob(2000, "Characters per sentence, prefix or constraint; beyond, 400.")
     max_body: int = knob(1 << 20, "Bytes of a request's body; beyond, 413 (refused before it is read).")
@@ -281,7 +281,6 @@ class ServeConfig:
             "max_connections",
             "max_beam",
             "max_memory",
-            "concurrent_batches",
         ):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
@@ -293,5 +292,7 @@ class ServeConfig:
             raise NmtError(
                 "--request-timeout, --read-timeout, --header-timeout and --write-timeout must be positive"
             )
+        if self.concurrent_batches < 0:
+            raise NmtError("--concurrent-batches must not be negative (0: the engine's own)")
         if self.max_connections_per_client < 0:
             raise NmtError("--max-connections-per-client must not be negative (0: no cap)")

@@ -2,8 +2,8 @@
 first, large ones in pieces; each request's answers in order. With --concurrent-batches above 1,
 nmt's engine on a CPU decodes several batches at once, taking turns step by step (turns.py): a
 request that arrives while others decode starts at their next step. CTranslate2 cannot share
-its steps: it decodes one batch at a time, each cut to a bounded cost. Batches are admitted
-while the memory their searches hold (Translator.costs) fits --max-memory."""
+its steps: its batches are cut to a bounded cost, and its workers decode several side by side.
+Batches are admitted while the memory their searches hold (Translator.costs) fits --max-memory."""
 
 from __future__ import annotations
 
@@ -60,8 +60,11 @@ class Batcher:
         self.memory = config.max_memory << 20  # bytes the batches being decoded may hold
         self.held = 0
         # nmt's engine asks `gone` before each step, where a batch waits for its turn
-        self.at_once = config.concurrent_batches if translator.steps_in_turn() else 1
-        self.stepped = self.at_once > 1
+        # CTranslate2's workers (one per CPU thread) decode its batches side by side, each whole
+        apart = translator.engine == "ctranslate2"
+        own = getattr(getattr(translator, "backend", None), "workers", 1) if apart else 1  # 0: its own
+        self.at_once = (config.concurrent_batches or own) if translator.steps_in_turn() or apart else 1
+        self.stepped = self.at_once > 1 and not apart
         self.cut = translator.engine != "nmt"  # batches that cannot share their steps
         self.turns = Turns(translator.slots() if self.stepped else 1)
         if self.stepped and self.turns.slots > 1 and hasattr(translator, "backend"):
@@ -225,7 +228,7 @@ class Batcher:
             self.held += held
             task = asyncio.get_running_loop().create_task(self._batch(pieces, held))
             self.decoding.add(task)
-            if not self.stepped:  # one batch at a time
+            if self.at_once == 1:  # one batch at a time
                 await asyncio.wait([task])
 
     async def _batch(self, pieces: list[Piece], held: int) -> None:
