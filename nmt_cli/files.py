@@ -108,11 +108,12 @@ def file_stats(path: Path) -> dict:
     return {"bytes": counts["bytes"], "sha256": digest, "lines": counts["lines"]}
 
 
-def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
-    """A descriptor of `path` opened with `flags`, if it is a regular file reached without a
-    symbolic link (a link to /dev/zero or a FIFO would be read or written for ever)."""
+def open_regular(path: Path, flags: int, mode: int = 0o644, follow: bool = False) -> int:
+    """A descriptor of `path` opened with `flags`, if it is a regular file (a link to /dev/zero
+    or a FIFO would be read or written for ever), reached without a symbolic link unless
+    `follow` (reading: a link to a regular file is read as that file)."""
     try:  # O_NONBLOCK: opening a FIFO must not wait for its writer
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+        fd = os.open(path, flags | (0 if follow else os.O_NOFOLLOW) | os.O_NONBLOCK, mode)
     except OSError as e:
         if os.path.islink(path):
             raise NmtError(
@@ -129,8 +130,9 @@ def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
 
 
 def read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file `path`, refused past `limit` bytes."""
-    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+    """The bytes of the regular file `path` (or of the one a link leads to), refused past
+    `limit` bytes."""
+    with os.fdopen(open_regular(path, os.O_RDONLY, follow=True), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise NmtError(f"{path} is larger than {limit} bytes: it is not what nmt wrote")
@@ -152,7 +154,7 @@ def read_json(path: Path, limit: int = 16 << 20, kind: type = dict):
 def copy_regular(src: Path, dest: Path, limit: int) -> None:
     """Copy the regular file `src` to `dest`, from the descriptor that was checked (a link to a
     device or a FIFO is refused, not read for ever), refused past `limit` bytes."""
-    with os.fdopen(open_regular(src, os.O_RDONLY), "rb") as f, open(dest, "wb") as out:
+    with os.fdopen(open_regular(src, os.O_RDONLY, follow=True), "rb") as f, open(dest, "wb") as out:
         copied = 0
         while chunk := f.read(min(1 << 20, limit + 1 - copied)):
             copied += len(chunk)

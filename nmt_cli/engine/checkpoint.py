@@ -44,7 +44,7 @@ def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]
     meta = read_json(record_path, 1 << 20)
     # both read from descriptors checked to be regular files: a link to /dev/zero or a FIFO
     # would be hashed or unpickled for ever
-    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY, follow=True), "rb") as f:
         if verify:
             size = os.fstat(f.fileno()).st_size
             if size != meta.get("bytes", size):
