@@ -87,12 +87,17 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 def sha256_file(path: Path, each: Callable[[bytes], None] | None = None) -> str:
     """The sha256 of a file, read in 1 MiB pieces, each also handed to `each`."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-            if each is not None:
-                each(chunk)
+        return sha256_of(f, each)
+
+
+def sha256_of(f: IO[bytes], each: Callable[[bytes], None] | None = None) -> str:
+    """The sha256 of what is left to read of `f`, in 1 MiB pieces, each also handed to `each`."""
+    digest = hashlib.sha256()
+    while chunk := f.read(1 << 20):
+        digest.update(chunk)
+        if each is not None:
+            each(chunk)
     return digest.hexdigest()
 
 

@@ -10,7 +10,6 @@ warning in favour of the one before it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import pickle
 import re
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_open, atomic_write_json, open_regular, read_json, sha256_file
+from nmt_cli.files import atomic_open, atomic_write_json, open_regular, read_json, sha256_file, sha256_of
 
 NAME = re.compile(r"checkpoint_(\d{8})\.json$")
 
@@ -49,10 +48,7 @@ def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]
             size = os.fstat(f.fileno()).st_size
             if size != meta.get("bytes", size):
                 raise NmtError(f"{path} is not the size {record_path.name} records: corrupt or cut short")
-            digest = hashlib.sha256()
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-            if digest.hexdigest() != meta.get("sha256"):
+            if sha256_of(f) != meta.get("sha256"):
                 raise NmtError(
                     f"{path} does not match the sha256 in {record_path.name}: it is corrupt or half-written"
                 )
