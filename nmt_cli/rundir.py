@@ -199,10 +199,8 @@ class RunDir:
             return {}
         try:
             return read_json(self.manifest_path)
-        except NmtError as e:
-            raise NmtError(
-                f"{self.manifest_path} is not valid JSON ({e}); delete it and rerun the steps"
-            ) from None
+        except NmtError as e:  # it names the file and what is wrong with it
+            raise NmtError(f"{e}; delete it and rerun the steps") from None
 
     def record(self, step: str, files: list[Path], **facts: Any) -> dict:
         """Record in the manifest what `step` produced: each file's size, sha256 and lines."""

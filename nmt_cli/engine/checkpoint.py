@@ -114,7 +114,8 @@ def best_listed(folder: Path) -> list[tuple[float, Path]]:
     found = []
     for p in Path(folder).iterdir():
         if BEST.match(p.name):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            # a damaged record is not a best model (read_json says so as NmtError)
+            with contextlib.suppress(NmtError, OSError, ValueError, KeyError, TypeError):
                 found.append((float(read_json(p, 1 << 20)["best"]["score"]), p.with_suffix(".pt")))
     return sorted(found)
 
