@@ -162,16 +162,6 @@ class Translator:
             sizes.append(size)
         return work, sizes
 
-    def work(
-        self,
-        lines: list[str],
-        options: DecodeOptions,
-        prefixes: list[str] | None = None,
-        constraints: list[list[str]] | None = None,
-    ) -> list[int]:
-        """The work of each line (costs)."""
-        return self.costs(lines, options, prefixes, constraints)[0]
-
     def steps_in_turn(self) -> bool:
         """Whether a server may decode several batches at once, taking their steps in turn:
         nmt's engine on a CPU. On a GPU one batch at a time until a GPU has measured it (a graph
@@ -191,7 +181,7 @@ class Translator:
         forced: list[list[int]] | None = None,
         phrases: list[list[list[int]]] | None = None,
     ) -> list[int]:
-        """`work` of sentences of `lengths` pieces, with those prefixes and constraints (ids)."""
+        """The work (costs) of sentences of `lengths` pieces, with those prefixes and constraints (ids)."""
         ceiling = min(self.max_src, options.max_len or self.max_src)
         found = limits(lengths, options.max_len_a, options.max_len_b, ceiling, forced, phrases)
         return [options.rows * n if length else 0 for n, length in zip(found, lengths)]

@@ -225,21 +225,22 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
 
 
 def test_the_queue_weighs_a_sentence_by_its_hypotheses_and_output_limit(package):
-    """Translator.work, which bounds `nmt serve`'s queue: hypotheses x output limit (a * |X| +
+    """Translator.costs' work, which bounds `nmt serve`'s queue: hypotheses x output limit (a * |X| +
     b; raised by a prefix or constraints; capped by max_len and the model), a blank line nothing."""
     t = Translator(from_dir(package), TranslateConfig())
     d = t.config.decode
     line = "A dog runs on the grass."
     n = len(t.encode([line])[0])
-    assert t.work([line, "", "  "], d) == [d.rows * (n + d.max_len_b), 0, 0]
-    assert t.work([line], DecodeOptions(beam=8)) == [8 * (n + d.max_len_b)]
-    assert t.work([line], DecodeOptions(sample=True, nbest=3)) == [3 * (n + d.max_len_b)]
-    assert t.work([line], DecodeOptions(max_len=10)) == [d.rows * 10]
+    assert t.costs([line, "", "  "], d)[0] == [d.rows * (n + d.max_len_b), 0, 0]
+    assert t.costs([line], DecodeOptions(beam=8))[0] == [8 * (n + d.max_len_b)]
+    assert t.costs([line], DecodeOptions(sample=True, nbest=3))[0] == [3 * (n + d.max_len_b)]
+    assert t.costs([line], DecodeOptions(max_len=10))[0] == [d.rows * 10]
     long = " ".join(["Hund"] * 100)
     forced = len(t.encode_targets([long])[0])
     assert forced > n + d.max_len_b
-    assert t.work([line, line], d, prefixes=[long, ""]) == [d.rows * (forced + 1), d.rows * (n + d.max_len_b)]
-    assert t.work([line], d, constraints=[[long, long]]) == [d.rows * min(2 * forced + 1, t.max_src)]
+    prefixed = t.costs([line, line], d, prefixes=[long, ""])[0]
+    assert prefixed == [d.rows * (forced + 1), d.rows * (n + d.max_len_b)]
+    assert t.costs([line], d, constraints=[[long, long]])[0] == [d.rows * min(2 * forced + 1, t.max_src)]
 
 
 def test_the_server_listens_on_the_address_it_is_given(package):

@@ -53,7 +53,7 @@ class Batcher:
         self.translator, self.config = translator, config
         self.jobs: deque[Job] = deque()
         self.pending = 0  # sentences queued or being decoded
-        # ... and their work (Translator.work: hypotheses x output limit), which --max-queue
+        # ... and their work (Translator.costs: hypotheses x output limit), which --max-queue
         # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
         self.most_work = config.max_queue * translator.work_of([TYPICAL], translator.config.decode)[0]
