@@ -1,8 +1,9 @@
 """nmt's model as CTranslate2's: the weights go through `ctranslate2.specs.TransformerSpec` one
 for one: pre- or post-norm layers, the self-attention's Q/K/V as one fused projection, the
 encoder-decoder attention's K/V as one (as nmt computes them), embeddings scaled by
-sqrt(d_model), our sinusoid table, the tied output projection, the source's own embedding and
-vocabulary where they are separate, LayerNorm eps 1e-6. The source gets its EOS from CTranslate2
+sqrt(d_model) (or not), the model's sinusoid table, activation and LayerNorm eps, the tied
+output projection and its bias, the source's own embedding and vocabulary where they are
+separate. The source gets its EOS from CTranslate2
 (add_source_eos) and the decoder starts from BOS, as nmt's own search does. `nmt export` writes
 the result; backend_ct2.py converts a model on the fly."""
 
@@ -50,15 +51,17 @@ def build_spec(model: Model):
     from nmt_cli.engine.model import sinusoids
 
     c, w = model.config, {k: v.float().numpy() for k, v in model.weights().items()}
+    act = ct2.specs.Activation
     spec = ct2.specs.TransformerSpec.from_config(
         (c.num_encoder_layers, c.num_decoder_layers),
         c.heads,
         pre_norm=not c.post_norm,
+        activation={"relu": act.RELU, "swish": act.SWISH, "gelu": act.GELU}[c.activation],
         alignment_heads=c.heads,  # its attention for --alignments: all heads, as nmt's engine takes
     )
-    spec.config.layer_norm_epsilon = 1e-6
+    spec.config.layer_norm_epsilon = c.norm_eps
     spec.config.add_source_eos = True
-    table = sinusoids(c.max_positions, c.d_model).numpy()
+    table = sinusoids(c.max_positions, c.d_model, c.positions).numpy()
 
     def norm(dst, name: str) -> None:
         dst.gamma, dst.beta = w[f"{name}.weight"], w[f"{name}.bias"]
@@ -71,7 +74,7 @@ def build_spec(model: Model):
         embeddings = layers.embeddings[0] if side == "encoder" else layers.embeddings
         own = side == "encoder" and c.src_vocab_size  # the source's own embedding
         embeddings.weight = w["src_embed.weight" if own else "embed.weight"]
-        layers.scale_embeddings = True
+        layers.scale_embeddings = c.scale_embedding
         layers.position_encodings.encodings = table
         if not c.post_norm:
             norm(layers.layer_norm, f"{side}_norm")
@@ -89,7 +92,7 @@ def build_spec(model: Model):
             linear(layer.ffn.linear_1, f"{p}.ffn.outer")
             norm(layer.ffn.layer_norm, f"{p}.res{3 if side == 'decoder' else 2}.norm")
     spec.decoder.projection.weight = w["embed.weight"]
-    spec.decoder.projection.bias = np.zeros(c.vocab_size, dtype=np.float32)
+    spec.decoder.projection.bias = w.get("output_bias", np.zeros(c.vocab_size, dtype=np.float32))
     spec.register_source_vocabulary(pieces(model.vocabs.source))
     spec.register_target_vocabulary(pieces(model.vocabs.target))
     return spec

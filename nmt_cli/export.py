@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from nmt_cli.config.training import FOREIGN_DEFAULTS
 from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, copy_regular, fsync_dir, new_file_mode, now, sha256_file
@@ -39,10 +40,15 @@ def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
     tied = not model.config.src_vocab_size
     if tied:  # written as before the setting existed
         del shape["src_vocab_size"]
+    own = [k for k, v in FOREIGN_DEFAULTS.items() if shape[k] == v]  # written as before they existed
+    for k in own:
+        del shape[k]
+    foreign = len(own) < len(FOREIGN_DEFAULTS)
     return {
         "format": fmt,
-        # a model of one tied embedding stays readable by an nmt from before version 2
-        "version": 1 if tied else VERSION,
+        # a model of one tied embedding and nmt's own layers stays readable by an nmt from
+        # before version 2 (3: a model with another's activation, positions, ...: `nmt import`)
+        "version": VERSION if foreign else 1 if tied else 2,
         "nmt": __version__,
         "exported": now(),
         "model": shape,
@@ -80,6 +86,17 @@ def export_nmt(model: Model, out: Path) -> None:
 def writing(model: Model, out: Path) -> Iterator[Path]:
     """A sibling directory to write an export of `model` into, with its sentencepiece model and
     provenance; renamed to `out` at the end, so `out` appears complete or not at all."""
+    with staged(out) as staging:
+        for held, dest in _packaged(model, staging):
+            copy_regular(held, dest, MAX_SPM_BYTES)
+        atomic_write_json(staging / PROVENANCE, model.provenance)
+        yield staging
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A sibling directory of the new directory `out` to write into, renamed to `out` when the
+    block ends, fsynced; removed if it raises."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NmtError(f"{out} exists and is not empty: choose a new directory")
@@ -87,13 +104,10 @@ def writing(model: Model, out: Path) -> Iterator[Path]:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        for held, dest in _packaged(model, staging):
-            copy_regular(held, dest, MAX_SPM_BYTES)
-    except BaseException:  # nothing half-copied left behind
+        yield staging
+    except BaseException:  # nothing half-written left behind
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    atomic_write_json(staging / PROVENANCE, model.provenance)
-    yield staging
     for written in staging.iterdir():  # durable before the rename makes the export visible
         with open(written, "rb") as f:
             os.fsync(f.fileno())

@@ -37,7 +37,9 @@ SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.jso
 CT2_WEIGHTS = "model.bin"
 MAX_SPM_BYTES = 64 << 20  # several times what a sentencepiece model of a million pieces holds
 NMT, CT2 = "nmt", "ctranslate2"
-VERSION = 2  # 2: a source embedding of its own; a model with one tied embedding is still written as 1
+# 2: a source embedding of its own; 3: the settings of a model made elsewhere (`nmt import`);
+# a model that needs neither is still written as 1
+VERSION = 3
 
 
 def vocabulary_key(vocabs: Vocabularies) -> tuple:

@@ -3,6 +3,8 @@ how `nmt train` launches its workers."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from nmt_cli.config.common import PRECISIONS, knob
@@ -26,6 +28,13 @@ class ModelConfig:
     # tied); else the source's own embedding of this many pieces (separate vocabularies, or
     # --no-share-embeddings)
     src_vocab_size: int = 0
+    # What models made elsewhere differ in (`nmt import`: Marian's are swish, eps 1e-5, Marian's
+    # sinusoid layout and a bias on the output); nmt's own keep the defaults.
+    activation: str = "relu"  # of the FFN: relu, swish (SiLU) or gelu
+    norm_eps: float = 1e-6  # LayerNorm's epsilon
+    positions: str = "tensor2tensor"  # the sinusoids' layout (model.sinusoids): or "marian"
+    output_bias: bool = False  # a fixed bias on the output scores (Marian's final_logits_bias)
+    scale_embedding: bool = True  # embeddings times sqrt(d_model)
 
     def __post_init__(self) -> None:
         """Every setting within bounds before anything is built from it: a model file may come
@@ -43,9 +52,26 @@ class ModelConfig:
                 raise NmtError(f"model setting {name} must be a number in [0, 1), not {value!r:.40}")
         if not isinstance(self.post_norm, bool):
             raise NmtError(f"model setting post_norm must be true or false, not {self.post_norm!r:.40}")
+        for name, allowed in (("activation", ACTIVATIONS), ("positions", POSITIONS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise NmtError(f"model setting {name} must be one of {', '.join(allowed)}, not {value!r:.40}")
+        if type(self.norm_eps) is not float or not 0 < self.norm_eps < 1:
+            raise NmtError(f"model setting norm_eps must be a number in (0, 1), not {self.norm_eps!r:.40}")
+        for name in ("output_bias", "scale_embedding"):
+            if not isinstance(getattr(self, name), bool):
+                raise NmtError(f"model setting {name} must be true or false, not {getattr(self, name)!r:.40}")
         if self.d_model % self.heads:
             raise NmtError(f"model setting d_model {self.d_model} is not divisible by heads {self.heads}")
 
+
+ACTIVATIONS = ("relu", "swish", "gelu")
+POSITIONS = ("tensor2tensor", "marian")
+# The settings models made elsewhere set (`nmt import`), with nmt's own values: a package whose
+# model keeps them all is written without them, readable by an nmt from before they existed.
+FOREIGN_DEFAULTS = dict(
+    activation="relu", norm_eps=1e-6, positions="tensor2tensor", output_bias=False, scale_embedding=True
+)
 
 # What a model may declare: past the largest models in use, short of what one file could make its
 # reader allocate or build for hours.
@@ -170,15 +196,21 @@ class TrainConfig:
     keep_last: int = knob(20, "Checkpoints kept.")  # enough to average the last 20 (big)
     init_from: str | None = knob(
         None,
-        "Start from this model's weights (a run directory, a checkpoint or a package from `nmt "
-        "export`) with a fresh optimizer; its BPE must be this run's (`nmt bpe --from`). Without "
-        "schedule options: --schedule linear --lr 1e-4 --warmup 500 (a tenth of --max-steps at most).",
+        "Start from this model's weights (a run directory, a checkpoint, or a package from `nmt "
+        "export` or `nmt import`) with a fresh optimizer; its BPE must be this run's (`nmt bpe "
+        "--from`), and its shape is kept (no --size needed). Without schedule options: --schedule "
+        "linear --lr 1e-4 --warmup 500 (a tenth of --max-steps at most).",
     )
     init_optimizer: bool = knob(False, "With --init-from: keep its Adam moments (a training checkpoint's).")
     init_schedule: bool = knob(
         False,
         "With --init-from: go on from its step, and so its learning-rate schedule (--max-steps "
         "counts its steps too).",
+    )
+    freeze: str = knob(
+        "",
+        "Parts of the model left as they are, comma-separated: embeddings (the tied output "
+        "projection too), encoder, decoder, or one layer as encoder.N / decoder.N (from 0).",
     )
     keep_best: int = knob(0, "Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
     best_metric: str = knob("nll", "nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
@@ -255,6 +287,12 @@ class TrainConfig:
                 "--init-optimizer and --init-schedule keep what --init-from's checkpoint had: "
                 "give --init-from"
             )
+        for part in filter(None, self.freeze.split(",")):
+            if not re.fullmatch(r"embeddings|encoder|decoder|(encoder|decoder)\.\d+", part.strip()):
+                raise NmtError(
+                    f"--freeze {part!r:.40} names no part: give embeddings, encoder, decoder, "
+                    "encoder.N or decoder.N, comma-separated"
+                )
         if self.best_metric not in ("nll", "bleu"):
             raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
         if self.best_metric == "bleu" and not self.eval_bleu:
@@ -263,9 +301,17 @@ class TrainConfig:
             raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
         self.model_config(vocab_size=1)  # the shape, checked before any work starts
 
-    def model_config(self, vocab_size: int, src_vocab_size: int | None = None, max_positions: int = 1024):
+    def model_config(
+        self,
+        vocab_size: int,
+        src_vocab_size: int | None = None,
+        max_positions: int = 1024,
+        like: ModelConfig | None = None,
+    ):
         """The model's shape for the target's `vocab_size` and the source's (None: one joint
-        vocabulary)."""
+        vocabulary). `like`: the model --init-from starts from, whose shape and settings are
+        kept but for the options given (a model that `nmt import` made has settings no option
+        sets: its activation, positions, ...)."""
         if src_vocab_size is not None and self.share_embeddings:
             raise NmtError(
                 "--share-embeddings needs one joint vocabulary, and this run's are separate "
@@ -273,6 +319,9 @@ class TrainConfig:
             )
         if src_vocab_size is None:
             src_vocab_size = 0 if self.share_embeddings in (None, True) else vocab_size
+        if like is not None:
+            given = {k: getattr(self, k) for k in PRESETS["base"] if getattr(self, k, None) is not None}
+            return dataclasses.replace(like, vocab_size=vocab_size, src_vocab_size=src_vocab_size, **given)
         shape = dict(PRESETS[self.size])
         for name in shape:
             if getattr(self, name, None) is not None:

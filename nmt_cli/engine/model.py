@@ -3,7 +3,9 @@
 Changes after the paper, from tensor2tensor: sub-layers are pre-norm, x + Sublayer(LayerNorm(x)),
 with a final LayerNorm on the encoder and decoder outputs (`post_norm=True` gives the paper's
 LayerNorm(x + Sublayer(x))); dropout also on attention probabilities and after the FFN ReLU;
-Xavier-uniform weights, N(0, d_model^-0.5) embeddings; LayerNorm eps 1e-6.
+Xavier-uniform weights, N(0, d_model^-0.5) embeddings; LayerNorm eps 1e-6. A model made elsewhere
+(`nmt import`: Marian's) sets what it does otherwise in its ModelConfig: the FFN's activation,
+LayerNorm's eps, the sinusoids' layout, a fixed bias on the output scores, unscaled embeddings.
 
 Shape letters: B batch (sentences, or sentences x beams), S source length, T target length,
 D d_model, H heads, K head size (D / H), F FFN size, V vocabulary.
@@ -12,7 +14,7 @@ D d_model, H heads, K head size (D / H), F FFN size, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -26,12 +28,18 @@ if TYPE_CHECKING:
     from nmt_cli.engine.cache import DecoderCache, FixedCache
 
 
-def sinusoids(length: int, d: int) -> Tensor:
+def sinusoids(length: int, d: int, layout: str = "tensor2tensor") -> Tensor:
     """Positional encodings, section 3.5: sin on the first half of the channels, cos on the second.
+    tensor2tensor's frequencies run from 1 to 1/10000 over the half; Marian's (`layout`
+    "marian", as transformers computes them, in float64) from 1 to 10000^(-2(h-1)/d).
     Under torch.device("meta") (shapes only), an empty table: arange's kernel there imports
     torch's compiler."""
     if torch.get_default_device().type == "meta":
         return torch.empty(length, d)
+    if layout == "marian":
+        i = torch.arange((d + 1) // 2, dtype=torch.float64)
+        angles64 = torch.arange(length, dtype=torch.float64)[:, None] / 10000 ** (2 * i / d)[None, :]
+        return torch.cat([torch.sin(angles64), torch.cos(angles64[:, : d // 2])], dim=1).float()
     half = d // 2
     scale = math.log(10000.0) / max(half - 1, 1)
     freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -scale)
@@ -111,25 +119,28 @@ class Attention(nn.Module):
         return scores.softmax(-1)
 
 
-class FeedForward(nn.Module):
-    """Position-wise FFN, section 3.3, with dropout after the ReLU."""
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
 
-    def __init__(self, d: int, ffn: int, relu_dropout: float):
+
+class FeedForward(nn.Module):
+    """Position-wise FFN, section 3.3, with dropout after the ReLU (or the model's activation)."""
+
+    def __init__(self, d: int, ffn: int, relu_dropout: float, activation: str = "relu"):
         super().__init__()
         self.inner, self.outer = nn.Linear(d, ffn), nn.Linear(ffn, d)
-        self.relu_dropout = relu_dropout
+        self.relu_dropout, self.activation = relu_dropout, ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        h = dropout(F.relu(self.inner(x)), self.relu_dropout, self.training)
+        h = dropout(self.activation(self.inner(x)), self.relu_dropout, self.training)
         return self.outer(h)
 
 
 class Residual(nn.Module):
     """x + Dropout(Sublayer(LayerNorm(x))) in pre-norm; LayerNorm(x + Dropout(Sublayer(x))) in post-norm."""
 
-    def __init__(self, d: int, dropout: float, post_norm: bool):
+    def __init__(self, d: int, dropout: float, post_norm: bool, eps: float = 1e-6):
         super().__init__()
-        self.norm = nn.LayerNorm(d, eps=1e-6)
+        self.norm = nn.LayerNorm(d, eps=eps)
         self.dropout, self.post_norm = dropout, post_norm
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
@@ -146,9 +157,9 @@ class EncoderLayer(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout)
-        self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout)
-        self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
-        self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
+        self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout, c.activation)
+        self.res1 = Residual(c.d_model, c.dropout, c.post_norm, c.norm_eps)
+        self.res2 = Residual(c.d_model, c.dropout, c.post_norm, c.norm_eps)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         x = self.res1(x, lambda h: self.self_attn.attend_self(h, src_mask))
@@ -160,10 +171,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(c.d_model, c.heads, c.attention_dropout)
         self.cross_attn = Attention(c.d_model, c.heads, c.attention_dropout)
-        self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout)
-        self.res1 = Residual(c.d_model, c.dropout, c.post_norm)
-        self.res2 = Residual(c.d_model, c.dropout, c.post_norm)
-        self.res3 = Residual(c.d_model, c.dropout, c.post_norm)
+        self.ffn = FeedForward(c.d_model, c.ffn, c.relu_dropout, c.activation)
+        self.res1 = Residual(c.d_model, c.dropout, c.post_norm, c.norm_eps)
+        self.res2 = Residual(c.d_model, c.dropout, c.post_norm, c.norm_eps)
+        self.res3 = Residual(c.d_model, c.dropout, c.post_norm, c.norm_eps)
 
     def forward(
         self,
@@ -207,6 +218,7 @@ class Transformer(nn.Module):
     output projection."""
 
     positions: Tensor  # (max_positions, D) the sinusoids, a buffer
+    output_bias: Tensor | None  # (V,) added to the output scores where the model has one, a buffer
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -215,12 +227,16 @@ class Transformer(nn.Module):
         self.src_embed = None  # with a joint vocabulary, the source is embedded by `embed`
         if c.src_vocab_size:
             self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
-        self.register_buffer("positions", sinusoids(c.max_positions, c.d_model), persistent=False)
+        self.register_buffer(
+            "positions", sinusoids(c.max_positions, c.d_model, c.positions), persistent=False
+        )
+        # Marian's final_logits_bias: a fixed part of the model, as in transformers (not trained)
+        self.register_buffer("output_bias", torch.zeros(c.vocab_size) if c.output_bias else None)
         self.encoder = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_decoder_layers))
         # Pre-norm leaves the last residual sum unnormalised: tensor2tensor adds a final LayerNorm.
-        self.encoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(c.d_model, eps=1e-6) if not c.post_norm else nn.Identity()
+        self.encoder_norm = nn.LayerNorm(c.d_model, eps=c.norm_eps) if not c.post_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(c.d_model, eps=c.norm_eps) if not c.post_norm else nn.Identity()
         # A faster copy of the output projection for decoding, set by packing.pack_for_cpu.
         self.packed_output: nn.Module | None = None
         self.narrow_residual = False  # set_kernels
@@ -265,7 +281,9 @@ class Transformer(nn.Module):
             )
         else:
             where = self.positions[offset : offset + n]
-        x = (self.embed if table is None else table)(tokens) * math.sqrt(self.config.d_model)
+        x = (self.embed if table is None else table)(tokens)
+        if self.config.scale_embedding:
+            x = x * math.sqrt(self.config.d_model)
         x = x + where.to(x.dtype)
         if self.narrow_residual and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -304,7 +322,7 @@ class Transformer(nn.Module):
         """(..., D) decoder states -> (..., V) scores through the tied embedding."""
         if self.packed_output is not None:
             return self.packed_output(h)
-        return F.linear(h, self.embed.weight)
+        return F.linear(h, self.embed.weight, self.output_bias)
 
     def cross_attention(self, src: Tensor, tgt_in: Tensor, layer: int = -1) -> Tensor:
         """(B, T, S): how much each position of the shifted targets attends to each source

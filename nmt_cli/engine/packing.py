@@ -59,5 +59,5 @@ def pack_for_cpu(model: Transformer) -> Transformer:
             if isinstance(child, nn.Linear) and child.weight.numel() >= PACK_MIN:
                 setattr(module, name, PackedLinear(child.weight, child.bias))
     if model.embed.weight.numel() >= PACK_MIN:
-        model.packed_output = PackedLinear(model.embed.weight, None)
+        model.packed_output = PackedLinear(model.embed.weight, model.output_bias)
     return model
