@@ -13,7 +13,7 @@ import os
 import sys
 
 from nmt_cli import ui
-from nmt_cli.config import LaunchConfig, TrainConfig, from_json
+from nmt_cli.config import PRESETS, LaunchConfig, TrainConfig, from_json
 from nmt_cli.engine import checkpoint, launcher, parts, state, trainer
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
@@ -32,6 +32,11 @@ def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
             )
         return dataclasses.replace(saved, **{k: given[k] for k in explicit})
     config = TrainConfig(**given)
+    if config.init_from and "size" in explicit:  # --init-from keeps its model's shape: a --size
+        preset = {k: v for k, v in PRESETS[config.size].items() if "dropout" not in k}  # must be it
+        config = dataclasses.replace(
+            config, **{k: v for k, v in preset.items() if getattr(config, k) is None}
+        )
     if config.init_from and not config.init_schedule and not explicit & set(SCHEDULE_OPTIONS):
         return fine_tuning_schedule(config)
     return config
@@ -206,7 +211,7 @@ def build_trainer(
     """A Trainer over `run`'s data, writing its checkpoints, best models and figures there,
     handed the parts `config` asks for."""
     data = data_of(run)
-    setup = parts.build(config, data, reporter)
+    setup = parts.build(config, data, reporter, init.config if init is not None else None)
     return trainer.Trainer(config, data, run, reporter, setup, bleu_of, init, resample)
 
 

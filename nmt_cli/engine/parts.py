@@ -16,6 +16,7 @@ from nmt_cli.engine.ema import Average
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.state import Reporter
 from nmt_cli.engine.step import Objective
+from nmt_cli.errors import NmtError
 from nmt_cli.shards import Shard
 
 
@@ -50,10 +51,10 @@ class Setup:
     ema: Average | None
 
 
-def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
+def build(config: TrainConfig, data: Data, reporter: Reporter, like: ModelConfig | None = None) -> Setup:
     """The process group, device, precision, model (seeded alike on every rank, sized for
-    `data`'s vocabularies), its DDP and compiled wrapping, optimizer, loss scaler and moving
-    average of `config`."""
+    `data`'s vocabularies; shaped `like` the model --init-from starts from), its DDP and
+    compiled wrapping, optimizer, loss scaler and moving average of `config`."""
     if config.threads:
         torch.set_num_threads(config.threads)
     dist, device = distributed.setup(resolve_device(config.device))
@@ -65,10 +66,15 @@ def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
     precision = resolve_precision(config.precision, device.type, cpu_has_bf16())
     if config.precision == "auto" and device.type == "cpu" and precision == "bf16" and dist.is_main:
         reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
-    model_config = config.model_config(data.vocab_size, data.src_vocab_size)
+    model_config = config.model_config(data.vocab_size, data.src_vocab_size, like=like)
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(device)
     model.set_kernels(config.fused_qkv, config.narrow_residual)
+    if config.freeze:
+        frozen = freeze(model, config.freeze)
+        if dist.is_main:
+            total = sum(p.numel() for p in model.parameters())
+            reporter.say(f"--freeze {config.freeze}: {frozen:,} of {total:,} weights stay as they are")
     if dist.world > 1:  # same initial weights everywhere, different dropout per rank
         torch.manual_seed(config.seed + 7919 * dist.rank)
     objective = Objective(model, config.label_smoothing)
@@ -86,16 +92,42 @@ def build(config: TrainConfig, data: Data, reporter: Reporter) -> Setup:
     )
 
 
+def freeze(model: Transformer, parts: str) -> int:
+    """Leave the named parts of `model` (TrainConfig.freeze) out of training: no gradient, so
+    neither Adam nor DDP touches them. Returns how many weights that is."""
+    c, prefixes = model.config, []
+    for part in (p.strip() for p in parts.split(",") if p.strip()):
+        if part == "embeddings":
+            prefixes += ["embed.", "src_embed."]
+        elif part in ("encoder", "decoder"):
+            prefixes += [f"{part}.", f"{part}_norm."]
+        else:
+            side, index = part.split(".")
+            layers = c.num_encoder_layers if side == "encoder" else c.num_decoder_layers
+            if int(index) >= layers:
+                raise NmtError(f"--freeze {part}: the {side} has layers 0 to {layers - 1}")
+            prefixes.append(f"{side}.{int(index)}.")
+    frozen = 0
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(prefixes)):
+            p.requires_grad_(False)
+            frozen += p.numel()
+    if not any(p.requires_grad for p in model.parameters()):
+        raise NmtError(f"--freeze {parts} leaves nothing to train")
+    return frozen
+
+
 def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     """The paper's Adam, or AdamW whose decoupled weight decay leaves biases and LayerNorms alone
     (the weight matrices and the embedding decay). Fused (CPU and CUDA): it can skip a
     non-finite update on the device (train_step)."""
     settings: dict[str, Any] = {"lr": 0.0, "betas": (config.beta1, config.beta2), "eps": config.adam_eps}
     settings["fused"] = True
+    trained = [p for p in model.parameters() if p.requires_grad]  # all but what --freeze keeps
     if config.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), **settings)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    others = [p for p in model.parameters() if p.dim() < 2]
+        return torch.optim.Adam(trained, **settings)
+    matrices = [p for p in trained if p.dim() >= 2]
+    others = [p for p in trained if p.dim() < 2]
     groups = [
         {"params": matrices, "weight_decay": config.weight_decay},
         {"params": others, "weight_decay": 0.0},
