@@ -138,7 +138,9 @@ def export(
     fmt: Annotated[
         str,
         typer.Option(
-            "--format", help="nmt: a self-contained package (safetensors); ctranslate2: a CTranslate2 model."
+            "--format",
+            help="nmt: a self-contained package (safetensors); ctranslate2: a CTranslate2 model; "
+            "huggingface: a folder transformers loads (MarianMTModel, or M2M100 for a pre-norm model).",
         ),
     ] = "nmt",
     quantization: Annotated[
@@ -160,9 +162,45 @@ def export(
         export_mod.export_nmt(found, out)
     elif fmt == "ctranslate2":
         export_mod.export_ct2(found, out, quantization)
+    elif fmt == "huggingface":
+        from nmt_cli.huggingface import export_huggingface
+
+        if quantization != "float32":
+            raise NmtError("--quantization is for --format ctranslate2")
+        export_huggingface(found, out)
+        done(
+            f"exported {found.where} to {out} in the Hugging Face format",
+            f"AutoModelForSeq2SeqLM.from_pretrained({str(out)!r}), or nmt import {out} PACKAGE",
+        )
+        return
     else:
-        raise NmtError(f"unknown --format {fmt!r}: choose nmt or ctranslate2")
+        raise NmtError(f"unknown --format {fmt!r}: choose nmt, ctranslate2 or huggingface")
     done(f"exported {found.where} to {out}", f"nmt translate --model {out} < input.txt")
+
+
+@app.command("import")
+def import_(
+    folder: Annotated[
+        Path,
+        typer.Argument(
+            help="A Hugging Face MarianMTModel folder (e.g. Helsinki-NLP/opus-mt-en-de, downloaded)."
+        ),
+    ],
+    out: Annotated[Path, typer.Argument(help="The nmt package to write (a new or empty directory).")],
+    src: Annotated[Optional[str], typer.Option(help="Source language (default: the folder's own).")] = None,
+    tgt: Annotated[Optional[str], typer.Option(help="Target language (default: the folder's own).")] = None,
+) -> None:
+    """Read a Marian model in the Hugging Face format (OPUS-MT) as an nmt package: translate,
+    serve, score, export it, or fine-tune it (`nmt bpe --from PACKAGE`, `nmt train --init-from PACKAGE`)."""
+    from nmt_cli.huggingface import import_marian
+
+    imported = import_marian(folder, out, src, tgt)
+    c = imported.config
+    done(
+        f"imported {folder} ({c.num_encoder_layers}+{c.num_decoder_layers} layers, d_model {c.d_model}, "
+        f"{c.src_vocab_size} source and {c.vocab_size} target pieces) to {out}",
+        f"nmt translate --model {out} < input.txt",
+    )
 
 
 @app.command()

@@ -1,0 +1,604 @@
+"""Models in the Hugging Face format, in and out: a `MarianMTModel` folder (OPUS-MT's ~1,500
+models) read as an nmt model (`nmt import`), and an nmt model written as a folder that
+`transformers` loads (`nmt export --format huggingface`). Neither needs `transformers`: the folder
+is JSON, safetensors (or a weights-only pickle) and sentencepiece models.
+
+The ids. A Marian folder has two sentencepiece models that only cut text into pieces, and a
+vocabulary (`vocab.json`, the source's and the target's when they are separate) that numbers the
+pieces: EOS 0, UNK 1, PAD last, and PAD is also what the decoder starts from. nmt numbers pieces
+by its sentencepiece models, PAD 0, UNK 1, BOS 2, EOS 3 (vocab.py). So the import writes each
+side's sentencepiece model again with nmt's specials first and every other piece after them, in
+their order and with their scores (the pieces a text is cut into stay the same), and gathers the
+embedding rows and output biases by piece:
+
+- a source piece the vocabulary lacks is UNK's row, as Marian's tokenizer makes it UNK;
+- the target's model also holds every piece of the vocabulary that its sentencepiece model lacks,
+  as an unused piece (never cut from text), so that the output scores cover Marian's whole
+  vocabulary and the log-probabilities are Marian's;
+- a target piece the vocabulary lacks is unused too, and its row scores ABSENT less than any
+  other (it is not in Marian's softmax), as does PAD's;
+- BOS is Marian's PAD row (the decoder's start); the search never emits it, as `generate` never
+  emits PAD.
+
+The export is the other way, with nmt's own ids written into `vocab.json`. transformers' Marian
+is post-norm with Marian's sinusoids; a pre-norm model with tensor2tensor's sinusoids is M2M100,
+whose positions start after its padding id: PAD -1 there starts them at 0, as nmt's do.
+LayerNorm's epsilon is 1e-5 in both architectures (nmt's own models: 1e-6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from nmt_cli.config import ModelConfig
+from nmt_cli.errors import NmtError
+from nmt_cli.files import atomic_write_json, check_regular, new_file_mode, read_json, read_regular
+from nmt_cli.models import MAX_SPM_BYTES, Model
+from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies
+
+ABSENT = -100.0  # the output bias of a row outside the model's softmax: exp(-100) is nothing
+MAX_WEIGHTS_BYTES = 64 << 30
+SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")  # nmt's ids 0-3 (vocab.py)
+# transformers' MarianConfig defaults: a config.json names only what differs from them
+MARIAN_DEFAULTS = dict(
+    vocab_size=58101,
+    decoder_vocab_size=None,
+    max_position_embeddings=1024,
+    encoder_layers=12,
+    encoder_ffn_dim=4096,
+    encoder_attention_heads=16,
+    decoder_layers=12,
+    decoder_ffn_dim=4096,
+    decoder_attention_heads=16,
+    activation_function="gelu",
+    d_model=1024,
+    dropout=0.1,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    decoder_start_token_id=58100,
+    scale_embedding=False,
+    pad_token_id=58100,
+    eos_token_id=0,
+    share_encoder_decoder_embeddings=True,
+    tie_word_embeddings=True,
+)
+ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
+
+
+def _spm_proto(data: bytes, where: Path):
+    from sentencepiece import sentencepiece_model_pb2 as pb  # needs protobuf: '.[huggingface]'
+
+    proto = pb.ModelProto()  # type: ignore[attr-defined]  # generated at import
+    try:
+        proto.ParseFromString(data)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
+        raise NmtError(f"{where} is not a sentencepiece model ({type(e).__name__})") from None
+    if not proto.pieces:
+        raise NmtError(f"{where} is not a sentencepiece model (it has no pieces)")
+    return proto
+
+
+def require_protobuf() -> None:
+    try:
+        from sentencepiece import sentencepiece_model_pb2  # noqa: F401
+    except ImportError:
+        raise NmtError(
+            "the Hugging Face format needs protobuf: pip install 'nmt-cli[huggingface]' "
+            "(or pip install protobuf)"
+        ) from None
+
+
+@dataclass
+class Side:
+    """One side's sentencepiece model rewritten with nmt's ids, and for each of its ids the
+    Marian row it takes (-1: none, a zero row) and whether it is outside the softmax."""
+
+    model: bytes
+    rows: list[int]
+    absent: list[bool]
+
+
+def renumbered(spm: bytes, where: Path, vocab: dict[str, int], special_rows: list[int], target: bool) -> Side:
+    """`spm` with nmt's specials at 0-3 (their Marian rows `special_rows`) and its other pieces
+    after them; the target's also with the pieces of `vocab` it lacks, unused."""
+    proto = _spm_proto(spm, where)
+    t = type(proto.pieces[0])
+    normal, unknown, control, user, unused = t.NORMAL, t.UNKNOWN, t.CONTROL, t.USER_DEFINED, t.UNUSED
+    own = [p for p in proto.pieces if p.type in (normal, user, unused, t.BYTE) and p.piece not in SPECIALS]
+    listed = {p.piece for p in own}
+    rows, absent = list(special_rows), [r < 0 for r in special_rows]
+    absent[UNK] = False
+    pieces = [(s, 0.0, kind) for s, kind in zip(SPECIALS, (control, unknown, control, control))]
+    for p in own:
+        row = vocab.get(p.piece)
+        kind = p.type
+        if target and row is None and kind in (normal, user):
+            kind = unused  # Marian cannot emit it: never cut from target text either
+        pieces.append((p.piece, p.score, kind))
+        rows.append(special_rows[UNK] if row is None else row)
+        absent.append(row is None and target)
+    # A language tag (`>>deu<<`) is a piece of the vocabulary the tokenizer takes whole from the
+    # start of the source; a user-defined piece is taken whole wherever it is. With the word
+    # boundary sentencepiece puts before the line's first word: one piece, as Marian's.
+    for piece, row in vocab.items():
+        tag = re.fullmatch(r">>[^<>\s]+<<", piece) is not None
+        if piece in listed or piece in SPECIALS or (tag and "\u2581" + piece in listed):
+            continue  # (an export's vocab.json lists a tag both ways)
+        if target:
+            pieces.append((piece, 0.0, unused))
+        elif tag:
+            pieces.append(("\u2581" + piece, 0.0, user))
+        else:
+            continue
+        rows.append(row)
+        absent.append(False)
+    del proto.pieces[:]
+    for piece, score, kind in pieces:
+        proto.pieces.add(piece=piece, score=score, type=kind)
+    ts = proto.trainer_spec
+    ts.pad_id, ts.unk_id, ts.bos_id, ts.eos_id = PAD, UNK, BOS, EOS
+    ts.pad_piece, ts.unk_piece, ts.bos_piece, ts.eos_piece = SPECIALS
+    ts.vocab_size = len(pieces)
+    return Side(proto.SerializeToString(), rows, absent)
+
+
+@dataclass
+class Marian:
+    """What `nmt import` read from a MarianMTModel folder."""
+
+    config: ModelConfig
+    weights: dict  # nmt's names
+    source: bytes  # the sentencepiece models, with nmt's ids
+    target: bytes
+    files: dict[str, str]  # the folder's files read, with their sha256
+
+
+def _marian_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise NmtError(f"{folder} is not a Hugging Face model folder: it has no config.json")
+    raw = read_json(path, 1 << 20)
+    kind = raw.get("model_type")
+    if kind != "marian":
+        raise NmtError(
+            f"{folder} holds a {kind or 'model of no model_type'!s:.40} model: `nmt import` reads "
+            "MarianMTModel folders (OPUS-MT)"
+        )
+    return {**MARIAN_DEFAULTS, **raw}
+
+
+def _settings(c: dict, folder: Path) -> tuple[int, str]:
+    """The heads and activation of a Marian config, refused where nmt's model cannot be it."""
+    where = f"{folder}/config.json"
+    if c["encoder_attention_heads"] != c["decoder_attention_heads"]:
+        raise NmtError(
+            f"{where}: the encoder and decoder have different numbers of heads, which nmt's model cannot"
+        )
+    if c["encoder_ffn_dim"] != c["decoder_ffn_dim"]:
+        raise NmtError(f"{where}: the encoder and decoder have different FFN sizes, which nmt's model cannot")
+    activation = ACTIVATIONS.get(str(c["activation_function"]))
+    if activation is None:
+        raise NmtError(
+            f"{where}: activation {c['activation_function']!r:.40} is not one nmt's model has "
+            f"({', '.join(ACTIVATIONS)})"
+        )
+    for flag in ("normalize_before", "add_final_layer_norm", "normalize_embedding"):
+        if c.get(flag):
+            raise NmtError(f"{where}: {flag} is set; nmt reads transformers' Marian layers, which have none")
+    if not c["tie_word_embeddings"]:
+        raise NmtError(
+            f"{where}: the output projection is not the decoder's embedding, which nmt's model ties"
+        )
+    return int(c["encoder_attention_heads"]), activation
+
+
+def _weights(folder: Path) -> tuple[dict, Path]:
+    import torch
+
+    safetensors, pickle = folder / "model.safetensors", folder / "pytorch_model.bin"
+    if safetensors.is_file():
+        from safetensors.torch import load_file
+
+        check_regular(safetensors, MAX_WEIGHTS_BYTES)
+        try:
+            tensors, path = load_file(str(safetensors)), safetensors
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+            raise NmtError(f"{safetensors} is not a safetensors file ({type(e).__name__}: {e})") from None
+    elif pickle.is_file():
+        check_regular(pickle, MAX_WEIGHTS_BYTES)
+        try:
+            tensors, path = torch.load(pickle, map_location="cpu", weights_only=True), pickle
+        except Exception as e:  # noqa: BLE001 - an unpickling error of any kind
+            raise NmtError(f"{pickle} is not a weights-only PyTorch file ({type(e).__name__})") from None
+    else:
+        raise NmtError(f"{folder} has no weights: model.safetensors or pytorch_model.bin")
+    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+        raise NmtError(f"{path} holds no dictionary of tensors")
+    return {k.removeprefix("model."): v.float() for k, v in tensors.items()}, path
+
+
+def _vocab(path: Path) -> dict[str, int]:
+    vocab = read_json(path, 64 << 20)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+        raise NmtError(f"{path} is not a vocabulary (a JSON object of piece: id)")
+    return vocab
+
+
+def read_marian(folder: Path) -> Marian:
+    """The MarianMTModel in `folder` as nmt's model: its config, weights under nmt's names and
+    sentencepiece models with nmt's ids, exactly the function transformers computes."""
+    import torch
+
+    require_protobuf()
+    folder = Path(folder)
+    c = _marian_config(folder)
+    heads, activation = _settings(c, folder)
+    files: dict[str, str] = {}
+
+    def read(name: str, limit: int) -> bytes:
+        path = folder / name
+        if not path.is_file():
+            raise NmtError(f"{folder} is not a complete Marian model: it has no {name}")
+        data = read_regular(path, limit)
+        files[name] = hashlib.sha256(data).hexdigest()
+        return data
+
+    tokenizer = (
+        read_json(folder / "tokenizer_config.json", 1 << 20)
+        if (folder / "tokenizer_config.json").is_file()
+        else {}
+    )
+    separate = bool(tokenizer.get("separate_vocabs")) or not c["share_encoder_decoder_embeddings"]
+    read("vocab.json", 64 << 20)
+    source_vocab = _vocab(folder / "vocab.json")
+    target_vocab = source_vocab
+    if separate:
+        read("target_vocab.json", 64 << 20)
+        target_vocab = _vocab(folder / "target_vocab.json")
+    w, weights_path = _weights(folder)
+    files[weights_path.name] = "read"  # hashed below, with the weights' own bytes
+    pad, eos, start = c["pad_token_id"], c["eos_token_id"], c["decoder_start_token_id"]
+
+    def take(*names: str) -> torch.Tensor:
+        for name in names:
+            if name in w:
+                return w[name]
+        raise NmtError(f"{weights_path} has no {names[0]}: it is not a MarianMTModel's weights")
+
+    shared = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")
+    src_table = take("encoder.embed_tokens.weight", *shared)
+    tgt_table = take("decoder.embed_tokens.weight", "lm_head.weight", *shared)
+    if separate:
+        src_table = take("encoder.embed_tokens.weight", "shared.weight")
+        tgt_table = take("decoder.embed_tokens.weight", "lm_head.weight")
+    if "lm_head.weight" in w and not torch.equal(w["lm_head.weight"], tgt_table):
+        raise NmtError(f"{weights_path}: lm_head is not the decoder's embedding, which nmt's model ties")
+    bias = w.get("final_logits_bias", torch.zeros(1, tgt_table.shape[0])).reshape(-1)
+    for vocab, table, name in (
+        (source_vocab, src_table, "vocab.json"),
+        (target_vocab, tgt_table, "the target vocabulary"),
+    ):
+        if not all(0 <= i < table.shape[0] for i in vocab.values()):
+            raise NmtError(f"{folder}/{name} numbers pieces past the embedding's {table.shape[0]} rows")
+    unk_src, unk_tgt = source_vocab.get("<unk>"), target_vocab.get("<unk>")
+    if unk_src is None or unk_tgt is None:
+        raise NmtError(f"{folder}: the vocabulary has no <unk>")
+    source = renumbered(
+        read("source.spm", MAX_SPM_BYTES), folder / "source.spm", source_vocab, [-1, unk_src, -1, eos], False
+    )
+    target = renumbered(
+        read("target.spm", MAX_SPM_BYTES),
+        folder / "target.spm",
+        target_vocab,
+        [-1, unk_tgt, start, eos],
+        True,
+    )
+
+    def gathered(table: torch.Tensor, side: Side) -> torch.Tensor:
+        rows = torch.tensor(side.rows)
+        out = table[rows.clamp(min=0)].clone()
+        out[rows < 0] = 0.0
+        return out
+
+    d = int(c["d_model"])
+    config = ModelConfig(
+        vocab_size=len(target.rows),
+        src_vocab_size=len(source.rows),
+        num_encoder_layers=int(c["encoder_layers"]),
+        num_decoder_layers=int(c["decoder_layers"]),
+        d_model=d,
+        ffn=int(c["encoder_ffn_dim"]),
+        heads=heads,
+        dropout=float(c["dropout"]),
+        attention_dropout=float(c["attention_dropout"]),
+        relu_dropout=float(c["activation_dropout"]),
+        post_norm=True,
+        max_positions=int(c["max_position_embeddings"]),
+        activation=activation,
+        norm_eps=1e-5,
+        positions="marian",
+        output_bias=True,
+        scale_embedding=bool(c["scale_embedding"]),
+    )
+    out_bias = bias[torch.tensor(target.rows).clamp(min=0)].clone()
+    out_bias[torch.tensor(target.absent)] = ABSENT
+    weights = {"embed.weight": gathered(tgt_table, target), "src_embed.weight": gathered(src_table, source)}
+    weights["output_bias"] = out_bias
+    del pad
+
+    def linear(dst: str, *srcs: str) -> None:
+        weights[f"{dst}.weight"] = torch.cat([take(f"{s}.weight") for s in srcs])
+        weights[f"{dst}.bias"] = torch.cat([take(f"{s}.bias") for s in srcs])
+
+    def attention(dst: str, src: str) -> None:
+        linear(f"{dst}.q", f"{src}.q_proj")
+        linear(f"{dst}.kv", f"{src}.k_proj", f"{src}.v_proj")
+        linear(f"{dst}.out", f"{src}.out_proj")
+
+    for i in range(config.num_encoder_layers):
+        p, m = f"encoder.{i}", f"encoder.layers.{i}"
+        attention(f"{p}.self_attn", f"{m}.self_attn")
+        linear(f"{p}.res1.norm", f"{m}.self_attn_layer_norm")
+        linear(f"{p}.ffn.inner", f"{m}.fc1")
+        linear(f"{p}.ffn.outer", f"{m}.fc2")
+        linear(f"{p}.res2.norm", f"{m}.final_layer_norm")
+    for i in range(config.num_decoder_layers):
+        p, m = f"decoder.{i}", f"decoder.layers.{i}"
+        attention(f"{p}.self_attn", f"{m}.self_attn")
+        linear(f"{p}.res1.norm", f"{m}.self_attn_layer_norm")
+        attention(f"{p}.cross_attn", f"{m}.encoder_attn")
+        linear(f"{p}.res2.norm", f"{m}.encoder_attn_layer_norm")
+        linear(f"{p}.ffn.inner", f"{m}.fc1")
+        linear(f"{p}.ffn.outer", f"{m}.fc2")
+        linear(f"{p}.res3.norm", f"{m}.final_layer_norm")
+    from nmt_cli.models import same_shapes
+
+    same_shapes(
+        config, {k: tuple(v.shape) for k, v in weights.items()}, folder / "config.json", weights_path.name
+    )
+    return Marian(config, weights, source.model, target.model, files)
+
+
+def languages(folder: Path, src: str | None, tgt: str | None) -> tuple[str, str]:
+    """The pair a Marian folder translates: given, else its tokenizer_config's, else its name's
+    (opus-mt-en-de)."""
+    path = folder / "tokenizer_config.json"
+    said = read_json(path, 1 << 20) if path.is_file() else {}
+    named = re.search(r"([a-z]{2,3})-([a-z]{2,3})$", Path(folder).resolve().name)
+    src = src or said.get("source_lang") or (named.group(1) if named else None)
+    tgt = tgt or said.get("target_lang") or (named.group(2) if named else None)
+    if not (isinstance(src, str) and isinstance(tgt, str) and src and tgt):
+        raise NmtError(f"{folder} does not say which languages it translates: give --src and --tgt")
+    return src, tgt
+
+
+def import_marian(folder: Path, out: Path, src: str | None = None, tgt: str | None = None) -> Model:
+    """Write the MarianMTModel of `folder` as an nmt package in `out`; returns it."""
+    from nmt_cli import export, models
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise NmtError(f"{folder} not found: give the folder of a downloaded Hugging Face model")
+    marian = read_marian(folder)
+    src, tgt = languages(folder, src, tgt)
+    with tempfile.TemporaryDirectory() as tmp:
+        vocabs = Vocabularies(Path(tmp) / "spm.source.model", Path(tmp) / "spm.target.model")
+        vocabs.source.write_bytes(marian.source)
+        vocabs.target.write_bytes(marian.target)
+        model = Model(
+            where=folder,
+            config=marian.config,
+            vocabs=vocabs,
+            src=src,
+            tgt=tgt,
+            sha256="",
+            load_weights=lambda: marian.weights,
+            provenance={
+                "imported": {"from": str(folder.resolve()), "format": "marian", "files": marian.files}
+            },
+        )
+        export.export_nmt(model, out)
+    return models.from_dir(out)
+
+
+# -- out
+
+
+def export_huggingface(model: Model, out: Path) -> None:
+    """Write `model` as a folder transformers loads (AutoModelForSeq2SeqLM, AutoTokenizer)."""
+    from nmt_cli import export
+
+    c = model.config
+    if model.load_weights is None:
+        raise NmtError(
+            f"{model.where} is a CTranslate2 export: export from the run directory or an nmt package"
+        )
+    if c.post_norm and c.positions != "marian":
+        raise NmtError(
+            "no Hugging Face architecture computes a post-norm model with tensor2tensor's sinusoids "
+            "(transformers' Marian has its own): export a pre-norm model, or a model `nmt import` made"
+        )
+    if not c.post_norm and (c.positions != "tensor2tensor" or c.output_bias):
+        raise NmtError(
+            "no Hugging Face architecture computes a pre-norm model with Marian's sinusoids or an "
+            "output bias (M2M100 has neither)"
+        )
+    if not c.post_norm and c.src_vocab_size:
+        raise NmtError(
+            "M2M100, the Hugging Face architecture of pre-norm models, has one vocabulary for both "
+            "sides: this model's are separate"
+        )
+    require_protobuf()
+    weights = {k: v.float().contiguous() for k, v in model.weights().items()}
+    with export.staged(out) as staging:
+        write_tokenizer(model, staging)
+        if c.post_norm:
+            config, tensors = _as_marian(c, weights)
+        else:
+            config, tensors = _as_m2m100(c, weights)
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(staging / "model.safetensors", new_file_mode())  # safetensors writes it 0600
+        atomic_write_json(staging / "config.json", config)
+        atomic_write_json(staging / "generation_config.json", _generation(config))
+        atomic_write_json(
+            staging / "nmt_provenance.json", {"exported_from": str(model.where), **model.provenance}
+        )
+
+
+def _pieces(path: Path) -> list[str]:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def write_tokenizer(model: Model, folder: Path) -> None:
+    """MarianTokenizer's files with nmt's ids: the sentencepiece models cut the text, vocab.json
+    (and target_vocab.json) number the pieces as nmt's model does."""
+    vocabs = model.vocabs
+    shutil.copyfile(vocabs.source, folder / "source.spm")
+    shutil.copyfile(vocabs.target, folder / "target.spm")
+    source = {p: i for i, p in enumerate(_pieces(vocabs.source))}
+    # a language tag `nmt import` made one piece with its word boundary: MarianTokenizer looks
+    # it up bare, as it takes it from the start of a line
+    source.update({p[1:]: i for p, i in source.items() if re.fullmatch(r"\u2581>>[^<>\s]+<<", p)})
+    atomic_write_json(folder / "vocab.json", source)
+    if not vocabs.joint:
+        atomic_write_json(folder / "target_vocab.json", {p: i for i, p in enumerate(_pieces(vocabs.target))})
+    atomic_write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "MarianTokenizer",
+            "source_lang": model.src,
+            "target_lang": model.tgt,
+            "separate_vocabs": not vocabs.joint,
+            "unk_token": "<unk>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "model_max_length": model.config.max_positions - 1,
+        },
+    )
+
+
+def _common(c: ModelConfig) -> dict:
+    return {
+        "d_model": c.d_model,
+        "encoder_layers": c.num_encoder_layers,
+        "decoder_layers": c.num_decoder_layers,
+        "encoder_attention_heads": c.heads,
+        "decoder_attention_heads": c.heads,
+        "encoder_ffn_dim": c.ffn,
+        "decoder_ffn_dim": c.ffn,
+        "activation_function": c.activation,
+        "dropout": c.dropout,
+        "attention_dropout": c.attention_dropout,
+        "activation_dropout": c.relu_dropout,
+        "scale_embedding": c.scale_embedding,
+        "max_position_embeddings": c.max_positions,
+        "eos_token_id": EOS,
+        "decoder_start_token_id": BOS,
+        "forced_eos_token_id": EOS,  # nmt's search ends a translation at its limit with EOS
+        "is_encoder_decoder": True,
+        "tie_word_embeddings": True,
+    }
+
+
+def _layers(c: ModelConfig, w: dict) -> dict:
+    """nmt's layers under transformers' names (the same in Marian and M2M100)."""
+    out = {}
+
+    def linear(dst: str, src: str, parts: tuple[str, ...] = ("",)) -> None:
+        for name, chunk in zip(parts, w[f"{src}.weight"].chunk(len(parts))):
+            out[f"{dst}{name}.weight"] = chunk.contiguous()
+        for name, chunk in zip(parts, w[f"{src}.bias"].chunk(len(parts))):
+            out[f"{dst}{name}.bias"] = chunk.contiguous()
+
+    def attention(dst: str, src: str) -> None:
+        linear(f"{dst}.q_proj", f"{src}.q")
+        linear(dst, f"{src}.kv", (".k_proj", ".v_proj"))
+        linear(f"{dst}.out_proj", f"{src}.out")
+
+    for i in range(c.num_encoder_layers):
+        p, m = f"encoder.{i}", f"model.encoder.layers.{i}"
+        attention(f"{m}.self_attn", f"{p}.self_attn")
+        linear(f"{m}.self_attn_layer_norm", f"{p}.res1.norm")
+        linear(f"{m}.fc1", f"{p}.ffn.inner")
+        linear(f"{m}.fc2", f"{p}.ffn.outer")
+        linear(f"{m}.final_layer_norm", f"{p}.res2.norm")
+    for i in range(c.num_decoder_layers):
+        p, m = f"decoder.{i}", f"model.decoder.layers.{i}"
+        attention(f"{m}.self_attn", f"{p}.self_attn")
+        linear(f"{m}.self_attn_layer_norm", f"{p}.res1.norm")
+        attention(f"{m}.encoder_attn", f"{p}.cross_attn")
+        linear(f"{m}.encoder_attn_layer_norm", f"{p}.res2.norm")
+        linear(f"{m}.fc1", f"{p}.ffn.inner")
+        linear(f"{m}.fc2", f"{p}.ffn.outer")
+        linear(f"{m}.final_layer_norm", f"{p}.res3.norm")
+    return out
+
+
+def _as_marian(c: ModelConfig, w: dict) -> tuple[dict, dict]:
+    separate = bool(c.src_vocab_size)
+    config = {
+        "model_type": "marian",
+        "architectures": ["MarianMTModel"],
+        **_common(c),
+        "vocab_size": c.src_vocab_size or c.vocab_size,
+        "decoder_vocab_size": c.vocab_size,
+        "share_encoder_decoder_embeddings": not separate,
+        "pad_token_id": PAD,
+    }
+    tensors = _layers(c, w)
+    target = w["embed.weight"]
+    if separate:
+        tensors["model.encoder.embed_tokens.weight"] = w["src_embed.weight"]
+        tensors["model.decoder.embed_tokens.weight"] = target
+    else:
+        tensors["model.shared.weight"] = target
+    tensors["final_logits_bias"] = (
+        w.get("output_bias", target.new_zeros(c.vocab_size)).reshape(1, -1).contiguous()
+    )
+    return config, tensors
+
+
+def _as_m2m100(c: ModelConfig, w: dict) -> tuple[dict, dict]:
+    config = {
+        "model_type": "m2m_100",
+        "architectures": ["M2M100ForConditionalGeneration"],
+        **_common(c),
+        "vocab_size": c.vocab_size,
+        # M2M100's positions start at its padding id + 1: -1 starts them at 0, as nmt's do (its
+        # padding is by the attention mask: the tokenizer pads with nmt's PAD)
+        "pad_token_id": -1,
+        "layerdrop": 0.0,
+        "encoder_layerdrop": 0.0,
+        "decoder_layerdrop": 0.0,
+    }
+    tensors = _layers(c, w)
+    tensors["model.shared.weight"] = w["embed.weight"]
+    for side in ("encoder", "decoder"):
+        tensors[f"model.{side}.layer_norm.weight"] = w[f"{side}_norm.weight"]
+        tensors[f"model.{side}.layer_norm.bias"] = w[f"{side}_norm.bias"]
+    return config, tensors
+
+
+def _generation(config: dict) -> dict:
+    """`generate`'s defaults: nmt's (beam 4) and its rules (PAD and BOS never emitted, EOS at
+    the length limit)."""
+    return {
+        "decoder_start_token_id": BOS,
+        "eos_token_id": EOS,
+        "forced_eos_token_id": EOS,
+        "pad_token_id": PAD,
+        "bad_words_ids": [[PAD], [BOS]],
+        "num_beams": 4,
+        "max_length": config["max_position_embeddings"] - 1,
+    }
