@@ -28,7 +28,9 @@ def average_run(run: RunDir, last: int, say: Callable[[str], None], best: int = 
         if len(paths) < last:
             say(f"only {len(paths)} checkpoints exist; averaging all of them")
         chosen = paths[-last:]
-    weights, meta = average(chosen)
+    from nmt_cli.models import with_adapters
+
+    weights, meta = average(chosen, with_adapters)  # an adapted run's averaged model is plain
     newest = read_json(chosen[-1].with_suffix(".json"), 1 << 20)
     record = {
         **{k: meta[k] for k in ("format", "model", "train", "src", "tgt")},

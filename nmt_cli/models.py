@@ -175,6 +175,8 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
     config = _declared(meta.get("model"), record_path)
     vocabs = run.vocabularies()
     weights = {k: v.float() for k, v in checkpoint.weights_of(tensors, path).items()}
+    if meta.get("adapters"):
+        weights = with_adapters(meta, weights, path)
     same_shapes(config, {k: tuple(v.shape) for k, v in weights.items()}, record_path, path.name)
     return Model(
         where=path,
@@ -186,6 +188,27 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
         load_weights=lambda: weights,
         provenance=_provenance(run, path, meta),
     )
+
+
+def with_adapters(meta: dict, held: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """The plain weights of a checkpoint of an adapted run (`nmt train --adapters`): the model
+    its record names, with the checkpoint's adapters merged into it."""
+    from nmt_cli.engine import adapters
+
+    said = meta["adapters"]
+    where = Path(str(said.get("base", "")))
+    if not isinstance(said, dict) or not all(adapters.is_adapter(k) for k in held):
+        raise NmtError(f"{path} is damaged: its record says adapters, and it holds other tensors")
+    try:
+        base = locate(where)
+    except NmtError as e:
+        raise NmtError(f"{path} holds the adapters of {where}, which cannot be read: {e}") from None
+    if base.sha256 != said.get("base_sha256"):
+        raise NmtError(f"{path} adapts {where}, which has changed since (its sha256 differs)")
+    try:
+        return adapters.merged(base.weights(), held)
+    except (KeyError, RuntimeError) as e:
+        raise NmtError(f"{path}'s adapters do not fit {where} ({type(e).__name__}: {e})") from None
 
 
 def locate(where: Path, loaded: tuple[dict, dict] | None = None) -> Model:

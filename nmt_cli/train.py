@@ -267,7 +267,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
         )
     optimizer = tensors["optimizer"] if config.init_optimizer else None
     step = meta["step"] if config.init_schedule else 0
-    return state.Initial(str(model.where), model.config, model.load_weights, optimizer, step)
+    return state.Initial(str(model.where), model.config, model.load_weights, optimizer, step, model.sha256)
 
 
 if __name__ == "__main__":

@@ -319,3 +319,64 @@ def test_a_multilingual_models_language_tags_are_its_tokenizers(marian, tmp_path
         assert len(ids) + 1 == len(want) and want[0] == vocab[line[:7]]
         assert torch.equal(found[ids], table[want[:-1]])  # the same rows, the tag's first
         assert exported([line])["input_ids"][0] == [*ids, EOS]
+
+
+def test_adapters_train_alone_and_merge_into_a_plain_model(imported, tmp_path, nmt, multi30k_dir):
+    """--adapters on the imported model, on one process and on 2 gloo ranks: the validation loss
+    falls, the checkpoints hold the adapters alone and name the model they adapt; the merged
+    model (what translate, average and export hand on) computes what the model with its adapters
+    beside the weights computes, and `nmt average` is the mean of the merged models."""
+    from nmt_cli.engine import adapters
+
+    run = tmp_path / "base"
+    assert nmt("prep", "multi30k-en-de", "--run-dir", run, "--mirror", multi30k_dir).code == 0
+    assert nmt("bpe", "--from", imported, "--run-dir", run).code == 0
+    val_src = (run / "text" / "valid.en").read_text().splitlines()[:300]
+    val_tgt = (run / "text" / "valid.de").read_text().splitlines()[:300]
+
+    def nll(model) -> float:
+        found = Translator.load(model).score(val_src, val_tgt)
+        return -sum(p.total for p in found) / sum(p.tokens for p in found)
+
+    package = models.locate(imported)
+    before = nll(imported)
+    for procs in (1, 2):
+        tuned = tmp_path / f"adapted{procs}"
+        shutil.copytree(run, tuned)
+        result = nmt(
+            *("train", "--run-dir", tuned, "--init-from", imported, "--adapters", "4"),
+            *("--procs", procs, "--device", "cpu", "--max-steps", "12", "--eval-every", "12"),
+            *("--save-every", "6", "--max-tokens", "1024", "--precision", "fp32"),
+            *("--lr", "3e-3", "--warmup", "1", "--schedule", "constant"),
+        )
+        assert result.code == 0, result.err
+        paths = checkpoint.listed(tuned / "checkpoints")
+        tensors, meta = checkpoint.load_tensors(paths[-1])
+        held = tensors["model"]
+        assert held and all(adapters.is_adapter(k) for k in held)
+        assert meta["adapters"]["base_sha256"] == package.sha256
+        assert nll(tuned) < before - 0.05, (procs, before)
+    # the merged model = the model with its adapters beside the weights
+    plain = models.locate(paths[-1]).weights()
+    assert not any(adapters.is_adapter(k) for k in plain)
+    beside = Transformer(package.config)
+    beside.load_state_dict(package.weights())
+    adapters.attach(beside, 4)
+    beside.load_state_dict({**beside.state_dict(), **held})
+    merged = Transformer(package.config)
+    merged.load_state_dict(plain)
+    tr = Translator.load(tuned)
+    for net in (beside, merged):
+        net.eval()
+    worst = 0.0
+    for s, t in zip(val_src[:30], val_tgt[:30]):
+        x, y = torch.tensor([tr.encode([s])[0] + [EOS]]), torch.tensor([[BOS, *tr.encode_targets([t])[0]]])
+        with torch.no_grad():
+            worst = max(worst, (beside.logits(beside(x, y)) - merged.logits(merged(x, y))).abs().max().item())
+    assert worst < 1e-4, worst
+    # nmt average: the mean of the merged models, a plain one
+    assert nmt("average", "--run-dir", tuned, "--last", "2").code == 0
+    averaged = checkpoint.weights_of(checkpoint.load_tensors(tuned / "averaged.pt")[0])
+    each = [models.locate(p).weights() for p in paths[-2:]]
+    assert averaged.keys() == each[0].keys()
+    assert all(torch.allclose(averaged[k], (each[0][k] + each[1][k]) / 2, atol=1e-6) for k in averaged)

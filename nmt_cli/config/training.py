@@ -212,6 +212,12 @@ class TrainConfig:
         "Parts of the model left as they are, comma-separated: embeddings (the tied output "
         "projection too), encoder, decoder, or one layer as encoder.N / decoder.N (from 0).",
     )
+    adapters: int = knob(
+        0,
+        "Low-rank adapters (LoRA) of this rank on every attention and FFN projection of the "
+        "--init-from model, whose own weights stay as they are; checkpoints hold the adapters "
+        "only, merged into the weights by `nmt average`, `translate` and `export` (0: off).",
+    )
     keep_best: int = knob(0, "Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
     best_metric: str = knob("nll", "nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
     seed: int = knob(1, "Seed of initialisation, dropout and batch order.")
@@ -293,6 +299,12 @@ class TrainConfig:
                     f"--freeze {part!r:.40} names no part: give embeddings, encoder, decoder, "
                     "encoder.N or decoder.N, comma-separated"
                 )
+        if self.adapters < 0:
+            raise NmtError("--adapters is a rank: 0 (off) or more")
+        if self.adapters and not self.init_from:
+            raise NmtError("--adapters adapt a trained model: give it with --init-from")
+        if self.adapters and (self.ema or self.fused_qkv):
+            raise NmtError(f"--adapters cannot be combined with --{'ema' if self.ema else 'fused-qkv'}")
         if self.best_metric not in ("nll", "bleu"):
             raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
         if self.best_metric == "bleu" and not self.eval_bleu:

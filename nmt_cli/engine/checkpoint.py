@@ -172,8 +172,12 @@ def weights_of(tensors: dict, where: Path | str = "the checkpoint") -> dict[str,
     return found
 
 
-def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
-    """The fp32 mean of the models in `paths`, holding at most two models in memory."""
+def average(
+    paths: list[Path], plain: Callable[[dict, dict, Path], dict] | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The fp32 mean of the models in `paths`, holding at most two models in memory (three for
+    an adapted run's: `plain(record, tensors, path)` gives each one's plain weights, as the mean
+    of the adapters' products is not the product of their means)."""
     if not paths:
         raise NmtError("no checkpoints to average: train first (`nmt train`)")
     total: dict[str, torch.Tensor] | None = None
@@ -182,6 +186,8 @@ def average(paths: list[Path]) -> tuple[dict[str, torch.Tensor], dict]:
         tensors, meta = load_tensors(path)
         model = weights_of(tensors, path)
         del tensors  # the optimizer state is not needed: keep one model besides the sum
+        if meta.get("adapters") and plain is not None:
+            model = plain(meta, model, path)
         if total is None:
             total = {k: v.detach().to(torch.float32).clone() for k, v in model.items()}
             first_meta = meta

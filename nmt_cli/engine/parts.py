@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
-from nmt_cli.engine import distributed
+from nmt_cli.engine import adapters, distributed
 from nmt_cli.engine.device import cpu_has_bf16, keep_large_blocks_in_heap, resolve_device, widen_onednn_cache
 from nmt_cli.engine.ema import Average
 from nmt_cli.engine.model import Transformer
@@ -70,6 +70,10 @@ def build(config: TrainConfig, data: Data, reporter: Reporter, like: ModelConfig
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(device)
     model.set_kernels(config.fused_qkv, config.narrow_residual)
+    if config.adapters:
+        added = adapters.attach(model, config.adapters)
+        if dist.is_main:
+            reporter.say(f"--adapters {config.adapters}: {added:,} weights train, the model's own stay")
     if config.freeze:
         frozen = freeze(model, config.freeze)
         if dist.is_main:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig
-from nmt_cli.engine import checkpoint
+from nmt_cli.engine import adapters, checkpoint
 from nmt_cli.engine.distributed import Group
 from nmt_cli.engine.state import Outputs, Reporter, State, gather_rng, restore_rng
 from nmt_cli.errors import NmtError
@@ -44,9 +44,13 @@ class Checkpoints:
         group: Group,
         device: torch.device,
         reporter: Reporter,
+        adapted: dict | None = None,
     ):
+        """`adapted` (--adapters): the rank and the model adapted, which the checkpoints' records
+        name; the checkpoints then hold the adapters alone."""
         self.out, self.config, self.model_config, self.langs = out, config, model_config, langs
         self.group, self.device, self.reporter = group, device, reporter
+        self.adapted = adapted
 
     def record(self, step: int, **extra) -> dict:
         """The JSON record of a model saved now: what it is, and `extra`."""
@@ -68,14 +72,17 @@ class Checkpoints:
         rng = gather_rng(self.group, self.device)
         if not self.group.is_main:
             return
+        weights = parts.model.state_dict()
         tensors = {
-            "model": parts.model.state_dict(),
+            "model": adapters.own(weights) if self.adapted else weights,
             "optimizer": parts.optimizer.state_dict(),
             "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else {},
             **({"ema": parts.ema.weights} if parts.ema is not None else {}),
             **rng,
         }
         meta = self.record(state.step, state=dataclasses.asdict(state), world=self.group.world)
+        if self.adapted:
+            meta["adapters"] = self.adapted
         path = checkpoint.path_for(self.out.checkpoints, state.step)
         try:
             checkpoint.save_tensors(path, tensors, meta)
@@ -100,7 +107,15 @@ class Checkpoints:
                 f"the checkpoints in {self.out.checkpoints} are of another model shape "
                 f"({meta['model']}); use another --run-dir or the same shape options"
             )
-        parts.model.load_state_dict(tensors["model"])
+        if self.adapted:  # the adapters, onto the model the trainer loaded
+            if meta.get("adapters", {}).get("base_sha256") != self.adapted["base_sha256"]:
+                raise NmtError(
+                    f"the checkpoints in {self.out.checkpoints} adapt another model than "
+                    f"--init-from {self.adapted['base']}: use another --run-dir or the same model"
+                )
+            parts.model.load_state_dict({**parts.model.state_dict(), **tensors["model"]})
+        else:
+            parts.model.load_state_dict(tensors["model"])
         if parts.ema is not None:  # turned on at this resume: it starts from the weights
             parts.ema.load(tensors.get("ema", tensors["model"]))
         parts.optimizer.load_state_dict(tensors["optimizer"])

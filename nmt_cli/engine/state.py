@@ -86,6 +86,7 @@ class Initial:
     weights: Callable[[], dict[str, torch.Tensor]]
     optimizer: dict | None = None  # Adam's state to keep (--init-optimizer)
     step: int = 0  # the step to go on from (--init-schedule)
+    sha256: str = ""  # of its weights: the record of an adapted run's checkpoints names them
 
     def weights_for(self, config: ModelConfig) -> dict[str, torch.Tensor]:
         """The weights, if they fit a model of `config` (dropout is the training's own choice)."""
@@ -102,10 +103,15 @@ class Initial:
             )
         return self.weights()
 
+    def load_into(self, model: torch.nn.Module, config: ModelConfig) -> None:
+        """The weights into `model`; its adapters (--adapters), which they lack, stay its own."""
+        own = {k: v for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
+        model.load_state_dict({**own, **self.weights_for(config)})
+
     def start(self, model: torch.nn.Module, config: ModelConfig, optimizer, state: State) -> str:
         """Load the weights into a new run's `model` (and what --init-optimizer and
         --init-schedule keep into `optimizer` and `state`); says what it did."""
-        model.load_state_dict(self.weights_for(config))
+        self.load_into(model, config)
         if self.optimizer is not None:
             optimizer.load_state_dict(self.optimizer)
         state.step = self.step

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from nmt_cli.config import TrainConfig
-from nmt_cli.engine import distributed, saving, validation
+from nmt_cli.engine import adapters, distributed, saving, validation
 from nmt_cli.engine.batches import Batch, Epochs, Split, on_device, padding_share
 from nmt_cli.engine.device import dtype_of
 from nmt_cli.engine.figures import Figures, Window
@@ -73,8 +74,13 @@ class Trainer:
         self.compiling = config.compile
         self._load_data(data, resample)
         self.parts = saving.Parts(self.model, self.optimizer, self.scaler, self.ema)
+        # an adapted run's checkpoints hold the adapters, and name the model they adapt
+        adapted = None
+        if config.adapters and init is not None:
+            base = os.path.abspath(init.where)
+            adapted = {"rank": config.adapters, "base": base, "base_sha256": init.sha256}
         self.checkpoints = saving.Checkpoints(
-            out, config, self.model_config, (data.src, data.tgt), self.dist, self.device, reporter
+            out, config, self.model_config, (data.src, data.tgt), self.dist, self.device, reporter, adapted
         )
         self.state = State()
         self.figures = Figures(late=self.device.type == "cuda")  # train_step's, not read yet
@@ -118,6 +124,8 @@ class Trainer:
 
     def resume(self) -> None:
         """Go on from the newest checkpoint, else start from --init-from, if given."""
+        if self.config.adapters and self.init is not None:  # the adapted model, then its adapters
+            self.init.load_into(self.model, self.model_config)
         state = self.checkpoints.resume(self.parts)
         if state is not None:
             self.state, self.saved_at = state, state.step
@@ -264,6 +272,8 @@ class Trainer:
             self.state.bad_evals += 1
         if self.config.keep_best and self.dist.is_main:
             weights = self.ema.weights if self.ema is not None else self.model.state_dict()
+            if self.config.adapters:  # the best models are plain ones
+                weights = adapters.merged(weights, adapters.own(weights))
             self.checkpoints.keep_if_best(weights, self.state.step, score, metrics)
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
