@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import LONGER, one_error_line
+from conftest import LONGER, one_error_line, run_ok
 from marian import LEFT_OUT, lines, make_marian
 
 from nmt_cli import Translator, models
@@ -157,75 +158,84 @@ def test_ctranslate2s_own_converter_agrees_with_the_import(marian, imported, tmp
         assert sum(a == b for a, b in zip(*outs)) >= 0.99 * len(pieces)
 
 
-def test_the_imported_model_fine_tunes_with_parts_frozen(imported, tmp_path, nmt, multi30k_dir):
+@pytest.fixture(scope="module")
+def imported_run(imported, tmp_path_factory, multi30k_dir):
+    """Multi30k prepared and encoded with the imported model's sentencepiece models; copy before use."""
+    run = tmp_path_factory.mktemp("imported-run") / "run"
+    run_ok(
+        ["prep", "multi30k-en-de", "--run-dir", run, "--mirror", multi30k_dir],
+        ["bpe", "--from", imported, "--run-dir", run],
+    )
+    return run
+
+
+FINE_TUNING = [
+    *("--device", "cpu", "--max-steps", "12", "--eval-every", "12", "--save-every", "12"),
+    *(
+        "--max-tokens",
+        "1024",
+        "--precision",
+        "fp32",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "1",
+        "--schedule",
+        "constant",
+    ),
+]
+
+
+def fine_tuned(imported, base: Path, run: Path, procs: int, *extra) -> Path:
+    shutil.copytree(base, run)
+    run_ok(["train", "--run-dir", run, "--init-from", imported, "--procs", procs, *FINE_TUNING, *extra])
+    return run
+
+
+@pytest.fixture(scope="module")
+def tuned(imported, imported_run, tmp_path_factory):
+    """The imported model fine-tuned by nmt on one process, its embeddings and first encoder
+    layer frozen: an nmt-trained post-norm model."""
+    run = tmp_path_factory.mktemp("tuned") / "run"
+    return fine_tuned(imported, imported_run, run, 1, "--freeze", "embeddings,encoder.0")
+
+
+def valid_nll(model, run: Path) -> float:
+    src = (run / "text" / "valid.en").read_text().splitlines()[:300]
+    tgt = (run / "text" / "valid.de").read_text().splitlines()[:300]
+    found = Translator.load(model).score(src, tgt)
+    return -sum(p.total for p in found) / sum(p.tokens for p in found)
+
+
+def test_the_imported_model_fine_tunes_with_parts_frozen(imported, imported_run, tuned, tmp_path):
     """`nmt bpe --from` the package and `train --init-from` it, on one process and on 2 gloo
     ranks: the validation loss falls below the imported model's own, the frozen tensors stay
     bit for bit."""
-    run = tmp_path / "base"
-    assert nmt("prep", "multi30k-en-de", "--run-dir", run, "--mirror", multi30k_dir).code == 0
-    result = nmt("bpe", "--from", imported, "--run-dir", run)
-    assert result.code == 0, result.err
-    val_src, val_tgt = (
-        (run / "text" / "valid.en").read_text().splitlines(),
-        (run / "text" / "valid.de").read_text().splitlines(),
-    )
-    before = Translator.load(imported).score(val_src[:300], val_tgt[:300])
-    nll_before = -sum(p.total for p in before) / sum(p.tokens for p in before)
+    before = valid_nll(imported, imported_run)
     start = models.locate(imported).weights()
-    for procs in (1, 2):
-        tuned = tmp_path / f"tuned{procs}"
-        shutil.copytree(run, tuned)
-        result = nmt(
-            "train",
-            "--run-dir",
-            tuned,
-            "--init-from",
-            imported,
-            "--procs",
-            procs,
-            "--device",
-            "cpu",
-            "--max-steps",
-            "12",
-            "--eval-every",
-            "12",
-            "--save-every",
-            "12",
-            "--max-tokens",
-            "1024",
-            "--precision",
-            "fp32",
-            "--lr",
-            "1e-3",
-            "--warmup",
-            "1",
-            "--schedule",
-            "constant",
-            "--freeze",
-            "embeddings,encoder.0",
-        )
-        assert result.code == 0, result.err
+    two = fine_tuned(imported, imported_run, tmp_path / "two", 2, "--freeze", "embeddings,encoder.0")
+    for run in (tuned, two):
         weights = checkpoint.weights_of(
-            checkpoint.load_tensors(checkpoint.listed(tuned / "checkpoints")[-1])[0]
+            checkpoint.load_tensors(checkpoint.listed(run / "checkpoints")[-1])[0]
         )
         for name, value in weights.items():
             frozen = name.startswith(("embed.", "src_embed.", "encoder.0.")) or name == "output_bias"
             assert torch.equal(value, start[name]) == frozen, name
-        after = Translator.load(tuned).score(val_src[:300], val_tgt[:300])
-        nll_after = -sum(p.total for p in after) / sum(p.tokens for p in after)
-        assert nll_after < nll_before - 0.05, (procs, nll_before, nll_after)
+        assert valid_nll(run, imported_run) < before - 0.05, (run, before)
 
 
-def test_export_of_an_imported_model_loads_in_transformers_and_imports_back(
-    imported, tmp_path, nmt, multi30k_dir
+def test_export_of_a_fine_tuned_import_loads_in_transformers_and_imports_back(
+    tuned, tmp_path, nmt, multi30k_dir
 ):
+    """A post-norm model nmt trained (the import, fine-tuned) as MarianMTModel: transformers'
+    greedy outputs are nmt's on 200 lines; `nmt import` of it is the model again."""
     out, back = tmp_path / "hf", tmp_path / "back"
-    result = nmt("export", out, "--model", imported, "--format", "huggingface")
+    result = nmt("export", out, "--run-dir", tuned, "--format", "huggingface")
     assert result.code == 0, result.err
     hf, tok = hf_model(out), transformers.AutoTokenizer.from_pretrained(out)
     assert type(hf).__name__ == "MarianMTModel"
     src = lines(multi30k_dir, "val", "en", 200)
-    tr = Translator.load(imported)
+    tr = Translator.load(tuned)
     mine = tr.hypotheses(src, DecodeOptions(beam=1, max_len=20))
     with torch.no_grad():
         theirs = hf.generate(**tok(src, return_tensors="pt", padding=True), num_beams=1, max_new_tokens=20)
@@ -233,7 +243,7 @@ def test_export_of_an_imported_model_loads_in_transformers_and_imports_back(
         [t for t in row[1:] if t not in (EOS, PAD)] for row in theirs.tolist()
     ]
     assert nmt("import", out, back).code == 0
-    a, b = models.locate(imported), models.locate(back)
+    a, b = models.locate(tuned), models.locate(back)
     assert a.config == b.config and a.src == b.src and a.tgt == b.tgt
     wa, wb = a.weights(), b.weights()
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -321,16 +331,14 @@ def test_a_multilingual_models_language_tags_are_its_tokenizers(marian, tmp_path
         assert exported([line])["input_ids"][0] == [*ids, EOS]
 
 
-def test_adapters_train_alone_and_merge_into_a_plain_model(imported, tmp_path, nmt, multi30k_dir):
+def test_adapters_train_alone_and_merge_into_a_plain_model(imported, imported_run, tmp_path, nmt):
     """--adapters on the imported model, on one process and on 2 gloo ranks: the validation loss
     falls, the checkpoints hold the adapters alone and name the model they adapt; the merged
     model (what translate, average and export hand on) computes what the model with its adapters
     beside the weights computes, and `nmt average` is the mean of the merged models."""
     from nmt_cli.engine import adapters
 
-    run = tmp_path / "base"
-    assert nmt("prep", "multi30k-en-de", "--run-dir", run, "--mirror", multi30k_dir).code == 0
-    assert nmt("bpe", "--from", imported, "--run-dir", run).code == 0
+    run = imported_run
     val_src = (run / "text" / "valid.en").read_text().splitlines()[:300]
     val_tgt = (run / "text" / "valid.de").read_text().splitlines()[:300]
 
@@ -380,3 +388,14 @@ def test_adapters_train_alone_and_merge_into_a_plain_model(imported, tmp_path, n
     each = [models.locate(p).weights() for p in paths[-2:]]
     assert averaged.keys() == each[0].keys()
     assert all(torch.allclose(averaged[k], (each[0][k] + each[1][k]) / 2, atol=1e-6) for k in averaged)
+
+
+def test_a_pickled_marian_model_imports_as_its_safetensors_does(marian, imported, tmp_path, nmt):
+    """pytorch_model.bin (older OPUS-MT uploads), read with weights_only: the same package."""
+    folder = tmp_path / "opus-mt-en-de"
+    shutil.copytree(marian, folder, ignore=shutil.ignore_patterns("model.safetensors"))
+    state = transformers.AutoModelForSeq2SeqLM.from_pretrained(marian).state_dict()
+    torch.save({k: v for k, v in state.items() if "embed_positions" not in k}, folder / "pytorch_model.bin")
+    assert nmt("import", folder, tmp_path / "pkg").code == 0
+    a, b = models.locate(imported).weights(), models.locate(tmp_path / "pkg").weights()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
