@@ -29,6 +29,7 @@ LayerNorm's epsilon is 1e-5 in both architectures (nmt's own models: 1e-6).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -38,7 +39,14 @@ from pathlib import Path
 
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_write_json, check_regular, new_file_mode, read_json, read_regular
+from nmt_cli.files import (
+    atomic_write_json,
+    check_regular,
+    new_file_mode,
+    read_json,
+    read_regular,
+    sha256_file,
+)
 from nmt_cli.models import MAX_SPM_BYTES, Model
 from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies
 
@@ -223,18 +231,10 @@ def _weights(folder: Path) -> tuple[dict, Path]:
     return {k.removeprefix("model."): v.float() for k, v in tensors.items()}, path
 
 
-def _vocab(path: Path) -> dict[str, int]:
-    vocab = read_json(path, 64 << 20)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
-        raise NmtError(f"{path} is not a vocabulary (a JSON object of piece: id)")
-    return vocab
-
-
 def read_marian(folder: Path) -> Marian:
     """The MarianMTModel in `folder` as nmt's model: its config, weights under nmt's names and
-    sentencepiece models with nmt's ids, exactly the function transformers computes."""
-    import torch
-
+    sentencepiece models with nmt's ids, exactly the function transformers computes. The
+    settings are checked before the weights are read."""
     require_protobuf()
     folder = Path(folder)
     c = _marian_config(folder)
@@ -249,56 +249,94 @@ def read_marian(folder: Path) -> Marian:
         files[name] = hashlib.sha256(data).hexdigest()
         return data
 
-    tokenizer = (
-        read_json(folder / "tokenizer_config.json", 1 << 20)
-        if (folder / "tokenizer_config.json").is_file()
-        else {}
-    )
+    def vocabulary(name: str) -> dict[str, int]:
+        try:
+            vocab = json.loads(read(name, 64 << 20))
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise NmtError(f"{folder}/{name} is damaged ({type(e).__name__})") from None
+        if not isinstance(vocab, dict) or not all(type(v) is int and v >= 0 for v in vocab.values()):
+            raise NmtError(f"{folder}/{name} is not a vocabulary (a JSON object of piece: id)")
+        if "<unk>" not in vocab:
+            raise NmtError(f"{folder}/{name} has no <unk>")
+        return vocab
+
+    said = folder / "tokenizer_config.json"
+    tokenizer = read_json(said, 1 << 20) if said.is_file() else {}
     separate = bool(tokenizer.get("separate_vocabs")) or not c["share_encoder_decoder_embeddings"]
-    read("vocab.json", 64 << 20)
-    source_vocab = _vocab(folder / "vocab.json")
-    target_vocab = source_vocab
-    if separate:
-        read("target_vocab.json", 64 << 20)
-        target_vocab = _vocab(folder / "target_vocab.json")
-    w, weights_path = _weights(folder)
-    files[weights_path.name] = "read"  # hashed below, with the weights' own bytes
-    pad, eos, start = c["pad_token_id"], c["eos_token_id"], c["decoder_start_token_id"]
-
-    def take(*names: str) -> torch.Tensor:
-        for name in names:
-            if name in w:
-                return w[name]
-        raise NmtError(f"{weights_path} has no {names[0]}: it is not a MarianMTModel's weights")
-
-    shared = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")
-    src_table = take("encoder.embed_tokens.weight", *shared)
-    tgt_table = take("decoder.embed_tokens.weight", "lm_head.weight", *shared)
-    if separate:
-        src_table = take("encoder.embed_tokens.weight", "shared.weight")
-        tgt_table = take("decoder.embed_tokens.weight", "lm_head.weight")
-    if "lm_head.weight" in w and not torch.equal(w["lm_head.weight"], tgt_table):
-        raise NmtError(f"{weights_path}: lm_head is not the decoder's embedding, which nmt's model ties")
-    bias = w.get("final_logits_bias", torch.zeros(1, tgt_table.shape[0])).reshape(-1)
-    for vocab, table, name in (
-        (source_vocab, src_table, "vocab.json"),
-        (target_vocab, tgt_table, "the target vocabulary"),
-    ):
-        if not all(0 <= i < table.shape[0] for i in vocab.values()):
-            raise NmtError(f"{folder}/{name} numbers pieces past the embedding's {table.shape[0]} rows")
-    unk_src, unk_tgt = source_vocab.get("<unk>"), target_vocab.get("<unk>")
-    if unk_src is None or unk_tgt is None:
-        raise NmtError(f"{folder}: the vocabulary has no <unk>")
+    source_vocab = vocabulary("vocab.json")
+    target_vocab = vocabulary("target_vocab.json") if separate else source_vocab
+    eos, start = c["eos_token_id"], c["decoder_start_token_id"]
+    if type(eos) is not int or type(start) is not int:
+        raise NmtError(f"{folder}/config.json: eos_token_id and decoder_start_token_id must be ids")
+    # the Marian rows of nmt's PAD, UNK, BOS and EOS (-1: a zero row)
     source = renumbered(
-        read("source.spm", MAX_SPM_BYTES), folder / "source.spm", source_vocab, [-1, unk_src, -1, eos], False
+        read("source.spm", MAX_SPM_BYTES),
+        folder / "source.spm",
+        source_vocab,
+        [-1, source_vocab["<unk>"], -1, eos],
+        False,
     )
     target = renumbered(
         read("target.spm", MAX_SPM_BYTES),
         folder / "target.spm",
         target_vocab,
-        [-1, unk_tgt, start, eos],
+        [-1, target_vocab["<unk>"], start, eos],
         True,
     )
+    try:
+        config = ModelConfig(
+            vocab_size=len(target.rows),
+            src_vocab_size=len(source.rows),
+            num_encoder_layers=c["encoder_layers"],
+            num_decoder_layers=c["decoder_layers"],
+            d_model=c["d_model"],
+            ffn=c["encoder_ffn_dim"],
+            heads=heads,
+            dropout=float(c["dropout"]),
+            attention_dropout=float(c["attention_dropout"]),
+            relu_dropout=float(c["activation_dropout"]),
+            post_norm=True,
+            max_positions=c["max_position_embeddings"],
+            activation=activation,
+            norm_eps=1e-5,
+            positions="marian",
+            output_bias=True,
+            scale_embedding=bool(c["scale_embedding"]),
+        )
+    except (NmtError, TypeError, ValueError) as e:
+        raise NmtError(f"{folder}/config.json: {e}") from None
+    w, weights_path = _weights(folder)
+    files[weights_path.name] = sha256_file(weights_path)
+    try:
+        weights = _as_nmt(config, w, source, target, separate)
+    except (KeyError, IndexError, RuntimeError) as e:
+        raise NmtError(
+            f"{weights_path} does not hold the model config.json declares ({type(e).__name__}: {e})"
+        ) from None
+    from nmt_cli.models import same_shapes
+
+    held = {k: tuple(v.shape) for k, v in weights.items()}
+    same_shapes(config, held, folder / "config.json", weights_path.name)
+    return Marian(config, weights, source.model, target.model, files)
+
+
+def _as_nmt(c: ModelConfig, w: dict, source: Side, target: Side, separate: bool) -> dict:
+    """Marian's weights `w` under nmt's names, the embeddings and output bias gathered by id."""
+    import torch
+
+    shared = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")
+    if separate:
+        src_table = w.get("encoder.embed_tokens.weight", w.get("shared.weight"))
+        tgt_table = w.get("decoder.embed_tokens.weight", w.get("lm_head.weight"))
+    else:
+        src_table = next((w[k] for k in shared if k in w), None)
+        tgt_table = src_table
+    if src_table is None or tgt_table is None:
+        raise KeyError("no embedding")
+    if "lm_head.weight" in w and not torch.equal(w["lm_head.weight"], tgt_table):
+        raise NmtError(
+            "the output projection (lm_head) is not the decoder's embedding; nmt's model ties them"
+        )
 
     def gathered(table: torch.Tensor, side: Side) -> torch.Tensor:
         rows = torch.tensor(side.rows)
@@ -306,49 +344,29 @@ def read_marian(folder: Path) -> Marian:
         out[rows < 0] = 0.0
         return out
 
-    d = int(c["d_model"])
-    config = ModelConfig(
-        vocab_size=len(target.rows),
-        src_vocab_size=len(source.rows),
-        num_encoder_layers=int(c["encoder_layers"]),
-        num_decoder_layers=int(c["decoder_layers"]),
-        d_model=d,
-        ffn=int(c["encoder_ffn_dim"]),
-        heads=heads,
-        dropout=float(c["dropout"]),
-        attention_dropout=float(c["attention_dropout"]),
-        relu_dropout=float(c["activation_dropout"]),
-        post_norm=True,
-        max_positions=int(c["max_position_embeddings"]),
-        activation=activation,
-        norm_eps=1e-5,
-        positions="marian",
-        output_bias=True,
-        scale_embedding=bool(c["scale_embedding"]),
-    )
+    bias = w.get("final_logits_bias", torch.zeros(1, tgt_table.shape[0])).reshape(-1)
     out_bias = bias[torch.tensor(target.rows).clamp(min=0)].clone()
     out_bias[torch.tensor(target.absent)] = ABSENT
-    weights = {"embed.weight": gathered(tgt_table, target), "src_embed.weight": gathered(src_table, source)}
-    weights["output_bias"] = out_bias
-    del pad
+    out = {"embed.weight": gathered(tgt_table, target), "src_embed.weight": gathered(src_table, source)}
+    out["output_bias"] = out_bias
 
     def linear(dst: str, *srcs: str) -> None:
-        weights[f"{dst}.weight"] = torch.cat([take(f"{s}.weight") for s in srcs])
-        weights[f"{dst}.bias"] = torch.cat([take(f"{s}.bias") for s in srcs])
+        out[f"{dst}.weight"] = torch.cat([w[f"{s}.weight"] for s in srcs])
+        out[f"{dst}.bias"] = torch.cat([w[f"{s}.bias"] for s in srcs])
 
     def attention(dst: str, src: str) -> None:
         linear(f"{dst}.q", f"{src}.q_proj")
         linear(f"{dst}.kv", f"{src}.k_proj", f"{src}.v_proj")
         linear(f"{dst}.out", f"{src}.out_proj")
 
-    for i in range(config.num_encoder_layers):
+    for i in range(c.num_encoder_layers):
         p, m = f"encoder.{i}", f"encoder.layers.{i}"
         attention(f"{p}.self_attn", f"{m}.self_attn")
         linear(f"{p}.res1.norm", f"{m}.self_attn_layer_norm")
         linear(f"{p}.ffn.inner", f"{m}.fc1")
         linear(f"{p}.ffn.outer", f"{m}.fc2")
         linear(f"{p}.res2.norm", f"{m}.final_layer_norm")
-    for i in range(config.num_decoder_layers):
+    for i in range(c.num_decoder_layers):
         p, m = f"decoder.{i}", f"decoder.layers.{i}"
         attention(f"{p}.self_attn", f"{m}.self_attn")
         linear(f"{p}.res1.norm", f"{m}.self_attn_layer_norm")
@@ -357,12 +375,7 @@ def read_marian(folder: Path) -> Marian:
         linear(f"{p}.ffn.inner", f"{m}.fc1")
         linear(f"{p}.ffn.outer", f"{m}.fc2")
         linear(f"{p}.res3.norm", f"{m}.final_layer_norm")
-    from nmt_cli.models import same_shapes
-
-    same_shapes(
-        config, {k: tuple(v.shape) for k, v in weights.items()}, folder / "config.json", weights_path.name
-    )
-    return Marian(config, weights, source.model, target.model, files)
+    return out
 
 
 def languages(folder: Path, src: str | None, tgt: str | None) -> tuple[str, str]:

@@ -289,6 +289,9 @@ def test_what_cannot_cross_is_one_error_line(marian, trained_longer, tmp_path, n
         (folder_with("nospm", lambda f: (f / "source.spm").unlink()), "source.spm"),
         (folder_with("badspm", lambda f: (f / "target.spm").write_bytes(b"\xff" * 64)), "sentencepiece"),
         (folder_with("noweights", lambda f: (f / "model.safetensors").unlink()), "no weights"),
+        (folder_with("badvocab", lambda f: (f / "vocab.json").write_bytes(b"\xff{")), "vocab.json"),
+        (folder_with("badsize", config(d_model="wide")), "d_model"),
+        (folder_with("deeper", config(encoder_layers=3)), "does not hold"),
         (str(tmp_path / "nowhere"), "not found"),
         (folder_with("nolang", lambda f: (f / "tokenizer_config.json").unlink()), "--src"),
     ]
