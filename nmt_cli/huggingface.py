@@ -76,6 +76,17 @@ MARIAN_DEFAULTS = dict(
     share_encoder_decoder_embeddings=True,
     tie_word_embeddings=True,
 )
+# transformers' M2M100Config defaults; nmt reads the M2M100 folders its export writes
+M2M100_DEFAULTS = dict(
+    MARIAN_DEFAULTS,
+    vocab_size=128112,
+    activation_function="relu",
+    attention_dropout=0.1,
+    decoder_start_token_id=2,
+    scale_embedding=True,
+    pad_token_id=1,
+    eos_token_id=2,
+)
 ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
 
 
@@ -146,10 +157,17 @@ def renumbered(spm: bytes, where: Path, vocab: dict[str, int], special_rows: lis
             continue
         rows.append(row)
         absent.append(False)
+    ts = proto.trainer_spec
+    if [(p.piece, p.score, p.type) for p in proto.pieces] == pieces and (
+        ts.pad_id,
+        ts.unk_id,
+        ts.bos_id,
+        ts.eos_id,
+    ) == (PAD, UNK, BOS, EOS):
+        return Side(spm, rows, absent)  # nmt's own (an export's): the same file
     del proto.pieces[:]
     for piece, score, kind in pieces:
         proto.pieces.add(piece=piece, score=score, type=kind)
-    ts = proto.trainer_spec
     ts.pad_id, ts.unk_id, ts.bos_id, ts.eos_id = PAD, UNK, BOS, EOS
     ts.pad_piece, ts.unk_piece, ts.bos_piece, ts.eos_piece = SPECIALS
     ts.vocab_size = len(pieces)
@@ -167,12 +185,21 @@ class Marian:
     files: dict[str, str]  # the folder's files read, with their sha256
 
 
-def _marian_config(folder: Path) -> dict:
+def _folder_config(folder: Path) -> dict:
+    """config.json of a Marian model, or of an M2M100 one that `nmt export` wrote, with
+    transformers' defaults for what it leaves out."""
     path = folder / "config.json"
     if not path.is_file():
         raise NmtError(f"{folder} is not a Hugging Face model folder: it has no config.json")
     raw = read_json(path, 1 << 20)
     kind = raw.get("model_type")
+    if kind == "m2m_100" and raw.get("pad_token_id") == -1:
+        return {**M2M100_DEFAULTS, **raw}
+    if kind == "m2m_100":  # its positions start at its padding id + 1: not nmt's at 0
+        raise NmtError(
+            f"{folder} holds an M2M100 model: `nmt import` reads MarianMTModel folders (OPUS-MT), "
+            "and the M2M100 folders `nmt export` writes"
+        )
     if kind != "marian":
         raise NmtError(
             f"{folder} holds a {kind or 'model of no model_type'!s:.40} model: `nmt import` reads "
@@ -232,12 +259,13 @@ def _weights(folder: Path) -> tuple[dict, Path]:
 
 
 def read_marian(folder: Path) -> Marian:
-    """The MarianMTModel in `folder` as nmt's model: its config, weights under nmt's names and
-    sentencepiece models with nmt's ids, exactly the function transformers computes. The
-    settings are checked before the weights are read."""
+    """The MarianMTModel in `folder` (or an M2M100 model `nmt export` wrote) as nmt's model: its
+    config, weights under nmt's names and sentencepiece models with nmt's ids, exactly the
+    function transformers computes. The settings are checked before the weights are read."""
     require_protobuf()
     folder = Path(folder)
-    c = _marian_config(folder)
+    c = _folder_config(folder)
+    pre_norm = c["model_type"] == "m2m_100"
     heads, activation = _settings(c, folder)
     files: dict[str, str] = {}
 
@@ -268,25 +296,34 @@ def read_marian(folder: Path) -> Marian:
     eos, start = c["eos_token_id"], c["decoder_start_token_id"]
     if type(eos) is not int or type(start) is not int:
         raise NmtError(f"{folder}/config.json: eos_token_id and decoder_start_token_id must be ids")
+    def pad_row(vocab: dict[str, int]) -> int:
+        """PAD's own row where it has one: Marian's <pad> is its decoder's start (BOS here),
+        and PAD a zero row; an nmt export's <pad> is PAD."""
+        row = vocab.get("<pad>", -1)
+        return -1 if row == start else row
+
     # the Marian rows of nmt's PAD, UNK, BOS and EOS (-1: a zero row)
     source = renumbered(
         read("source.spm", MAX_SPM_BYTES),
         folder / "source.spm",
         source_vocab,
-        [-1, source_vocab["<unk>"], -1, eos],
+        [pad_row(source_vocab), source_vocab["<unk>"], -1, eos],
         False,
     )
     target = renumbered(
         read("target.spm", MAX_SPM_BYTES),
         folder / "target.spm",
         target_vocab,
-        [-1, target_vocab["<unk>"], start, eos],
+        [pad_row(target_vocab), target_vocab["<unk>"], start, eos],
         True,
     )
+    # one vocabulary for both sides (an export of a joint model): one sentencepiece model (the
+    # source has no BOS row: it never reads BOS)
+    joint = not separate and source.model == target.model and source.rows[BOS + 1 :] == target.rows[BOS + 1 :]
     try:
         config = ModelConfig(
             vocab_size=len(target.rows),
-            src_vocab_size=len(source.rows),
+            src_vocab_size=0 if joint else len(source.rows),
             num_encoder_layers=c["encoder_layers"],
             num_decoder_layers=c["decoder_layers"],
             d_model=c["d_model"],
@@ -295,12 +332,13 @@ def read_marian(folder: Path) -> Marian:
             dropout=float(c["dropout"]),
             attention_dropout=float(c["attention_dropout"]),
             relu_dropout=float(c["activation_dropout"]),
-            post_norm=True,
+            post_norm=not pre_norm,
             max_positions=c["max_position_embeddings"],
             activation=activation,
-            norm_eps=1e-5,
-            positions="marian",
-            output_bias=True,
+            # transformers' is 1e-5; an nmt export says its model's own (transformers ignores it)
+            norm_eps=float(c.get("layer_norm_eps", 1e-5)),
+            positions="tensor2tensor" if pre_norm else "marian",
+            output_bias=not pre_norm,
             scale_embedding=bool(c["scale_embedding"]),
         )
     except (NmtError, TypeError, ValueError) as e:
@@ -309,6 +347,8 @@ def read_marian(folder: Path) -> Marian:
     files[weights_path.name] = sha256_file(weights_path)
     try:
         weights = _as_nmt(config, w, source, target, separate)
+        if joint:
+            del weights["src_embed.weight"]
     except (KeyError, IndexError, RuntimeError) as e:
         raise NmtError(
             f"{weights_path} does not hold the model config.json declares ({type(e).__name__}: {e})"
@@ -344,11 +384,15 @@ def _as_nmt(c: ModelConfig, w: dict, source: Side, target: Side, separate: bool)
         out[rows < 0] = 0.0
         return out
 
-    bias = w.get("final_logits_bias", torch.zeros(1, tgt_table.shape[0])).reshape(-1)
-    out_bias = bias[torch.tensor(target.rows).clamp(min=0)].clone()
-    out_bias[torch.tensor(target.absent)] = ABSENT
     out = {"embed.weight": gathered(tgt_table, target), "src_embed.weight": gathered(src_table, source)}
-    out["output_bias"] = out_bias
+    if c.output_bias:
+        bias = w.get("final_logits_bias", torch.zeros(1, tgt_table.shape[0])).reshape(-1)
+        out["output_bias"] = bias[torch.tensor(target.rows).clamp(min=0)].clone()
+        out["output_bias"][torch.tensor(target.absent)] = ABSENT
+    if not c.post_norm:  # M2M100: the final LayerNorms
+        for side in ("encoder", "decoder"):
+            out[f"{side}_norm.weight"] = w[f"{side}.layer_norm.weight"]
+            out[f"{side}_norm.bias"] = w[f"{side}.layer_norm.bias"]
 
     def linear(dst: str, *srcs: str) -> None:
         out[f"{dst}.weight"] = torch.cat([w[f"{s}.weight"] for s in srcs])
@@ -392,7 +436,8 @@ def languages(folder: Path, src: str | None, tgt: str | None) -> tuple[str, str]
 
 
 def import_marian(folder: Path, out: Path, src: str | None = None, tgt: str | None = None) -> Model:
-    """Write the MarianMTModel of `folder` as an nmt package in `out`; returns it."""
+    """Write the MarianMTModel of `folder` (or an M2M100 model `nmt export` wrote) as an nmt
+    package in `out`; returns it."""
     from nmt_cli import export, models
 
     folder = Path(folder)
@@ -401,9 +446,9 @@ def import_marian(folder: Path, out: Path, src: str | None = None, tgt: str | No
     marian = read_marian(folder)
     src, tgt = languages(folder, src, tgt)
     with tempfile.TemporaryDirectory() as tmp:
-        vocabs = Vocabularies(Path(tmp) / "spm.source.model", Path(tmp) / "spm.target.model")
+        vocabs = Vocabularies.in_folder(Path(tmp), joint=not marian.config.src_vocab_size)
         vocabs.source.write_bytes(marian.source)
-        vocabs.target.write_bytes(marian.target)
+        vocabs.target.write_bytes(marian.target)  # the same file, for a joint model
         model = Model(
             where=folder,
             config=marian.config,
@@ -519,6 +564,9 @@ def _common(c: ModelConfig) -> dict:
         "eos_token_id": EOS,
         "decoder_start_token_id": BOS,
         "forced_eos_token_id": EOS,  # nmt's search ends a translation at its limit with EOS
+        # the model's own: transformers' Marian and M2M100 compute with 1e-5 and ignore this;
+        # `nmt import` reads it back
+        "layer_norm_eps": c.norm_eps,
         "is_encoder_decoder": True,
         "tie_word_embeddings": True,
     }

@@ -265,7 +265,12 @@ def test_export_of_a_pre_norm_model_is_m2m100_and_generates_what_nmt_does(traine
         theirs = hf.generate(**enc, num_beams=1, max_new_tokens=40)
     rows = [[t for t in row[1:] if t not in (EOS, PAD)] for row in theirs.tolist()]
     assert [h[0].tokens for h in mine] == rows
-    assert nmt("import", out, tmp_path / "back").code != 0  # M2M100 is not a Marian model: one line below
+    assert nmt("import", out, tmp_path / "back").code == 0  # nmt's own M2M100 export reads back
+    a, b = models.locate(trained_longer), models.locate(tmp_path / "back")
+    assert a.config == b.config and b.vocabs.joint
+    wa, wb = a.weights(), b.weights()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a.vocabs.source.read_bytes() == b.vocabs.source.read_bytes()
 
 
 def test_what_cannot_cross_is_one_error_line(marian, trained_longer, tmp_path, nmt):
@@ -284,6 +289,7 @@ def test_what_cannot_cross_is_one_error_line(marian, trained_longer, tmp_path, n
 
     cases = [
         (folder_with("bart", config(model_type="bart")), "MarianMTModel"),
+        (folder_with("m2m", config(model_type="m2m_100")), "M2M100"),
         (folder_with("tanh", config(activation_function="tanh")), "activation"),
         (folder_with("heads", config(decoder_attention_heads=2)), "heads"),
         (folder_with("nospm", lambda f: (f / "source.spm").unlink()), "source.spm"),
@@ -402,3 +408,20 @@ def test_a_pickled_marian_model_imports_as_its_safetensors_does(marian, imported
     assert nmt("import", folder, tmp_path / "pkg").code == 0
     a, b = models.locate(imported).weights(), models.locate(tmp_path / "pkg").weights()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_imported_model_serves_as_it_translates(imported, tmp_path, nmt, multi30k_dir):
+    """`nmt serve` of the package and of its CTranslate2 export answers what the Python API gives."""
+    from test_serve import Server
+
+    sources = lines(multi30k_dir, "val", "en", 12)
+    ct2 = tmp_path / "ct2"
+    assert nmt("export", ct2, "--model", imported, "--format", "ctranslate2").code == 0
+    for model in (imported, ct2):
+        expected = Translator.load(model, beam=2, max_len=12).translate(sources)
+        server = Server(model)
+        try:
+            status, body, _ = server.post({"text": sources, "beam": 2, "max_len": 12})
+            assert status == 200 and body["translations"] == expected
+        finally:
+            server.stop()
