@@ -6,6 +6,7 @@ its CTranslate2 export and transformers' `generate`, each a process of its own e
 load, translate), in alternated rounds.
 
     python benchmarks/huggingface.py [--lines 200] [--beam 4] [--max-len 32] [--rounds 3]
+    python benchmarks/huggingface.py --fine-tune 20     # the import fine-tuned three ways instead
 
 Random weights run every translation to the length limit (--max-len tokens, EOS included, for
 every engine): the figures are of that much decoding. transformers gets the lines sorted by
@@ -18,6 +19,7 @@ import argparse
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,6 +78,55 @@ def measured(
     return time.perf_counter() - start, usage.ru_maxrss / 1024
 
 
+def fine_tune(args, work: Path, multi30k: Path, report) -> None:
+    """The base-shaped import fine-tuned three ways on Multi30k, each a run of its own."""
+    base = work / "run"
+    measured([*NMT, "prep", "multi30k-en-de", "--run-dir", str(base), "--mirror", str(multi30k)])
+    measured([*NMT, "bpe", "--from", str(work / "package"), "--run-dir", str(base)])
+    ways = {
+        "all weights": [],
+        "--freeze embeddings": ["--freeze", "embeddings"],
+        "--adapters 8": ["--adapters", "8"],
+    }
+    for name, extra in ways.items():
+        run = work / name.replace(" ", "_").replace("-", "")
+        shutil.copytree(base, run)
+        steps = str(args.fine_tune)
+        seconds, mb = measured(
+            [
+                *NMT,
+                "train",
+                "--run-dir",
+                str(run),
+                "--init-from",
+                str(work / "package"),
+                "--max-steps",
+                steps,
+                "--save-every",
+                steps,
+                "--eval-every",
+                steps,
+                "--max-tokens",
+                "2048",
+                "--threads",
+                str(args.threads),
+                *extra,
+            ]
+        )
+        saved = sorted((run / "checkpoints").glob("checkpoint_*.pt"))[-1]
+        nll = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        report(
+            {
+                "part": f"fine-tune, {name}",
+                "updates": args.fine_tune,
+                "seconds": round(seconds, 1),
+                "checkpoint_mb": round(saved.stat().st_size / 2**20, 1),
+                "peak_mb": round(mb),
+                "valid_nll": next(r["valid_nll"] for r in reversed(nll) if "valid_nll" in r),
+            }
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,6 +137,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=58101)
+    parser.add_argument(
+        "--fine-tune",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="Also fine-tune the import on Multi30k for STEPS updates: all weights, --freeze "
+        "embeddings, --adapters 8 (seconds per update, checkpoint size, peak memory); no translating.",
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-hf-bench-"))
     folder = work / "opus-mt-en-de"
@@ -116,6 +175,9 @@ def main() -> None:
         [*NMT, "export", str(work / "ct2"), "--model", str(work / "package"), "--format", "ctranslate2"]
     )
     report({"part": "nmt export --format ctranslate2", "seconds": round(seconds, 2), "peak_mb": round(mb)})
+    if args.fine_tune:
+        fine_tune(args, work, multi30k, report)
+        return
     source = work / "source.en"
     with gzip.open(multi30k / "val.en.gz", "rt", encoding="utf-8") as f:
         source.write_text("".join(f.readlines()[: args.lines]))

@@ -296,6 +296,7 @@ def read_marian(folder: Path) -> Marian:
     eos, start = c["eos_token_id"], c["decoder_start_token_id"]
     if type(eos) is not int or type(start) is not int:
         raise NmtError(f"{folder}/config.json: eos_token_id and decoder_start_token_id must be ids")
+
     def pad_row(vocab: dict[str, int]) -> int:
         """PAD's own row where it has one: Marian's <pad> is its decoder's start (BOS here),
         and PAD a zero row; an nmt export's <pad> is PAD."""
@@ -394,31 +395,9 @@ def _as_nmt(c: ModelConfig, w: dict, source: Side, target: Side, separate: bool)
             out[f"{side}_norm.weight"] = w[f"{side}.layer_norm.weight"]
             out[f"{side}_norm.bias"] = w[f"{side}.layer_norm.bias"]
 
-    def linear(dst: str, *srcs: str) -> None:
-        out[f"{dst}.weight"] = torch.cat([w[f"{s}.weight"] for s in srcs])
-        out[f"{dst}.bias"] = torch.cat([w[f"{s}.bias"] for s in srcs])
-
-    def attention(dst: str, src: str) -> None:
-        linear(f"{dst}.q", f"{src}.q_proj")
-        linear(f"{dst}.kv", f"{src}.k_proj", f"{src}.v_proj")
-        linear(f"{dst}.out", f"{src}.out_proj")
-
-    for i in range(c.num_encoder_layers):
-        p, m = f"encoder.{i}", f"encoder.layers.{i}"
-        attention(f"{p}.self_attn", f"{m}.self_attn")
-        linear(f"{p}.res1.norm", f"{m}.self_attn_layer_norm")
-        linear(f"{p}.ffn.inner", f"{m}.fc1")
-        linear(f"{p}.ffn.outer", f"{m}.fc2")
-        linear(f"{p}.res2.norm", f"{m}.final_layer_norm")
-    for i in range(c.num_decoder_layers):
-        p, m = f"decoder.{i}", f"decoder.layers.{i}"
-        attention(f"{p}.self_attn", f"{m}.self_attn")
-        linear(f"{p}.res1.norm", f"{m}.self_attn_layer_norm")
-        attention(f"{p}.cross_attn", f"{m}.encoder_attn")
-        linear(f"{p}.res2.norm", f"{m}.encoder_attn_layer_norm")
-        linear(f"{p}.ffn.inner", f"{m}.fc1")
-        linear(f"{p}.ffn.outer", f"{m}.fc2")
-        linear(f"{p}.res3.norm", f"{m}.final_layer_norm")
+    for mine, theirs in layer_names(c):  # K and V side by side in nmt's one projection
+        for part in ("weight", "bias"):
+            out[f"{mine}.{part}"] = torch.cat([w[f"{name}.{part}"] for name in theirs])
     return out
 
 
@@ -572,37 +551,37 @@ def _common(c: ModelConfig) -> dict:
     }
 
 
+def layer_names(c: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """Each of nmt's layer tensors (without .weight/.bias) with transformers' names of it, the
+    same in Marian and M2M100 (without their `model.` prefix): the one place they are paired."""
+    pairs: list[tuple[str, tuple[str, ...]]] = []
+
+    def attention(mine: str, theirs: str) -> None:
+        pairs.append((f"{mine}.q", (f"{theirs}.q_proj",)))
+        pairs.append((f"{mine}.kv", (f"{theirs}.k_proj", f"{theirs}.v_proj")))
+        pairs.append((f"{mine}.out", (f"{theirs}.out_proj",)))
+
+    for side, layers in (("encoder", c.num_encoder_layers), ("decoder", c.num_decoder_layers)):
+        for i in range(layers):
+            p, m = f"{side}.{i}", f"{side}.layers.{i}"
+            attention(f"{p}.self_attn", f"{m}.self_attn")
+            pairs.append((f"{p}.res1.norm", (f"{m}.self_attn_layer_norm",)))
+            if side == "decoder":
+                attention(f"{p}.cross_attn", f"{m}.encoder_attn")
+                pairs.append((f"{p}.res2.norm", (f"{m}.encoder_attn_layer_norm",)))
+            pairs.append((f"{p}.ffn.inner", (f"{m}.fc1",)))
+            pairs.append((f"{p}.ffn.outer", (f"{m}.fc2",)))
+            pairs.append((f"{p}.res{3 if side == 'decoder' else 2}.norm", (f"{m}.final_layer_norm",)))
+    return pairs
+
+
 def _layers(c: ModelConfig, w: dict) -> dict:
-    """nmt's layers under transformers' names (the same in Marian and M2M100)."""
+    """nmt's layers under transformers' names (K/V cut apart)."""
     out = {}
-
-    def linear(dst: str, src: str, parts: tuple[str, ...] = ("",)) -> None:
-        for name, chunk in zip(parts, w[f"{src}.weight"].chunk(len(parts))):
-            out[f"{dst}{name}.weight"] = chunk.contiguous()
-        for name, chunk in zip(parts, w[f"{src}.bias"].chunk(len(parts))):
-            out[f"{dst}{name}.bias"] = chunk.contiguous()
-
-    def attention(dst: str, src: str) -> None:
-        linear(f"{dst}.q_proj", f"{src}.q")
-        linear(dst, f"{src}.kv", (".k_proj", ".v_proj"))
-        linear(f"{dst}.out_proj", f"{src}.out")
-
-    for i in range(c.num_encoder_layers):
-        p, m = f"encoder.{i}", f"model.encoder.layers.{i}"
-        attention(f"{m}.self_attn", f"{p}.self_attn")
-        linear(f"{m}.self_attn_layer_norm", f"{p}.res1.norm")
-        linear(f"{m}.fc1", f"{p}.ffn.inner")
-        linear(f"{m}.fc2", f"{p}.ffn.outer")
-        linear(f"{m}.final_layer_norm", f"{p}.res2.norm")
-    for i in range(c.num_decoder_layers):
-        p, m = f"decoder.{i}", f"model.decoder.layers.{i}"
-        attention(f"{m}.self_attn", f"{p}.self_attn")
-        linear(f"{m}.self_attn_layer_norm", f"{p}.res1.norm")
-        attention(f"{m}.encoder_attn", f"{p}.cross_attn")
-        linear(f"{m}.encoder_attn_layer_norm", f"{p}.res2.norm")
-        linear(f"{m}.fc1", f"{p}.ffn.inner")
-        linear(f"{m}.fc2", f"{p}.ffn.outer")
-        linear(f"{m}.final_layer_norm", f"{p}.res3.norm")
+    for mine, theirs in layer_names(c):
+        for part in ("weight", "bias"):
+            for name, chunk in zip(theirs, w[f"{mine}.{part}"].chunk(len(theirs))):
+                out[f"model.{name}.{part}"] = chunk.contiguous()
     return out
 
 
