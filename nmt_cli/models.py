@@ -196,9 +196,9 @@ def with_adapters(meta: dict, held: dict[str, torch.Tensor], path: Path) -> dict
     from nmt_cli.engine import adapters
 
     said = meta["adapters"]
-    where = Path(str(said.get("base", "")))
     if not isinstance(said, dict) or not all(adapters.is_adapter(k) for k in held):
         raise NmtError(f"{path} is damaged: its record says adapters, and it holds other tensors")
+    where = Path(str(said.get("base", "")))
     try:
         base = locate(where)
     except NmtError as e:

@@ -95,8 +95,9 @@ def test_import_computes_what_transformers_computes(marian, imported, multi30k_d
 def test_imported_searches_as_generate_does(marian, imported, multi30k_dir):
     """Greedy: token for token generate(num_beams=1). Beam 4 without length normalisation
     (alpha 0, length_penalty 0): where the outputs differ, nmt's is at least as likely (by the
-    model the first test found equal to transformers')."""
-    src = lines(multi30k_dir, "val", "en", 100)
+    model the first test found equal to transformers'). transformers searches line by line here
+    (its beam over a padded batch is its own question): 50 lines."""
+    src = lines(multi30k_dir, "val", "en", 50)
     hf = hf_model(marian)
     tr = Translator.load(imported)
     found = models.locate(imported)

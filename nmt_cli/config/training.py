@@ -303,8 +303,9 @@ class TrainConfig:
             raise NmtError("--adapters is a rank: 0 (off) or more")
         if self.adapters and not self.init_from:
             raise NmtError("--adapters adapt a trained model: give it with --init-from")
-        if self.adapters and (self.ema or self.fused_qkv):
-            raise NmtError(f"--adapters cannot be combined with --{'ema' if self.ema else 'fused-qkv'}")
+        for name in ("ema", "fused_qkv", "init_optimizer"):
+            if self.adapters and getattr(self, name):
+                raise NmtError(f"--adapters cannot be combined with --{name.replace('_', '-')}")
         if self.best_metric not in ("nll", "bleu"):
             raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
         if self.best_metric == "bleu" and not self.eval_bleu:

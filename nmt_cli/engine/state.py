@@ -105,8 +105,9 @@ class Initial:
 
     def load_into(self, model: torch.nn.Module, config: ModelConfig) -> None:
         """The weights into `model`; its adapters (--adapters), which they lack, stay its own."""
-        own = {k: v for k, v in model.state_dict().items() if k.endswith((".lora_a", ".lora_b"))}
-        model.load_state_dict({**own, **self.weights_for(config)})
+        from nmt_cli.engine import adapters
+
+        model.load_state_dict({**adapters.own(model.state_dict()), **self.weights_for(config)})
 
     def start(self, model: torch.nn.Module, config: ModelConfig, optimizer, state: State) -> str:
         """Load the weights into a new run's `model` (and what --init-optimizer and
