@@ -62,3 +62,34 @@ def test_every_model_setting_takes_its_bounds_and_nothing_beyond(name):
     for value in (lo - 1, hi + 1, float(hi), True, "8"):
         with pytest.raises(NmtError, match=f"model setting {name} must be an integer from {lo} to {hi}"):
             ModelConfig(**{"vocab_size": 100, **fits, name: value})
+
+
+def test_the_settings_of_models_made_elsewhere_take_their_values_and_nothing_beyond():
+    ModelConfig(vocab_size=100, activation="swish", norm_eps=1e-5, positions="marian", output_bias=True)
+    for setting, said in (
+        (dict(activation="tanh"), "activation"),
+        (dict(positions="learned"), "positions"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(norm_eps="1e-5"), "norm_eps"),
+        (dict(output_bias=1), "output_bias"),
+        (dict(scale_embedding="yes"), "scale_embedding"),
+    ):
+        with pytest.raises(NmtError, match=f"model setting {said}"):
+            ModelConfig(vocab_size=100, **setting)
+
+
+def test_freeze_and_adapters_take_what_they_can_and_refuse_the_rest():
+    from nmt_cli.config import TrainConfig
+
+    TrainConfig(freeze="embeddings,encoder,decoder.3", adapters=8, init_from="x")
+    for settings, said in (
+        (dict(freeze="embedding"), "--freeze 'embedding' names no part"),
+        (dict(freeze="encoder.x"), "names no part"),
+        (dict(adapters=-1, init_from="x"), "--adapters is a rank"),
+        (dict(adapters=8), "give it with --init-from"),
+        (dict(adapters=8, init_from="x", ema=0.999), "--ema"),
+        (dict(adapters=8, init_from="x", init_optimizer=True), "--init-optimizer"),
+        (dict(adapters=8, init_from="x", fused_qkv=True), "--fused-qkv"),
+    ):
+        with pytest.raises(NmtError, match=said):
+            TrainConfig(**settings)
