@@ -15,15 +15,16 @@ embedding rows and output biases by piece:
 - the target's model also holds every piece of the vocabulary that its sentencepiece model lacks,
   as an unused piece (never cut from text), so that the output scores cover Marian's whole
   vocabulary and the log-probabilities are Marian's;
-- a target piece the vocabulary lacks is unused too, and its row scores ABSENT less than any
-  other (it is not in Marian's softmax), as does PAD's;
+- a target piece the vocabulary lacks is unused too, and its output bias is ABSENT (it is not in
+  Marian's softmax), as is PAD's;
 - BOS is Marian's PAD row (the decoder's start); the search never emits it, as `generate` never
   emits PAD.
 
 The export is the other way, with nmt's own ids written into `vocab.json`. transformers' Marian
 is post-norm with Marian's sinusoids; a pre-norm model with tensor2tensor's sinusoids is M2M100,
 whose positions start after its padding id: PAD -1 there starts them at 0, as nmt's do.
-LayerNorm's epsilon is 1e-5 in both architectures (nmt's own models: 1e-6).
+LayerNorm's epsilon is 1e-5 in both architectures (nmt's own models: 1e-6; the export records the
+model's own, which the import reads back). Of M2M100 folders the import reads only those.
 """
 
 from __future__ import annotations
@@ -471,7 +472,6 @@ def export_huggingface(model: Model, out: Path) -> None:
             "M2M100, the Hugging Face architecture of pre-norm models, has one vocabulary for both "
             "sides: this model's are separate"
         )
-    require_protobuf()
     weights = {k: v.float().contiguous() for k, v in model.weights().items()}
     with export.staged(out) as staging:
         write_tokenizer(model, staging)
