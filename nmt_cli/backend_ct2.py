@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
-from nmt_cli.ct2_spec import pieces, require_ctranslate2, save
+from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.engine.hypothesis import Hypothesis, Source, coverage_penalty, length_penalty
 from nmt_cli.engine.hypothesis import limits as output_limits
 from nmt_cli.errors import NmtError, Stopped
 from nmt_cli.models import Model
-from nmt_cli.vocab import EOS
+from nmt_cli.vocab import EOS, pieces
 
 # nmt's --precision as CTranslate2's compute type
 COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

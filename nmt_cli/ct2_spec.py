@@ -16,6 +16,7 @@ import numpy as np
 from nmt_cli import floors
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
+from nmt_cli.vocab import pieces
 
 
 def require_ctranslate2():
@@ -27,14 +28,6 @@ def require_ctranslate2():
         ) from None
     floors.check("ctranslate2", ctranslate2.__version__, floors.CTRANSLATE2, "ct2")
     return ctranslate2
-
-
-def pieces(spm_model: Path) -> list[str]:
-    """A vocabulary as CTranslate2 takes it: the sentencepiece model's pieces, in id order."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
 
 
 def save(model: Model, folder: Path, quantization: str = "float32") -> None:

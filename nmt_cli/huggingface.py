@@ -30,10 +30,8 @@ model's own, which the import reads back). Of M2M100 folders the import reads on
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +41,14 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import (
     atomic_write_json,
     check_regular,
+    copy_regular,
     new_file_mode,
     read_json,
     read_regular,
     sha256_file,
 )
 from nmt_cli.models import MAX_SPM_BYTES, Model
-from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies
+from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies, pieces
 
 ABSENT = -100.0  # the output bias of a row outside the model's softmax: exp(-100) is nothing
 MAX_WEIGHTS_BYTES = 64 << 30
@@ -184,6 +183,7 @@ class Marian:
     source: bytes  # the sentencepiece models, with nmt's ids
     target: bytes
     files: dict[str, str]  # the folder's files read, with their sha256
+    tokenizer: dict  # its tokenizer_config.json (empty where it has none)
 
 
 def _folder_config(folder: Path) -> dict:
@@ -279,11 +279,11 @@ def read_marian(folder: Path) -> Marian:
         return data
 
     def vocabulary(name: str) -> dict[str, int]:
-        try:
-            vocab = json.loads(read(name, 64 << 20))
-        except ValueError as e:  # not JSON, or not UTF-8
-            raise NmtError(f"{folder}/{name} is damaged ({type(e).__name__})") from None
-        if not isinstance(vocab, dict) or not all(type(v) is int and v >= 0 for v in vocab.values()):
+        if not (folder / name).is_file():
+            raise NmtError(f"{folder} is not a complete Marian model: it has no {name}")
+        vocab = read_json(folder / name, 64 << 20)
+        files[name] = sha256_file(folder / name)
+        if not all(type(v) is int and v >= 0 for v in vocab.values()):
             raise NmtError(f"{folder}/{name} is not a vocabulary (a JSON object of piece: id)")
         if "<unk>" not in vocab:
             raise NmtError(f"{folder}/{name} has no <unk>")
@@ -359,7 +359,7 @@ def read_marian(folder: Path) -> Marian:
 
     held = {k: tuple(v.shape) for k, v in weights.items()}
     same_shapes(config, held, folder / "config.json", weights_path.name)
-    return Marian(config, weights, source.model, target.model, files)
+    return Marian(config, weights, source.model, target.model, files, tokenizer)
 
 
 def _as_nmt(c: ModelConfig, w: dict, source: Side, target: Side, separate: bool) -> dict:
@@ -402,11 +402,9 @@ def _as_nmt(c: ModelConfig, w: dict, source: Side, target: Side, separate: bool)
     return out
 
 
-def languages(folder: Path, src: str | None, tgt: str | None) -> tuple[str, str]:
-    """The pair a Marian folder translates: given, else its tokenizer_config's, else its name's
-    (opus-mt-en-de)."""
-    path = folder / "tokenizer_config.json"
-    said = read_json(path, 1 << 20) if path.is_file() else {}
+def languages(folder: Path, said: dict, src: str | None, tgt: str | None) -> tuple[str, str]:
+    """The pair a Marian folder translates: given, else its tokenizer_config's (`said`), else
+    its name's (opus-mt-en-de)."""
     named = re.search(r"([a-z]{2,3})-([a-z]{2,3})$", Path(folder).resolve().name)
     src = src or said.get("source_lang") or (named.group(1) if named else None)
     tgt = tgt or said.get("target_lang") or (named.group(2) if named else None)
@@ -424,7 +422,7 @@ def import_marian(folder: Path, out: Path, src: str | None = None, tgt: str | No
     if not folder.is_dir():
         raise NmtError(f"{folder} not found: give the folder of a downloaded Hugging Face model")
     marian = read_marian(folder)
-    src, tgt = languages(folder, src, tgt)
+    src, tgt = languages(folder, marian.tokenizer, src, tgt)
     with tempfile.TemporaryDirectory() as tmp:
         vocabs = Vocabularies.in_folder(Path(tmp), joint=not marian.config.src_vocab_size)
         vocabs.source.write_bytes(marian.source)
@@ -490,26 +488,19 @@ def export_huggingface(model: Model, out: Path) -> None:
         )
 
 
-def _pieces(path: Path) -> list[str]:
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(path))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-
-
 def write_tokenizer(model: Model, folder: Path) -> None:
     """MarianTokenizer's files with nmt's ids: the sentencepiece models cut the text, vocab.json
     (and target_vocab.json) number the pieces as nmt's model does."""
     vocabs = model.vocabs
-    shutil.copyfile(vocabs.source, folder / "source.spm")
-    shutil.copyfile(vocabs.target, folder / "target.spm")
-    source = {p: i for i, p in enumerate(_pieces(vocabs.source))}
+    copy_regular(vocabs.source, folder / "source.spm", MAX_SPM_BYTES)
+    copy_regular(vocabs.target, folder / "target.spm", MAX_SPM_BYTES)
+    source = {p: i for i, p in enumerate(pieces(vocabs.source))}
     # a language tag `nmt import` made one piece with its word boundary: MarianTokenizer looks
     # it up bare, as it takes it from the start of a line
     source.update({p[1:]: i for p, i in source.items() if re.fullmatch(r"\u2581>>[^<>\s]+<<", p)})
     atomic_write_json(folder / "vocab.json", source)
     if not vocabs.joint:
-        atomic_write_json(folder / "target_vocab.json", {p: i for i, p in enumerate(_pieces(vocabs.target))})
+        atomic_write_json(folder / "target_vocab.json", {p: i for i, p in enumerate(pieces(vocabs.target))})
     atomic_write_json(
         folder / "tokenizer_config.json",
         {

@@ -9,6 +9,15 @@ from pathlib import Path
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
+def pieces(spm_model: Path) -> list[str]:
+    """A sentencepiece model's pieces in id order: the vocabulary as CTranslate2 and
+    transformers' tokenizers take it."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
 @dataclass(frozen=True)
 class Vocabularies:
     """A model's sentencepiece models: one joint model for both sides (`nmt bpe`), or the

@@ -67,11 +67,10 @@ class ModelConfig:
 
 ACTIVATIONS = ("relu", "swish", "gelu")
 POSITIONS = ("tensor2tensor", "marian")
-# The settings models made elsewhere set (`nmt import`), with nmt's own values: a package whose
-# model keeps them all is written without them, readable by an nmt from before they existed.
-FOREIGN_DEFAULTS = dict(
-    activation="relu", norm_eps=1e-6, positions="tensor2tensor", output_bias=False, scale_embedding=True
-)
+# The settings models made elsewhere set (`nmt import`), with nmt's own values (their defaults):
+# a package whose model keeps them all is written without them, readable by an nmt from before.
+FOREIGN = ("activation", "norm_eps", "positions", "output_bias", "scale_embedding")
+FOREIGN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in FOREIGN}
 
 # What a model may declare: past the largest models in use, short of what one file could make its
 # reader allocate or build for hours.

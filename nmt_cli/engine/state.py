@@ -109,10 +109,13 @@ class Initial:
 
         model.load_state_dict({**adapters.own(model.state_dict()), **self.weights_for(config)})
 
-    def start(self, model: torch.nn.Module, config: ModelConfig, optimizer, state: State) -> str:
-        """Load the weights into a new run's `model` (and what --init-optimizer and
-        --init-schedule keep into `optimizer` and `state`); says what it did."""
-        self.load_into(model, config)
+    def start(
+        self, model: torch.nn.Module, config: ModelConfig, optimizer, state: State, loaded: bool = False
+    ) -> str:
+        """Load the weights into a new run's `model` (unless `loaded` there already) and what
+        --init-optimizer and --init-schedule keep into `optimizer` and `state`; says what it did."""
+        if not loaded:
+            self.load_into(model, config)
         if self.optimizer is not None:
             optimizer.load_state_dict(self.optimizer)
         state.step = self.step

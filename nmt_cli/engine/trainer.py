@@ -124,13 +124,15 @@ class Trainer:
 
     def resume(self) -> None:
         """Go on from the newest checkpoint, else start from --init-from, if given."""
-        if self.config.adapters and self.init is not None:  # the adapted model, then its adapters
+        adapting = bool(self.config.adapters) and self.init is not None
+        if adapting and self.init is not None:  # the adapted model, then its adapters
             self.init.load_into(self.model, self.model_config)
         state = self.checkpoints.resume(self.parts)
         if state is not None:
             self.state, self.saved_at = state, state.step
         elif self.init is not None:  # a fresh optimizer and schedule, unless asked to keep them
-            self.reporter.say(self.init.start(self.model, self.model_config, self.optimizer, self.state))
+            said = self.init.start(self.model, self.model_config, self.optimizer, self.state, loaded=adapting)
+            self.reporter.say(said)
             saving.set_optimizer_options(self.optimizer, self.config)
 
     # -- metrics
