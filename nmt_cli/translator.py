@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from nmt_cli import mbr
 from nmt_cli.backend import Backend, engine_of
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
@@ -225,6 +226,10 @@ class Translator:
         if any(o.shared() != options.shared() for o in each):
             raise ValueError("the lines of one call may differ in seed and alpha only")
         self.check_tag(options.tag)
+        if options.epsilon and self.engine == "ctranslate2":
+            raise NmtError("CTranslate2 has no --epsilon sampling: use --topp, or nmt's engine")
+        if options.mbr:
+            return self.mbr(lines, each, keys, prefixes, constraints, gone)
         if constraints is not None and any(constraints):
             self.check_constraints(options)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
@@ -258,6 +263,31 @@ class Translator:
                 out[i] = h
         if options.alignments:
             self.align(ids, out, options.tag)
+        return out
+
+    def mbr(
+        self,
+        lines: list[str],
+        each: list[DecodeOptions],
+        keys: list[int] | None,
+        prefixes: list[str] | None,
+        constraints: list[list[str]] | None,
+        gone: Callable[[], list[bool]] | None,
+    ) -> list[list[Hypothesis]]:
+        """hypotheses() under --mbr: each line's candidates searched as DecodeOptions.for_candidates
+        asks, told apart by their text, ranked by their expected utility (mbr.ranked, a drawn
+        text weighing as often as it was drawn), the `nbest` best (the last repeated where fewer
+        differ), each scored with its expected utility."""
+        options = each[0]
+        found = self.hypotheses(lines, [o.for_candidates() for o in each], keys, prefixes, constraints, gone)
+        out = []
+        for hyps, texts in zip(found, self.texts(found)):
+            first, times = mbr.deduplicated(texts)
+            best = mbr.ranked([texts[i] for i in first], options.mbr, times)[: options.nbest]
+            chosen = [dataclasses.replace(hyps[first[k]], score=u) for k, u in best]
+            out.append(chosen + chosen[-1:] * (options.nbest - len(chosen)))
+        if options.alignments:
+            self.align(self.encode(lines, options.tag), out, options.tag)
         return out
 
     def check_constraints(self, options: DecodeOptions) -> None:

@@ -30,7 +30,14 @@ RANGES: dict[str, tuple[float, float]] = {
     "topk": (0, 100_000),
     "temperature": (1e-6, 100.0),
     "seed": (0, 2**32 - 1),
+    "candidates": (0, 1000),
+    "epsilon": (0.0, 0.5),
 }
+
+# What --mbr compares candidates with: sacreBLEU's sentence-level chrF or BLEU (mbr.py).
+MBR_METRICS = ("chrf", "bleu")
+# --mbr's candidates when --candidates is 0: chosen on Multi30k validation (docs/benchmarks.md).
+MBR_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
@@ -82,8 +89,27 @@ class DecodeOptions:
     temperature: float = knob(
         1.0, "With --sample: divide the log-probabilities by T (below 1: nearer greedy)."
     )
+    epsilon: float = knob(
+        0.0,
+        "With --sample: never draw a token whose probability is below E (epsilon sampling, "
+        "Hewitt et al. 2022; the likeliest token stays; 0: off).",
+    )
     seed: int = knob(
         1, "With --sample: the same seed draws the same translations, however lines are batched."
+    )
+    # Minimum-Bayes-risk decoding (Freitag et al. 2022): the candidate that agrees most with the
+    # others, rather than the likeliest.
+    mbr: str = knob(
+        "",
+        "Minimum-Bayes-risk decoding with this utility, chrf or bleu (sacreBLEU's sentence "
+        "scores): of each line's candidates (--candidates: the beam's n-best, or --sample's "
+        "draws), the one whose mean score against them all is highest; --scores gives that mean "
+        "(off: the search's best).",
+    )
+    candidates: int = knob(
+        0,
+        f"With --mbr: candidates per line, the n-best of a beam at least this wide or, with "
+        f"--sample, this many draws; the same ones counted once (0: {MBR_CANDIDATES}).",
     )
     alignments: bool = knob(
         False,
@@ -97,7 +123,27 @@ class DecodeOptions:
     @property
     def rows(self) -> int:
         """Hypotheses a sentence keeps alive at once: the work it asks for."""
+        if self.mbr:
+            return self.for_candidates().rows
         return self.nbest if self.sample else self.beam
+
+    @property
+    def pool(self) -> int:
+        """--mbr's candidates per line."""
+        return self.candidates or MBR_CANDIDATES
+
+    def for_candidates(self) -> DecodeOptions:
+        """The search that gives --mbr its candidates: `pool` draws, or the `pool`-best of a
+        beam at least that wide; their own scores, no alignments (the chosen one's come after)."""
+        return dataclasses.replace(
+            self,
+            mbr="",
+            candidates=0,
+            nbest=self.pool,
+            beam=self.beam if self.sample else max(self.beam, self.pool),
+            scores=False,
+            alignments=False,
+        )
 
     def shared(self) -> DecodeOptions:
         """What the sentences of one decoding batch must have alike: all but the seed and alpha,
@@ -112,12 +158,18 @@ class DecodeOptions:
                 raise NmtError(f"--{flag} must be from {shown(lo)} to {shown(hi)}, not {shown(value)}")
         if not 0 < self.topp <= 1:
             raise NmtError(f"--topp must be in (0, 1], not {self.topp!r}")
-        if self.nbest > self.beam and not self.sample:
+        if self.mbr not in ("", *MBR_METRICS):
+            raise NmtError(f"unknown --mbr {self.mbr!r}: choose one of {', '.join(MBR_METRICS)}")
+        if self.candidates and not self.mbr:
+            raise NmtError("--candidates are --mbr's: add --mbr chrf (or bleu)")
+        if self.mbr and self.nbest > self.pool:
+            raise NmtError(f"--nbest {self.nbest} exceeds --candidates {self.pool}: raise --candidates")
+        if self.nbest > self.beam and not self.sample and not self.mbr:
             raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
         if self.sample and self.coverage_penalty:
             raise NmtError("--coverage-penalty ranks a search's translations: drop it with --sample")
-        if not self.sample and (self.topk, self.topp, self.temperature) != (0, 1.0, 1.0):
-            raise NmtError("--topk, --topp and --temperature shape --sample's draws: add --sample")
+        if not self.sample and (self.topk, self.topp, self.temperature, self.epsilon) != (0, 1.0, 1.0, 0.0):
+            raise NmtError("--topk, --topp, --temperature and --epsilon shape --sample's draws: add --sample")
         if self.tag and self.tag.split() != [self.tag]:
             raise NmtError(
                 f"--tag {self.tag!r} must be one token without spaces, as `nmt prep --tag` took it"
@@ -227,7 +279,9 @@ class ServeConfig:
         "Output tokens per sentence at most, whatever a request asks: a request's max_len defaults "
         "to it; a max_len, min_len or max_len_b above it gets 400 (0: the model's limit).",
     )
-    max_beam: int = knob(16, "Beam (or n-best when sampling) of a request at most; beyond, 400.")
+    max_beam: int = knob(
+        16, "Beam (or n-best when sampling, or --mbr's candidates) of a request at most; beyond, 400."
+    )
     max_memory: int = knob(
         1024,
         "MiB that the searches being decoded may hold (their caches and alignments, as estimated "

@@ -50,7 +50,7 @@ def sample(
     uniforms = uniforms.to(device)
 
     def drawn(lprobs: Tensor, rows: Tensor, t: int) -> Tensor:
-        return draw(lprobs, uniforms[rows, t], o.topk, o.topp, o.temperature)
+        return draw(lprobs, uniforms[rows, t], o.topk, o.topp, o.temperature, o.epsilon)
 
     return _row_by_row(step, reorder, rules, drawn, device)
 
@@ -101,12 +101,18 @@ def _row_by_row(
     return out
 
 
-def draw(lprobs: Tensor, uniform: Tensor, topk: int, topp: float, temperature: float) -> Tensor:
+def draw(
+    lprobs: Tensor, uniform: Tensor, topk: int, topp: float, temperature: float, epsilon: float = 0.0
+) -> Tensor:
     """One token per row of `lprobs` (R, V): the inverse of the cumulative distribution, at
-    `uniform` (R,), of the log-probabilities divided by `temperature`, cut to the `topk` most
-    likely tokens (0: all) and then to the fewest most likely whose probabilities reach `topp`.
-    Any fixed order of the tokens draws alike: they are sorted only where a cut needs it."""
+    `uniform` (R,), of the log-probabilities divided by `temperature`, without the tokens whose
+    probability is below `epsilon` (but the likeliest), cut to the `topk` most likely tokens (0:
+    all) and then to the fewest most likely whose probabilities reach `topp`. Any fixed order of
+    the tokens draws alike: they are sorted only where a cut needs it."""
     probs = F.softmax(lprobs / temperature, dim=-1)
+    if epsilon:
+        likeliest = probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill((probs < epsilon) & (probs < likeliest), 0.0)
     order = None
     if topk:
         probs, order = probs.topk(min(topk, probs.shape[1]), dim=-1)

@@ -52,6 +52,8 @@ def parse(
             '"constraints" are met by nmt\'s beam search: '
             + ('drop "sample"' if engine == "nmt" else f"this server decodes with {engine}")
         )
+    if options.epsilon and engine != "nmt":
+        raise ValueError(f"\"epsilon\" sampling is nmt's engine's: this server decodes with {engine}")
     # what a request may cost, bounded by the operator: a min_len or max_len_b past the output
     # cap would keep every row decoding to the model's limit for nothing
     cap = min(config.max_output_len or ceiling, ceiling)
@@ -62,8 +64,7 @@ def parse(
         options = dataclasses.replace(options, max_len=options.max_len or config.max_output_len)
     if options.rows > config.max_beam:
         raise ValueError(
-            f'"{"nbest" if options.sample else "beam"}" must be at most {config.max_beam} on this server '
-            "(--max-beam)"
+            f'"{_widest(options)}" must be at most {config.max_beam} on this server (--max-beam)'
         )
     if len(text) * options.rows > config.max_hypotheses:
         raise OverflowError(
@@ -170,3 +171,10 @@ def _json_types(annotation: str) -> tuple[type, ...]:
 
 def _described(annotation: str) -> str:
     return " or ".join(JSON_TYPES[name][1] for name in annotation.split(" | "))
+
+
+def _widest(options: DecodeOptions) -> str:
+    """The field of `options` that sets its rows (DecodeOptions.rows), as a request spells it."""
+    if options.mbr and (options.sample or options.pool >= options.beam):
+        return "candidates"
+    return "nbest" if options.sample else "beam"

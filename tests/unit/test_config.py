@@ -45,7 +45,9 @@ def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
 @pytest.mark.parametrize("name", sorted(RANGES))
 def test_every_decoding_option_takes_its_range_and_nothing_beyond(name):
     lo, hi = RANGES[name]
-    sampling = {"sample": True} if name in ("topk", "temperature", "seed", "nbest") else {}
+    sampling = {"sample": True} if name in ("topk", "temperature", "seed", "nbest", "epsilon") else {}
+    if name == "candidates":
+        sampling = {"mbr": "chrf"}
     for value in (lo, hi):
         assert getattr(DecodeOptions(**{name: value, **sampling}), name) == value
     for value in (lo - 1 if lo >= 1 else -1e-9, hi + 1, float("nan"), float("inf"), -float("inf")):

@@ -36,7 +36,10 @@ CHANGED = {
     "topk": (5, {"sample": True}),
     "topp": (0.8, {"sample": True}),
     "temperature": (0.7, {"sample": True}),
+    "epsilon": (0.02, {"sample": True}),
     "seed": (9, {}),
+    "mbr": ("bleu", {}),
+    "candidates": (8, {"mbr": "chrf"}),
     "alignments": (True, {}),
     "tag": ("<bt>", {}),
 }
