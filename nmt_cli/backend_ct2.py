@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from nmt_cli import shortlist
 from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
 from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.engine.hypothesis import Hypothesis, Source, coverage_penalty, length_penalty
@@ -40,6 +41,9 @@ class Backend:
         else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
             compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind, decoding=True)]
         threads = config.threads or cpus()
+        self.shortlist = config.shortlist
+        if config.shortlist and model.shortlist is None:
+            shortlist.of(model)  # its error line
         self._tmp = None
         where = model.ct2_dir
         if where is None:  # convert on the fly, in float32; compute_type quantises on load
@@ -118,6 +122,7 @@ class Backend:
                 return_scores=True,
                 return_end_token=True,
                 asynchronous=True,
+                use_vmap=self.shortlist,
                 **_search_settings(options, len(self.pieces)),
                 **_rules(options, limit),
             )

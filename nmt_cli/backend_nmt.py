@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from nmt_cli import shortlist
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
 from nmt_cli.engine import decoding, forced
 from nmt_cli.engine.batches import pad_sources
@@ -46,6 +47,9 @@ class Backend:
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
         self.graphs = None if config.cuda_graphs else False  # None: decoding's default
+        self.shortlist = shortlist.of(model) if config.shortlist else None
+        if self.shortlist is not None:  # its steps project onto a batch's own ids: not graphed
+            self.graphs = False
         self.slots = self.threads if self.device.type == "cpu" else 1  # batches searched at once
         # a server that steps `slots` searches at once: each on one thread, in its caller's
         self.one_thread = False
@@ -62,6 +66,12 @@ class Backend:
         def one(batch: list[Source], gone: Callable[[], list[bool]] | None) -> list[list[Hypothesis]]:
             src = self._sources([s.ids for s in batch])
             bound = any(s.prefix for s in batch), any(s.constraints for s in batch)
+            among = None
+            if self.shortlist is not None:
+                needed = [t for s in batch for t in s.prefix] + [
+                    t for s in batch for c in s.constraints for t in c
+                ]
+                among = torch.from_numpy(self.shortlist.among([s.ids for s in batch], needed)).to(self.device)
             return decoding.translate(
                 self.models,
                 src,
@@ -72,6 +82,7 @@ class Backend:
                 gone=gone,
                 alphas=[s.alpha for s in batch],
                 graphs=self.graphs,
+                among=among,
             )
 
         return self._each(one, batches, gone or [None] * len(batches))

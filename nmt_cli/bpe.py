@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmt_cli import ui
+from nmt_cli import shortlist, ui
 from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open
@@ -336,6 +336,8 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
                     sp, run.text(split, lang), run.tokens(split, lang), config.threads, bar, task
                 )
                 produced += [Path(f"{run.tokens(split, lang)}.bin"), Path(f"{run.tokens(split, lang)}.idx")]
+    (run.spm_folder / shortlist.NAME).unlink(missing_ok=True)  # of other pieces, if any
+    produced.append(shortlist.for_run(run))
     sizes = {"src_vocab_size": source.get_piece_size(), "vocab_size": target.get_piece_size()}
     run.record("bpe", produced, joint=vocabs.joint, **sizes, stats=stats)
     return {"joint": vocabs.joint, **sizes, "stats": stats}

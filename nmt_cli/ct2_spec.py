@@ -33,6 +33,8 @@ def require_ctranslate2():
 def save(model: Model, folder: Path, quantization: str = "float32") -> None:
     """`model` as CTranslate2's model files in `folder`."""
     spec = build_spec(model)
+    if model.shortlist is not None:  # its lexical shortlist, as CTranslate2's vmap.txt
+        spec.register_vocabulary_mapping(str(model.shortlist))
     spec.validate()
     spec.optimize(quantization=None if quantization == "float32" else quantization)
     spec.save(str(folder))

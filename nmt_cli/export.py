@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from nmt_cli import shortlist
 from nmt_cli.config.training import FOREIGN_DEFAULTS
 from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.errors import NmtError
@@ -76,6 +77,8 @@ def export_nmt(model: Model, out: Path) -> None:
             f"{model.where} is a CTranslate2 export: export from the run directory or an nmt package instead"
         )
     with writing(model, out) as staging:
+        if model.shortlist is not None:  # a CTranslate2 export carries it as its vmap.txt
+            copy_regular(model.shortlist, staging / shortlist.NAME, shortlist.MAX_BYTES)
         weights = {k: v.contiguous() for k, v in model.weights().items()}
         save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
         os.chmod(staging / WEIGHTS, new_file_mode())  # safetensors writes it 0600

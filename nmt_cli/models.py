@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nmt_cli import shortlist
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import check_regular, read_json, read_regular, sha256_file
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export neve
 
 SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.json"
 CT2_WEIGHTS = "model.bin"
+CT2_SHORTLIST = "vmap.txt"  # CTranslate2's name for its vocabulary map: shortlist.py's file
 MAX_SPM_BYTES = 64 << 20  # several times what a sentencepiece model of a million pieces holds
 NMT, CT2 = "nmt", "ctranslate2"
 # 2: a source embedding of its own; 3: the settings of a model made elsewhere (`nmt import`);
@@ -68,6 +70,7 @@ class Model:
     ct2_dir: Path | None = None
     provenance: dict = field(default_factory=dict)
     members: tuple[Model, ...] = ()  # an ensemble's models, decoded together (`ensemble`)
+    shortlist: Path | None = None  # its lexical shortlist (shortlist.py), if it has one
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Its weights as nmt's engine loads them; a CTranslate2 export has none to give."""
@@ -144,6 +147,7 @@ def ensemble(models: list[Model]) -> Model:
         load_weights=refuse,
         provenance={"ensemble": [{"model": str(m.where), "sha256": m.sha256} for m in models]},
         members=tuple(models),
+        shortlist=first.shortlist,  # one vocabulary: one shortlist
     )
 
 
@@ -187,6 +191,7 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
         sha256=meta["sha256"],
         load_weights=lambda: weights,
         provenance=_provenance(run, path, meta),
+        shortlist=_if_there(run.spm_folder / shortlist.NAME),
     )
 
 
@@ -267,7 +272,10 @@ def from_dir(path: Path) -> Model:
             raise NmtError(f"{spm} does not match the sha256 in {SETTINGS}: it is corrupt or was changed")
     if fmt == CT2:  # CTranslate2 reads its file itself: verified here, before it does
         _verified(weights_path, sha)
-        return Model(path, config, vocabs, src, tgt, sha, None, ct2_dir=path, provenance=provenance)
+        return Model(
+            path, config, vocabs, src, tgt, sha, None, ct2_dir=path, provenance=provenance,
+            shortlist=_if_there(path / CT2_SHORTLIST),
+        )  # fmt: skip
 
     def load_weights() -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -276,7 +284,14 @@ def from_dir(path: Path) -> Model:
         return load_file(str(weights_path))
 
     check_shapes(config, weights_path, settings_path)
-    return Model(path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance)
+    return Model(
+        path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance,
+        shortlist=_if_there(path / shortlist.NAME),
+    )  # fmt: skip
+
+
+def _if_there(path: Path) -> Path | None:
+    return path if os.path.lexists(path) else None
 
 
 def _members_are_regular(path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli import models, workers
+from nmt_cli import models, shortlist, workers
 from nmt_cli.cli.options import (
     CheckpointOption,
     ConfigFileOption,
@@ -32,7 +32,9 @@ LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads", "cu
 
 @app.command()
 @decoding_options()
-@options_of(TranslateConfig, only=(*LOADING, "max_tokens", "batch_size"), switches=("int8",))
+@options_of(
+    TranslateConfig, only=(*LOADING, "max_tokens", "batch_size", "shortlist"), switches=("int8", "shortlist")
+)
 def translate(
     ctx: typer.Context,
     run_dir: RunDirOption = Path("run"),
@@ -99,7 +101,7 @@ def translate(
 
 @app.command()
 @decoding_options("nbest")
-@options_of(TranslateConfig, only=LOADING, switches=("int8",))
+@options_of(TranslateConfig, only=(*LOADING, "shortlist"), switches=("int8", "shortlist"))
 @options_of(ScoreConfig, switches=("lowercase", "moses_lc", "compound_split", "json"))
 def score(ctx: typer.Context, model: ModelOption = None, run_dir: RunDirOption = Path("run")) -> None:
     """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
@@ -156,6 +158,10 @@ def export(
     if model and len(model) > 1:
         raise NmtError("export takes one --model (an ensemble's members are exported one by one)")
     found = models.load(run_dir, model, str(checkpoint) if checkpoint else None)
+    if not model and found.shortlist is None and fmt != "huggingface":  # a run binarized before them
+        from nmt_cli.rundir import RunDir
+
+        found.shortlist = shortlist.for_run(RunDir(run_dir))
     if fmt == "nmt":
         if quantization != "float32":
             raise NmtError("--quantization is for --format ctranslate2")
@@ -212,7 +218,9 @@ def import_(
     settings={"api_key": {"envvar": "NMT_API_KEY", "show_default": False}},
 )
 @decoding_options()
-@options_of(TranslateConfig, only=("engine", "device", "threads", "cuda_graphs"), switches=())
+@options_of(
+    TranslateConfig, only=("engine", "device", "threads", "cuda_graphs", "shortlist"), switches=("shortlist",)
+)
 def serve(
     ctx: typer.Context,
     model: Annotated[

@@ -206,6 +206,12 @@ class TranslateConfig:
         "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
     )
     threads: int = knob(0, "CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
+    shortlist: bool = knob(
+        False,
+        "Score each step over the model's lexical shortlist only: its batch's source pieces' "
+        "likely target pieces and the most frequent ones, not the whole vocabulary (faster; "
+        "`nmt bpe` builds it, the package and CTranslate2 export carry it).",
+    )
     cuda_graphs: bool = knob(
         True,
         "nmt's engine on a GPU: each decoding step replayed as a CUDA graph, one launch a step "

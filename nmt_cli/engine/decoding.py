@@ -20,6 +20,7 @@ from nmt_cli.engine.batches import pad_targets
 from nmt_cli.engine.cache import DecoderCache, FixedCache
 from nmt_cli.engine.hypothesis import Hypothesis, coverage_penalty, limits, stream_of
 from nmt_cli.engine.model import Transformer
+from nmt_cli.engine.packing import PACK_MIN, PackedLinear
 from nmt_cli.engine.rules import NextToken
 from nmt_cli.errors import Stopped
 from nmt_cli.vocab import BOS, EOS, PAD
@@ -37,6 +38,7 @@ def translate(
     gone: Callable[[], Sequence[bool]] | None = None,
     alphas: Sequence[float] | None = None,
     graphs: bool | None = None,
+    among: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate a padded (B, S) batch of source ids (with EOS); `options.nbest` hypotheses each.
     `streams`: the sentences' random streams under --sample (hypothesis.stream_of; default:
@@ -53,11 +55,41 @@ def translate(
     `graphs`: each step over a cache of fixed shapes (cache.FixedCache), replayed as a CUDA
     graph on a GPU (graphed.py); default: on a GPU, unless under autocast (its cache of cast
     weights and a graph's memory do not mix). Off a GPU it runs the same steps unrecorded (what
-    tests compare with the CPU's own cache)."""
+    tests compare with the CPU's own cache).
+
+    `among`: a lexical shortlist, the sorted target ids (PAD, UNK, BOS, EOS and every prefix's
+    and constraint's among them) the translations are made of: each step projects onto these
+    alone and normalises over them, and the search runs on their positions in `among` (its
+    rules see the same tokens as without a shortlist, numbered apart), which the hypotheses
+    are given back in ids. Not with `graphs`."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     if graphs is None:
-        graphs = src.device.type == "cuda" and not torch.is_autocast_enabled("cuda")
-    hyps = _search(models, src, options, use_cache, streams, prefixes, constraints, gone, alphas, graphs)
+        graphs = among is None and src.device.type == "cuda" and not torch.is_autocast_enabled("cuda")
+    if among is not None:
+        if graphs:
+            raise ValueError("a shortlist's steps are not graphed")
+        position = torch.full((models[0].config.vocab_size,), -1, dtype=torch.long)
+        position[among.cpu()] = torch.arange(len(among))
+        if int(position[: EOS + 1].min()) < 0:
+            raise ValueError("a shortlist keeps PAD, UNK, BOS and EOS")
+        prefixes = [position[list(p)].tolist() for p in prefixes] if prefixes is not None else None
+        constraints = (
+            [[position[list(x)].tolist() for x in c] for c in constraints]
+            if constraints is not None
+            else None
+        )
+        if any(t < 0 for p in prefixes or [] for t in p) or any(
+            t < 0 for c in constraints or [] for x in c for t in x
+        ):
+            raise ValueError("a shortlist keeps every token of the prefixes and constraints")
+    hyps = _search(
+        models, src, options, use_cache, streams, prefixes, constraints, gone, alphas, graphs, among
+    )
+    if among is not None:
+        ids = among.tolist()
+        for found in hyps:
+            for h in found:
+                h.tokens = [ids[t] for t in h.tokens]
     if options.coverage_penalty:
         return _covered(models, src, hyps, options)
     return hyps
@@ -74,6 +106,7 @@ def _search(
     gone: Callable[[], Sequence[bool]] | None,
     alphas: Sequence[float] | None,
     graphs: bool,
+    among: Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """The search `options` ask for, on translate's arguments."""
     src_lengths = (src != PAD).sum(1).tolist()
@@ -104,7 +137,9 @@ def _search(
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     rules = NextToken(o, max_lens, k, src.device, forced, alphas)
-    decoders = [_decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits, graphs) for m in models]
+    decoders = [
+        _decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits, graphs, among) for m in models
+    ]
     step, reorder = _together(decoders)
     if gone is not None:
         step = _stoppable(step, gone, rules, o.nbest if o.sample else 1)
@@ -199,11 +234,17 @@ def _decoder(
     use_cache: bool,
     shape: Callable[[Tensor], Tensor] = _as_they_are,
     graphs: bool = False,
+    among: Tensor | None = None,
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
     """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`;
-    `shape` changes the logits before their softmax (NextToken.logits); `graphs`: translate's."""
+    `shape` changes the logits before their softmax (NextToken.logits); `graphs` and `among`:
+    translate's (the steps take and score positions in `among`)."""
     model.eval()
     memory, src_mask = model.encode(src)
+    ids: Callable[[Tensor], Tensor] = _as_they_are
+    project: Callable[[Tensor], Tensor] = model.logits
+    if among is not None:
+        ids, project = among.__getitem__, _projection(model, among)
     if use_cache and graphs:
         fixed = FixedCache(model.memory_keys_values(memory), src_mask, k, max_len)
 
@@ -222,8 +263,8 @@ def _decoder(
         cache = DecoderCache(model.memory_keys_values(memory), src_mask, k, max_len)
 
         def step(tokens: Tensor) -> Tensor:
-            h = model.decode(tokens, cache.memory_kv, cache.src_mask, cache)
-            return F.log_softmax(shape(model.logits(h[:, -1]).float()), dim=-1)
+            h = model.decode(ids(tokens), cache.memory_kv, cache.src_mask, cache)
+            return F.log_softmax(shape(project(h[:, -1]).float()), dim=-1)
 
         return step, cache.reorder
     # The reference: rerun the decoder's self-attention on the whole prefix every step (the
@@ -236,8 +277,8 @@ def _decoder(
 
     def step_uncached(tokens: Tensor) -> Tensor:
         state["prefix"] = torch.cat([state["prefix"], tokens], dim=1)
-        h = model.decode(state["prefix"], state["kv"], state["mask"])
-        return F.log_softmax(shape(model.logits(h[:, -1]).float()), dim=-1)
+        h = model.decode(ids(state["prefix"]), state["kv"], state["mask"])
+        return F.log_softmax(shape(project(h[:, -1]).float()), dim=-1)
 
     def reorder(indices: Tensor) -> None:
         state["kv"] = [(a.index_select(0, indices), b.index_select(0, indices)) for a, b in state["kv"]]
@@ -245,3 +286,13 @@ def _decoder(
         state["prefix"] = state["prefix"].index_select(0, indices)
 
     return step_uncached, reorder
+
+
+def _projection(model: Transformer, among: Tensor) -> Callable[[Tensor], Tensor]:
+    """The output projection onto the target ids `among` alone: the rows of the tied embedding
+    (and output bias) taken once per batch, packed for oneDNN on a CPU as the whole one is."""
+    weight = model.embed.weight.index_select(0, among)
+    bias = model.output_bias.index_select(0, among) if model.output_bias is not None else None
+    if model.packed_output is not None and weight.numel() >= PACK_MIN:
+        return PackedLinear(weight, bias)
+    return lambda h: F.linear(h, weight, bias)
