@@ -3,6 +3,7 @@ the speed and BLEU of both engines with and without one on test2016.
 
     python benchmarks/shortlist.py RUN --choose
     python benchmarks/shortlist.py RUN --speed [--rounds 3]
+    python benchmarks/shortlist.py RUN --profile
 
 --choose builds shortlists of several sizes (the most frequent target pieces kept for every batch,
 and each source piece's candidates) from the run's training data and translates the valid split
@@ -146,6 +147,35 @@ def speed(run: Path, rounds: int) -> None:
         )
 
 
+def profile(run: Path) -> None:
+    """Where a decoding step's time goes (one thread, torch's profiler, 512 validation lines,
+    without a shortlist), and what starting a process costs each engine (one line, end to end)."""
+    import torch
+
+    r = RunDir(run)
+    prep = r.load_manifest()["prep"]
+    lines = r.text("valid", prep["src"], raw=True).read_text(encoding="utf-8").splitlines()[:512]
+    model = Translator(locate(run), TranslateConfig(threads=1))
+    model.translate(lines[:64])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        model.translate(lines)
+    ops = {e.key: e.self_cpu_time_total for e in p.key_averages()}
+    vocabulary = sum(ops.get(k, 0) for k in ("mkldnn::_linear_pointwise", "aten::topk", "aten::_log_softmax"))
+    share = vocabulary / sum(ops.values())
+    print(f"the output projection, top-k and log-softmax: {share:.0%} of the operators' time")
+    out = Path(tempfile.mkdtemp(prefix="shortlist-start-"))
+    nmt("export", str(out / "package"), "--run-dir", str(run))
+    nmt("export", str(out / "float32"), "--format", "ctranslate2", "--model", str(out / "package"))
+    (out / "one.txt").write_text(lines[0] + "\n", encoding="utf-8")
+    for name in ("package", "float32"):
+        took = []
+        for _ in range(3):
+            start = time.perf_counter()
+            nmt("translate", "--model", str(out / name), "--threads", "2", stdin=out / "one.txt")
+            took.append(time.perf_counter() - start)
+        print(f"{name}: one line end to end, best of 3: {min(took):.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -154,11 +184,14 @@ def main() -> None:
     parser.add_argument("--choose", action="store_true")
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if args.choose:
         choose(args.run)
     if args.speed:
         speed(args.run, args.rounds)
+    if args.profile:
+        profile(args.run)
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ class Translator:
         if options.epsilon and self.engine == "ctranslate2":
             raise NmtError("CTranslate2 has no --epsilon sampling: use --topp, or nmt's engine")
         if options.mbr:
-            return self.mbr(lines, each, keys, prefixes, constraints, gone)
+            return self.by_mbr(lines, each, keys, prefixes, constraints, gone)
         if constraints is not None and any(constraints):
             self.check_constraints(options)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
@@ -265,7 +265,7 @@ class Translator:
             self.align(ids, out, options.tag)
         return out
 
-    def mbr(
+    def by_mbr(
         self,
         lines: list[str],
         each: list[DecodeOptions],
