@@ -337,6 +337,7 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
                 )
                 produced += [Path(f"{run.tokens(split, lang)}.bin"), Path(f"{run.tokens(split, lang)}.idx")]
     (run.spm_folder / shortlist.NAME).unlink(missing_ok=True)  # of other pieces, if any
+    ui.say("counting the training pairs' pieces for the lexical shortlist (translate --shortlist)")
     produced.append(shortlist.for_run(run))
     sizes = {"src_vocab_size": source.get_piece_size(), "vocab_size": target.get_piece_size()}
     run.record("bpe", produced, joint=vocabs.joint, **sizes, stats=stats)

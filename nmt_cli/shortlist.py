@@ -34,8 +34,8 @@ NAME = "shortlist.txt"
 # Chosen on Multi30k validation (benchmarks/shortlist.py, docs/benchmarks.md).
 FREQUENT = 256
 PER_SOURCE = 32
-# Sentence pairs counted at most (evenly spaced through the training data): the counts of a
-# million pairs rank a piece's candidates as well as all of WMT's would, at a fraction of the time.
+# Sentence pairs counted at most, evenly spaced through the training data: counting takes time
+# in proportion to the pairs, and a piece that a batch meets often is in a million pairs often.
 PAIRS = 1_000_000
 MAX_BYTES = 256 << 20  # a shortlist file read at most
 SPECIALS = (PAD, UNK, BOS, EOS)
@@ -131,18 +131,15 @@ def build(
     src, tgt, dice = src[keep], tgt[keep], dice[keep]
     order = np.lexsort((tgt, -dice, src))
     src, tgt = src[order], tgt[order]
-    rank = np.arange(len(src)) - np.searchsorted(src, np.arange(source_size))[src]
     candidates = np.full((source_size, per_source), -1, dtype=np.int64)
     first = 0
-    if same is not None:  # the piece itself first, where the target has it
-        own = same[:source_size] >= 0
-        candidates[own, 0] = same[:source_size][own]
+    if same is not None:  # the piece itself first, where the target has it, and once only
+        own = np.where(same[:source_size] >= 0, same[:source_size], -1)
+        candidates[:, 0] = own
         first = 1
-        # its own piece once only
-        tgt = np.where(tgt == np.where(own, same[:source_size], -2)[src], -1, tgt)
-        keep = tgt >= 0
+        keep = tgt != own[src]
         src, tgt = src[keep], tgt[keep]
-        rank = np.arange(len(src)) - np.searchsorted(src, np.arange(source_size))[src]
+    rank = np.arange(len(src)) - np.searchsorted(src, np.arange(source_size))[src]
     take = rank < per_source - first
     candidates[src[take], rank[take] + first] = tgt[take]
     candidates[list(SPECIALS)] = -1  # no source word: the search keeps them all the same
