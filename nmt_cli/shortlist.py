@@ -107,20 +107,36 @@ def build(
     picked = np.linspace(0, n - 1, pairs).round().astype(np.int64) if n > pairs else np.arange(n)
     tokens = np.zeros(target_size, dtype=np.int64)  # each target piece's occurrences
     holding = [np.zeros(source_size, dtype=np.int64), np.zeros(target_size, dtype=np.int64)]  # sentences
+    runs: list[tuple[np.ndarray, np.ndarray]] = []  # (pair keys, sentences), larger ones first
     keys: list[np.ndarray] = []
-    together, shared = np.zeros(0, np.int64), np.zeros(0, np.int64)  # pair keys, sentences
+    seen: list[np.ndarray] = []
+
+    def flush() -> None:
+        """The pairs held so far counted into `runs`, which merge while the last is about as
+        large as the one before it: each pair is sorted a logarithmic number of times."""
+        nonlocal keys, seen
+        if keys:
+            runs.append(np.unique(np.concatenate(keys), return_counts=True))
+            tokens[:] += np.bincount(np.concatenate(seen), minlength=target_size)
+            keys, seen = [], []
+        while len(runs) > 1 and 2 * len(runs[-1][0]) >= len(runs[-2][0]):
+            runs.append(_merge(runs.pop(), runs.pop()))
+
     held = 0
     for i in map(int, picked):
         s, t = np.unique(sources[i]), np.unique(targets[i])
-        tokens += np.bincount(targets[i], minlength=target_size)
         holding[0][s] += 1
         holding[1][t] += 1
+        seen.append(np.asarray(targets[i]))
         keys.append((s[:, None].astype(np.int64) * target_size + t[None, :]).ravel())
         held += keys[-1].size
-        if held > 8_000_000:
-            together, shared = _merge(together, shared, keys)
-            keys, held = [], 0
-    together, shared = _merge(together, shared, keys)
+        if held > 4_000_000:
+            flush()
+            held = 0
+    flush()
+    together, shared = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    for run in runs:
+        together, shared = _merge((together, shared), run)
     always = np.argsort(-tokens, kind="stable")[:frequent]
     always = np.sort(always[tokens[always] > 0])
     src, tgt = together // target_size, together % target_size
@@ -146,13 +162,12 @@ def build(
     return Shortlist(always.astype(np.int64), candidates)
 
 
-def _merge(keys: np.ndarray, counts: np.ndarray, more: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """`keys` with their `counts`, and each of `more`'s keys counted once more."""
-    if not more:
-        return keys, counts
-    new, times = np.unique(np.concatenate(more), return_counts=True)
-    every, where = np.unique(np.concatenate([keys, new]), return_inverse=True)
-    return every, np.bincount(where, weights=np.concatenate([counts, times])).astype(np.int64)
+def _merge(
+    a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two (keys, counts) as one, the counts of a key in both added."""
+    every, where = np.unique(np.concatenate([a[0], b[0]]), return_inverse=True)
+    return every, np.bincount(where, weights=np.concatenate([a[1], b[1]])).astype(np.int64)
 
 
 def save(shortlist: Shortlist, path: Path, source_pieces: list[str], target_pieces: list[str]) -> None:
