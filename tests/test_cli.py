@@ -77,7 +77,7 @@ FILLED = {
     ),
     "score-pairs": (
         [
-            ("TranslateConfig", {}, {"decode", "chunk"}),
+            ("TranslateConfig", {}, {"decode", "chunk", "shortlist"}),  # scored over every piece
             ("DecodeOptions", {}, _DECODING - {"alpha", "tag"}),
         ],
         {"src", "tgt", "run_dir", "model"},

@@ -25,6 +25,7 @@ def test_the_package_translates_as_the_run_did_without_unpickling(
         "model.safetensors",
         "nmt.json",
         "provenance.json",
+        "shortlist.txt",
         "spm.model",
     ]
     settings = json.loads((package / "nmt.json").read_text())

@@ -83,7 +83,7 @@ def test_each_side_has_its_own_bpe_model_learned_from_its_own_text(separate_bpe,
     again = tmp_path / "run"
     shutil.copytree(separate_bpe, again)
     run_ok(["bpe", "--run-dir", again, "--vocab-size", 700])
-    assert sorted(p.name for p in (again / "bpe").iterdir()) == ["spm.model", "spm.vocab"]
+    assert sorted(p.name for p in (again / "bpe").iterdir()) == ["shortlist.txt", "spm.model", "spm.vocab"]
     assert RunDir(again).vocabularies().joint
 
 
@@ -176,6 +176,17 @@ def test_both_engines_and_every_format_translate_a_separate_model_alike(separate
     phrases = [["Hund"], ["Straße"], []]
     held = Translator(models["run"], TranslateConfig()).output(lines[:3], constraints=phrases)
     assert all(p in t for t, ps in zip(held, phrases) for p in ps), held
+    # the shortlist lists the target's pieces for the source's: both engines read it alike
+    listed = Translator(models["run"], TranslateConfig(shortlist=True, batch_size=1))
+    allowed = listed.backend.shortlist
+    found = listed.hypotheses(lines[:20])
+    assert all(
+        set(h[0].tokens) <= set(allowed.among([x]).tolist()) for x, h in zip(listed.encode(lines[:20]), found)
+    )
+    nmt_listed = Translator(models["package"], TranslateConfig(shortlist=True)).hypotheses(lines)
+    ct2_listed = Translator(models["ct2"], TranslateConfig(shortlist=True)).hypotheses(lines)
+    ended = [i for i, hs in enumerate(nmt_listed) if len(hs[0].tokens) < 40]
+    assert sum(nmt_listed[i][0].tokens == ct2_listed[i][0].tokens for i in ended) >= 0.95 * len(ended)
 
 
 def test_the_server_decodes_a_separate_model(separate_trained, separate_bpe):
