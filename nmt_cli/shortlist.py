@@ -105,20 +105,29 @@ def build(
     is the identity."""
     n = len(sources)
     picked = np.linspace(0, n - 1, pairs).round().astype(np.int64) if n > pairs else np.arange(n)
-    tokens = np.zeros(target_size, dtype=np.int64)  # each target piece's occurrences
+    # The pieces kept for every batch first (each target piece's occurrences): the pairs they
+    # would make, most of all pairs, are then never counted.
+    tokens = np.zeros(target_size, dtype=np.int64)
+    for start in range(0, len(picked), 100_000):
+        chunk = [np.asarray(targets[int(i)]) for i in picked[start : start + 100_000]]
+        tokens += np.bincount(np.concatenate(chunk), minlength=target_size)
+    always = np.argsort(-tokens, kind="stable")[:frequent]
+    always = np.sort(always[tokens[always] > 0])
+    kept = np.zeros(target_size, dtype=bool)
+    kept[always] = True
+    key = np.int32 if source_size * target_size < 2**31 else np.int64  # half the memory where it fits
     holding = [np.zeros(source_size, dtype=np.int64), np.zeros(target_size, dtype=np.int64)]  # sentences
     runs: list[tuple[np.ndarray, np.ndarray]] = []  # (pair keys, sentences), larger ones first
     keys: list[np.ndarray] = []
-    seen: list[np.ndarray] = []
 
     def flush() -> None:
         """The pairs held so far counted into `runs`, which merge while the last is about as
         large as the one before it: each pair is sorted a logarithmic number of times."""
-        nonlocal keys, seen
+        nonlocal keys
         if keys:
-            runs.append(np.unique(np.concatenate(keys), return_counts=True))
-            tokens[:] += np.bincount(np.concatenate(seen), minlength=target_size)
-            keys, seen = [], []
+            found, times = np.unique(np.concatenate(keys), return_counts=True)
+            runs.append((found, times.astype(np.int32)))
+            keys = []
         while len(runs) > 1 and 2 * len(runs[-1][0]) >= len(runs[-2][0]):
             runs.append(_merge(runs.pop(), runs.pop()))
 
@@ -127,24 +136,20 @@ def build(
         s, t = np.unique(sources[i]), np.unique(targets[i])
         holding[0][s] += 1
         holding[1][t] += 1
-        seen.append(np.asarray(targets[i]))
-        keys.append((s[:, None].astype(np.int64) * target_size + t[None, :]).ravel())
+        t = t[~kept[t]]
+        keys.append((s[:, None].astype(key) * target_size + t[None, :].astype(key)).ravel())
         held += keys[-1].size
         if held > 4_000_000:
             flush()
             held = 0
     flush()
-    together, shared = np.zeros(0, np.int64), np.zeros(0, np.int64)
+    together, shared = np.zeros(0, key), np.zeros(0, np.int32)
     for run in runs:
         together, shared = _merge((together, shared), run)
-    always = np.argsort(-tokens, kind="stable")[:frequent]
-    always = np.sort(always[tokens[always] > 0])
-    src, tgt = together // target_size, together % target_size
+    src, tgt = (together // target_size).astype(np.int64), (together % target_size).astype(np.int64)
     # Dice's coefficient: the share of the two pieces' sentences that hold both, so that a
     # frequent target piece does not lead every source piece's list (`always` has those)
     dice = 2 * shared / (holding[0][src] + holding[1][tgt])
-    keep = ~np.isin(tgt, always)
-    src, tgt, dice = src[keep], tgt[keep], dice[keep]
     order = np.lexsort((tgt, -dice, src))
     src, tgt = src[order], tgt[order]
     candidates = np.full((source_size, per_source), -1, dtype=np.int64)
@@ -167,7 +172,7 @@ def _merge(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Two (keys, counts) as one, the counts of a key in both added."""
     every, where = np.unique(np.concatenate([a[0], b[0]]), return_inverse=True)
-    return every, np.bincount(where, weights=np.concatenate([a[1], b[1]])).astype(np.int64)
+    return every, np.bincount(where, weights=np.concatenate([a[1], b[1]])).astype(np.int32)
 
 
 def save(shortlist: Shortlist, path: Path, source_pieces: list[str], target_pieces: list[str]) -> None:
