@@ -5,7 +5,8 @@
 1. `nmt prep multi30k-en-de --mirror ../shared/data/multi30k` then `nmt bpe --vocab-size 8000`.
 2. A custom corpus of N distinct pairs generated from Multi30k sentences (each pair joins two
    random training pairs), through `nmt prep custom` and `nmt bpe` (default settings), for each
-   N: wall time, pairs/s and the peak RSS of the largest process of each step.
+   N: wall time, pairs/s and the peak RSS of the largest process of each step; and the lexical
+   shortlist `nmt bpe` builds, built again alone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data")) / "multi30k"
 
 
-def timed(args: list[str]) -> dict:
-    """Run one nmt command in a fresh process; wall seconds and the peak RSS of its processes."""
+def timed(args: list[str], python: list[str] | None = None) -> dict:
+    """Run one nmt command (or `python` arguments) in a fresh process; wall seconds and the peak
+    RSS of its processes."""
     code = (
         "import resource, subprocess, sys, json, time\n"
         "t = time.perf_counter()\n"
@@ -34,7 +36,7 @@ def timed(args: list[str]) -> dict:
         "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code, sys.executable, "-m", "nmt_cli", *args],
+        [sys.executable, "-c", code, sys.executable, *(python or ["-m", "nmt_cli", *args])],
         capture_output=True,
         text=True,
         check=True,
@@ -76,10 +78,15 @@ def main() -> None:
             ["prep", "custom", "--run-dir", str(run), "--train-src", str(src), "--train-tgt", str(tgt)]
         )
         bpe = timed(["bpe", "--run-dir", str(run)])
+        # the lexical shortlist `nmt bpe` counts (part of its time above), again alone
+        (run / "bpe" / "shortlist.txt").unlink()
+        alone = f"from nmt_cli import shortlist, rundir; shortlist.for_run(rundir.RunDir({str(run)!r}))"
+        listed = timed([], ["-c", alone])
         results[f"custom{n}"] = {
             "pairs": n,
             "prep": prep,
             "bpe": bpe,
+            "shortlist": listed,
             "prep_pairs_per_s": n / prep["seconds"],
             "bpe_pairs_per_s": n / bpe["seconds"],
             "peak_rss_mb": max(prep["peak_rss_mb"], bpe["peak_rss_mb"]),
