@@ -42,8 +42,8 @@ class Backend:
             compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind, decoding=True)]
         threads = config.threads or cpus()
         self.shortlist = config.shortlist
-        if config.shortlist and model.shortlist is None:
-            shortlist.of(model)  # its error line
+        if config.shortlist:  # CTranslate2 reads the file itself, as its vmap.txt
+            shortlist.path_of(model)
         self._tmp = None
         where = model.ct2_dir
         if where is None:  # convert on the fly, in float32; compute_type quantises on load

@@ -61,14 +61,19 @@ class Shortlist:
         return np.unique(np.concatenate([p.astype(np.int64) for p in parts]))
 
 
-def of(model: Model) -> Shortlist:
-    """The shortlist `model` carries, for `--shortlist`; an error line if it has none."""
+def path_of(model: Model) -> Path:
+    """The file of the shortlist `model` carries, for `--shortlist`; an error line if it has none."""
     if model.shortlist is None:
         raise NmtError(
             f"{model.where} has no lexical shortlist for --shortlist: `nmt bpe` builds one in a run "
             "directory, `nmt export` from a run directory into its package"
         )
-    return load(model.shortlist, pieces(model.vocabs.source), pieces(model.vocabs.target))
+    return model.shortlist
+
+
+def of(model: Model) -> Shortlist:
+    """The shortlist `model` carries, loaded for nmt's engine (path_of)."""
+    return load(path_of(model), pieces(model.vocabs.source), pieces(model.vocabs.target))
 
 
 def for_run(run: RunDir) -> Path:
