@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -180,3 +182,90 @@ class FixedCache:
         here, there, n = self.kvs[self.parity], self.kvs[1 - self.parity], self.length
         torch.index_select(here[:, :, :, :n], 1, gather, out=there[:, :, :, :n])
         self.parity ^= 1
+
+
+class RowCache:
+    """DecoderCache for a search that sentences join between its steps and leave at any step
+    (nmt serve's running batch): each row is at a position of its own, the steps since its
+    sentence began. A row's new K/V are written at its position, and it attends to its own
+    positions alone (`self_mask`); the encoder-decoder K/V of its sentence are padded to the
+    longest source among the live sentences (`src_mask` hides the padding), as in a batch.
+
+    `offset` (R,) is each row's position, on the device; `positions` the same on the host, from
+    which the length every step attends over is the longest row's."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, beam: int, dtype: torch.dtype, device):
+        self.beam, self.max_len = beam, 0
+        empty = torch.empty((0, heads, 0, head_dim), dtype=dtype, device=device)
+        self.memory_kv = [(empty, empty) for _ in range(layers)]
+        self.src_mask = torch.zeros((0, 1, 1, 0), dtype=torch.bool, device=device)
+        self.sources = np.zeros(0, dtype=np.int64)  # each sentence's source length (with EOS)
+        self.kvs = [empty] * (2 * layers)  # self-attention K, V of each layer, (R, H, room, K)
+        self.offset = torch.zeros(0, dtype=torch.long, device=device)
+        self.positions = np.zeros(0, dtype=np.int64)
+        self.self_mask: Tensor | None = None
+        self._rows = torch.zeros(0, dtype=torch.long, device=device)
+
+    def join(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> None:
+        """Sentences (their encoder-decoder K/V and source mask) begin: `beam` rows each, after
+        the live ones, at position 0."""
+        width = max(self.src_mask.shape[-1], src_mask.shape[-1])
+        self.memory_kv = [
+            (torch.cat([_wide(k0, width), _wide(k1, width)]), torch.cat([_wide(v0, width), _wide(v1, width)]))
+            for (k0, v0), (k1, v1) in zip(self.memory_kv, memory_kv)
+        ]
+        self.src_mask = torch.cat([_wide(self.src_mask, width), _wide(src_mask, width)])
+        self.sources = np.concatenate([self.sources, src_mask.sum((1, 2, 3)).cpu().numpy()])
+        rows = src_mask.shape[0] * self.beam
+        self.kvs = [torch.cat([kv, kv.new_zeros((rows, *kv.shape[1:]))]) for kv in self.kvs]
+        self.offset = torch.cat([self.offset, self.offset.new_zeros(rows)])
+        self.positions = np.concatenate([self.positions, np.zeros(rows, dtype=np.int64)])
+        self._rows = torch.arange(len(self.positions), device=self.offset.device)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store each row's new K/V of `layer` at its position; returns the layer's K/V of the
+        positions any row has reached (`self_mask` hides, in each row, those past its own)."""
+        n = int(self.positions.max()) + 1 if len(self.positions) else 1
+        if layer == 0:  # a step begins
+            if n > self.kvs[0].shape[2]:
+                room = max(n, 2 * self.kvs[0].shape[2], 16)
+                self.kvs = [F.pad(kv, (0, 0, 0, room - kv.shape[2])) for kv in self.kvs]
+            seen = torch.arange(n, device=self.offset.device)[None, :] <= self.offset[:, None]
+            self.self_mask = seen[:, None, None, :]  # (R, 1, 1, n)
+        keys, values = self.kvs[2 * layer], self.kvs[2 * layer + 1]
+        keys[self._rows, :, self.offset] = k[:, :, 0]
+        values[self._rows, :, self.offset] = v[:, :, 0]
+        return keys[:, :, :n], values[:, :, :n]
+
+    def advance(self) -> None:
+        self.offset += 1
+        self.positions += 1
+
+    def reorder(self, indices: Tensor) -> None:
+        """Keep rows `indices` (each sentence's beams together, sentences in their old order):
+        beam search's survivors and the sentences still running; the memory of those that left
+        is dropped and trimmed to the longest source left."""
+        host = indices.cpu().numpy()
+        self.kvs = [kv.index_select(0, indices) for kv in self.kvs]
+        self.offset = self.offset.index_select(0, indices)
+        self.positions = self.positions[host]
+        self._rows = torch.arange(len(host), device=indices.device)
+        sentences = host[:: self.beam] // self.beam
+        if len(sentences) == len(self.sources):  # none left
+            return
+        self.sources = self.sources[sentences]
+        width = int(self.sources.max()) if len(sentences) else 0
+        picked = torch.from_numpy(sentences).to(indices.device)
+        self.memory_kv = [
+            (k.index_select(0, picked)[:, :, :width], v.index_select(0, picked)[:, :, :width])
+            for k, v in self.memory_kv
+        ]
+        self.src_mask = self.src_mask.index_select(0, picked)[..., :width]
+
+
+def _wide(x: Tensor, width: int) -> Tensor:
+    """(B, H, S, K) K/V, or a (B, 1, 1, S) mask, padded to S = `width` (K/V with zeros, the mask
+    with False)."""
+    if x.dim() == 4 and x.dtype == torch.bool:
+        return F.pad(x, (0, width - x.shape[-1]), value=False)
+    return F.pad(x, (0, 0, 0, width - x.shape[2]))

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from nmt_cli.config import DecodeOptions
 from nmt_cli.engine import beam, constrained, graphed, sampling
-from nmt_cli.engine.batches import pad_targets
-from nmt_cli.engine.cache import DecoderCache, FixedCache
+from nmt_cli.engine.batches import pad_sources, pad_targets
+from nmt_cli.engine.cache import DecoderCache, FixedCache, RowCache
 from nmt_cli.engine.hypothesis import Hypothesis, coverage_penalty, limits, stream_of
 from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.packing import PACK_MIN, PackedLinear
@@ -153,6 +153,67 @@ def _search(
     if o.beam == 1 and o.nbest == 1:
         return sampling.greedy(step, reorder, rules, src.device)
     return beam.search(step, reorder, rules, src.device)
+
+
+class Running:
+    """nmt serve's running batch (iteration-level scheduling): one beam search that sentences
+    `join` between its steps and leave as soon as they end, or `drop` out when nobody waits
+    for them, on one model and a cache whose rows each have their own position
+    (cache.RowCache). Each sentence is searched as `translate` searches it: the same rules,
+    ranking and ending; it only shares the steps' matrices with whatever else is live.
+
+    For the options whose search can take sentences midway (`takes`): beam search and greedy,
+    with their limits, min_len and repetition penalty; not sampling, prefixes, constraints,
+    no_repeat_ngram or the coverage penalty."""
+
+    def __init__(self, model: Transformer, options: DecodeOptions, device: torch.device | str):
+        if not Running.takes(options):
+            raise ValueError("these options need every sentence of a search to begin together")
+        model.eval()
+        self.model, self.options = model, options
+        c = model.config
+        self.ceiling = int(min(c.max_positions - 1, options.max_len or math.inf))
+        self.rules = NextToken(options, [], options.beam, device)
+        self.beams = beam.Beams(self.rules, device, open=True)
+        dtype = model.embed.weight.dtype
+        self.cache = RowCache(c.num_decoder_layers, c.heads, c.d_model // c.heads, options.beam, dtype, device)
+        self.device = device
+
+    @staticmethod
+    def takes(options: DecodeOptions) -> bool:
+        o = options
+        return not (o.sample or o.mbr or o.no_repeat_ngram or o.coverage_penalty)
+
+    @property
+    def live(self) -> int:
+        """Sentences being searched."""
+        return len(self.beams.active)
+
+    @torch.no_grad()
+    def join(self, sources: Sequence[Sequence[int]], alphas: Sequence[float]) -> list[int]:
+        """Sentences (ids without EOS, none empty) begin at the next step; their numbers."""
+        src = torch.from_numpy(pad_sources([list(x) for x in sources])).to(self.device)
+        memory, src_mask = self.model.encode(src)
+        self.cache.join(self.model.memory_keys_values(memory), src_mask)
+        o = self.options
+        max_lens = limits([len(x) for x in sources], o.max_len_a, o.max_len_b, self.ceiling)
+        return self.beams.join(max_lens, list(alphas))
+
+    def drop(self, sentences: Sequence[int]) -> None:
+        """`sentences` leave unfinished."""
+        if len(sentences):
+            self.cache.reorder(self.beams.drop(list(sentences)))
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, list[Hypothesis]]]:
+        """One decoding step of every live sentence: those it ended, with their `nbest` best."""
+        m = self.model
+        h = m.decode(self.beams.tokens, self.cache.memory_kv, self.cache.src_mask, self.cache)
+        lprobs = F.log_softmax(self.rules.logits(m.logits(h[:, -1]).float()), dim=-1)
+        rows = self.beams.advance(lprobs)
+        assert rows is not None  # an open search
+        self.cache.reorder(rows)
+        return [(int(s), self.beams.found(int(s))) for s in self.beams.ended]
 
 
 def _covered(

@@ -25,7 +25,7 @@ from nmt_cli.config import ModelConfig
 from nmt_cli.vocab import PAD
 
 if TYPE_CHECKING:
-    from nmt_cli.engine.cache import DecoderCache, FixedCache
+    from nmt_cli.engine.cache import DecoderCache, FixedCache, RowCache
 
 
 def sinusoids(length: int, d: int, layout: str = "tensor2tensor") -> Tensor:
@@ -181,7 +181,7 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         memory_kv: tuple[Tensor, Tensor],
         src_mask: Tensor,
-        cache: DecoderCache | FixedCache | None = None,
+        cache: DecoderCache | FixedCache | RowCache | None = None,
         layer: int = 0,
     ) -> Tensor:
         def cross_attention(h: Tensor) -> Tensor:
@@ -198,7 +198,7 @@ class DecoderLayer(nn.Module):
         return self.res3(x, self.ffn)
 
     def attend_self(
-        self, h: Tensor, cache: DecoderCache | FixedCache | None = None, layer: int = 0
+        self, h: Tensor, cache: DecoderCache | FixedCache | RowCache | None = None, layer: int = 0
     ) -> Tensor:
         if cache is None:  # training: every position at once, each sees only its past
             return self.self_attn.attend_self(h, causal=True)
@@ -270,11 +270,12 @@ class Transformer(nn.Module):
         self, tokens: Tensor, offset: int | Tensor = 0, table: nn.Embedding | None = None
     ) -> Tensor:
         """Token embeddings (`table`, default the target's) scaled by sqrt(D), plus positions,
-        with dropout: (B, n) -> (B, n, D). An `offset` on the device, (1,), is the position of
-        a single token (a CUDA graph's step reads it there)."""
+        with dropout: (B, n) -> (B, n, D). An `offset` on the device is the position of a
+        single token: (1,) for every row (a CUDA graph's step reads it there), or (B,) each
+        row's own (cache.RowCache)."""
         n = tokens.shape[1]
         if isinstance(offset, Tensor):
-            where = self.positions.index_select(0, offset)
+            where = self.positions.index_select(0, offset)[:, None]
         elif offset + n > self.config.max_positions:
             raise ValueError(
                 f"sequence of {offset + n} tokens exceeds max_positions {self.config.max_positions}"
@@ -306,7 +307,7 @@ class Transformer(nn.Module):
         tgt_in: Tensor,
         memory_kv: list[tuple[Tensor, Tensor]],
         src_mask: Tensor,
-        cache: DecoderCache | FixedCache | None = None,
+        cache: DecoderCache | FixedCache | RowCache | None = None,
     ) -> Tensor:
         """(B, T) shifted target ids -> (B, T, D) decoder states; with `cache`, T is the one
         new position and the cache grows by it."""

@@ -30,7 +30,10 @@ from nmt_cli.vocab import BOS, EOS, PAD
 class NextToken:
     """The rules for one search over len(max_lens) sentences of `rows` rows each (the beam, or 1),
     rows of a sentence together. `forced` (sentences, P): each sentence's first tokens, -1 after
-    its own. Row state (limits, forced tokens) follows the rows the search keeps (`keep`)."""
+    its own. Row state (limits, forced tokens) follows the rows the search keeps (`keep`).
+    Sentences may also `join` a search between its steps (nmt serve's running batch): their
+    rows begin at that step, so a row's length is the steps since its sentence began; the
+    limits are kept as the step at which each row must end."""
 
     def __init__(
         self,
@@ -44,10 +47,13 @@ class NextToken:
         self.options, self.max_lens = options, list(max_lens)
         # each sentence's length penalty: what ranks its finished hypotheses and ends its search
         self.alphas = list(alphas) if alphas is not None else [options.alpha] * len(self.max_lens)
-        self.t = 0  # tokens each live row has so far
+        self.t = 0  # steps taken: the tokens of each row of a sentence that began at 0
+        self.rows = rows
+        self.begun = [0] * len(self.max_lens)  # the step at which each sentence began
         self.limits_host = np.repeat(np.asarray(max_lens, dtype=np.int64), rows)
         self.sentence = np.repeat(np.arange(len(self.max_lens)), rows)  # each live row's
         self.limits = torch.from_numpy(self.limits_host).to(device)
+        self.young: np.ndarray | None = None  # (R,) the step each row began at, once one joined
         self.forced = forced.repeat_interleave(rows, 0) if forced is not None else None
         # each row's tokens so far, kept only for a rule that reads them
         self.history = (
@@ -76,20 +82,53 @@ class NextToken:
         # The host knows whether any row is at its limit: most steps skip the kernels that end one.
         at_limit = self.ending() if self.at_limit().any() else None
         lprobs = allowed(lprobs, at_limit)
-        if self.t < self.options.min_len:  # no EOS yet, but in a row that must end here
+        early = self._early()
+        if early is True:  # no EOS yet, but in a row that must end here
             eos = lprobs[:, EOS]
             lprobs[:, EOS] = -math.inf if at_limit is None else torch.where(at_limit, eos, -math.inf)
+        elif early is not None:  # ... in the rows that began less than min_len steps ago
+            ban = torch.from_numpy(early).to(lprobs.device)
+            if at_limit is not None:
+                ban &= ~at_limit
+            lprobs[:, EOS] = lprobs[:, EOS].masked_fill(ban, -math.inf)
         if self.history is not None and self.t >= self.options.no_repeat_ngram - 1:
             ban_repeats(lprobs, self.history, self.options.no_repeat_ngram)
         if kept is not None:
             lprobs = force(lprobs, *kept)
         return lprobs
 
+    def _early(self) -> bool | np.ndarray | None:
+        """Which rows may not take the EOS yet (below min_len): True for all, None for none."""
+        if self.young is None:
+            return True if self.t < self.options.min_len else None
+        early = self.t - self.young < self.options.min_len
+        return True if early.all() else early if early.any() else None
+
+    def join(self, max_lens: Sequence[int], alphas: Sequence[float]) -> list[int]:
+        """Sentences begin at this step (their limits `max_lens`, length penalties `alphas`), their
+        rows after the live ones; their numbers. Not with a prefix or a rule that reads a row's
+        tokens (no_repeat_ngram): those need every row to have begun together."""
+        if self.forced is not None or self.history is not None:
+            raise ValueError("sentences join a search without prefixes or no_repeat_ngram")
+        first, n = len(self.max_lens), len(max_lens)
+        self.max_lens += list(max_lens)
+        self.alphas += list(alphas)
+        self.begun += [self.t] * n
+        young = np.full(n * self.rows, self.t, dtype=np.int64)
+        self.young = young if self.young is None else np.concatenate([self.young, young])
+        limits = np.repeat(np.asarray(max_lens, dtype=np.int64) + self.t, self.rows)
+        self.limits_host = np.concatenate([self.limits_host, limits])
+        self.sentence = np.concatenate([self.sentence, np.repeat(np.arange(first, first + n), self.rows)])
+        self.limits = torch.from_numpy(self.limits_host).to(self.limits.device)
+        if self.seen is not None:
+            self.seen = torch.cat([self.seen, self.seen.new_zeros((n * self.rows, self.seen.shape[1]))])
+        return list(range(first, first + n))
+
     def end(self, sentences: Sequence[int]) -> None:
         """`sentences` end at this step, their limit now (nobody waits for them any more): their
         rows may take only the EOS, a prefix no longer forced, and the search ends them there."""
         for s in sentences:
-            self.max_lens[s] = min(self.max_lens[s], self.t + 1)
+            self.max_lens[s] = min(self.max_lens[s], self.t - self.begun[s] + 1)
         rows = np.isin(self.sentence, sentences)
         if not rows.any():  # all finished already
             return
@@ -112,20 +151,26 @@ class NextToken:
         as they are; `on_device` the same indices on the device, if the search has them there),
         and the token each of them took (R',)."""
         if rows is not None:
-            self.limits_host, self.sentence = self.limits_host[rows], self.sentence[rows]
-            index = on_device if on_device is not None else torch.from_numpy(rows).to(self.limits.device)
-            self.limits = self.limits.index_select(0, index)
-            if self.forced is not None:
-                self.forced = self.forced.index_select(0, index)
-            if self.history is not None:
-                self.history = self.history.index_select(0, index)
-            if self.seen is not None:
-                self.seen = self.seen.index_select(0, index)
+            self.select(rows, on_device)
         if self.history is not None:
             self.history = torch.cat([self.history, chosen.reshape(-1, 1)], 1)
         if self.seen is not None:
             self.seen.scatter_(1, chosen.reshape(-1, 1), True)
         self.t += 1
+
+    def select(self, rows: np.ndarray, on_device: Tensor | None = None) -> None:
+        """Keep the live rows `rows` (indices, in their new order; `on_device` the same there)."""
+        self.limits_host, self.sentence = self.limits_host[rows], self.sentence[rows]
+        if self.young is not None:
+            self.young = self.young[rows]
+        index = on_device if on_device is not None else torch.from_numpy(rows).to(self.limits.device)
+        self.limits = self.limits.index_select(0, index)
+        if self.forced is not None:
+            self.forced = self.forced.index_select(0, index)
+        if self.history is not None:
+            self.history = self.history.index_select(0, index)
+        if self.seen is not None:
+            self.seen = self.seen.index_select(0, index)
 
 
 def allowed(lprobs: Tensor, at_limit: Tensor | None) -> Tensor:
