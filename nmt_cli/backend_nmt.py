@@ -51,8 +51,9 @@ class Backend:
         if self.shortlist is not None:  # its steps project onto a batch's own ids: not graphed
             self.graphs = False
         self.slots = self.threads if self.device.type == "cpu" else 1  # batches searched at once
-        # a server that steps `slots` searches at once: each on one thread, in its caller's
-        self.one_thread = False
+        # a server whose searches take their steps in turn: each in its caller's thread, on so
+        # many of torch's threads (0: a call's batches spread over the threads as below)
+        self.caller_threads = 0
 
     def search(
         self,
@@ -86,6 +87,16 @@ class Backend:
             )
 
         return self._each(one, batches, gone or [None] * len(batches))
+
+    def joins(self, options: DecodeOptions) -> bool:
+        """Whether a running batch (decoding.Running) takes sentences with `options` here."""
+        alone = len(self.models) == 1 and self.shortlist is None
+        return alone and self.device.type == "cpu" and decoding.Running.takes(options)
+
+    def running(self, options: DecodeOptions) -> decoding.Running:
+        """A running batch on the model, its steps on this process's threads (`nmt serve`'s)."""
+        torch.set_num_threads(self.caller_threads or self.threads)
+        return decoding.Running(self.models[0], options, self.device)
 
     def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
         """The log-probability of each target (ids without EOS, its EOS counted) given its
@@ -123,13 +134,13 @@ class Backend:
             with on(self.device):
                 return work(*args)
 
-        # one_thread (a server stepping several searches at once): every batch in the calling
+        # caller_threads (a server whose searches step in turn): every batch in the calling
         # thread, which then holds its turn only while it searches (a worker thread done with
         # its batches would hold one while another of the same call searches on)
-        many = self.device.type == "cpu" and not self.one_thread
+        many = self.device.type == "cpu" and not self.caller_threads
         workers = min(self.threads, len(batches[0])) if many else 1
         before = torch.get_num_threads()
-        torch.set_num_threads(1 if workers > 1 or self.one_thread else self.threads)
+        torch.set_num_threads(1 if workers > 1 else self.caller_threads or self.threads)
         try:
             if workers < 2:
                 yield from map(one, *batches)

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO, cast
 
 from nmt_cli import mbr
 from nmt_cli.backend import Backend, engine_of
@@ -169,6 +169,21 @@ class Translator:
         captured in one thread while another launches kernels would fail its capture)."""
         device = getattr(self.backend, "device", None)
         return self.engine == "nmt" and getattr(device, "type", None) == "cpu"
+
+    def joins(self, options: DecodeOptions) -> bool:
+        """Whether sentences with `options` may join a running batch (`running`): nmt's engine on a
+        CPU, one model without a shortlist, a search that takes sentences midway
+        (decoding.Running.takes), no alignments. Not on a GPU until one has measured it."""
+        joins = getattr(self.backend, "joins", None)
+        return self.engine == "nmt" and not options.alignments and joins is not None and joins(options)
+
+    def running(self, options: DecodeOptions):
+        """A running batch for sentences with `options` (but for the seed and alpha): ids join
+        it between its steps and leave as they end (decoding.Running; `nmt serve`)."""
+        if not self.joins(options):
+            raise ValueError("these options or this engine take no running batch")
+        self.check_tag(options.tag)
+        return cast(Any, self.backend).running(options)
 
     def slots(self) -> int:
         """How many searches step at once at most: a server's batches take turns at so many

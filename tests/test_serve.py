@@ -356,11 +356,12 @@ def test_the_batch_of_a_client_that_leaves_stops_decoding(package, multi30k_bpe)
 def test_the_costliest_request_allowed_holds_no_other_up(package, multi30k_bpe):
     """8 sentences at the widest beam, kept decoding to the model's limit by min_len (what the
     caps allow at most): a one-sentence request sent while it decodes is answered, exactly as
-    `nmt translate` answers it, before the costly one ends (nmt's engine takes their steps in
-    turn); past the caps, 400."""
+    `nmt translate` answers it, before the costly one ends (at the defaults, nmt's engine
+    decodes them in running batches of their own options that take their steps in turn);
+    past the caps, 400."""
     sources = sources_of(multi30k_bpe)[:8]
     expected = Translator(from_dir(package), TranslateConfig()).translate(sources[:2])
-    server = Server(package, "--concurrent-batches", "4")
+    server = Server(package)
     try:
         costly = {"text": sources, "beam": 16, "min_len": 1023, "max_len_b": 1023}
         for past in ({"min_len": 100_000}, {"max_len_b": 100_000}, {"max_len": 1024}, {"beam": 17}):
@@ -513,7 +514,8 @@ def test_searches_that_take_turns_run_in_their_callers_thread(trained, monkeypat
         translator = Translator.load(trained, threads=2, batch_size=2, max_len_b=6)
 
         async def serve(translator=translator, at_once=at_once) -> list:
-            batcher = Batcher(translator, ServeConfig(concurrent_batches=at_once, max_wait_ms=0))
+            config = ServeConfig(concurrent_batches=at_once, max_wait_ms=0, running_batch=False)
+            batcher = Batcher(translator, config)
             loop = asyncio.create_task(batcher.run())
             await asyncio.sleep(0)
             try:

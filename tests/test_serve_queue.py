@@ -610,3 +610,83 @@ def test_a_decoder_that_cannot_share_its_steps_gets_batches_of_bounded_cost(engi
         assert decoder.batches == [[long], [long, "s1", "s2", "s3"], ["s4"], [longer]]
     else:
         assert decoder.batches == [[long, long, "s1", "s2"], ["s3", "s4", longer]]
+
+
+def _joined_while_running(monkeypatch) -> list[int]:
+    """Records, at each join of a running batch, how many sentences it was decoding then."""
+    from nmt_cli.engine import decoding
+
+    seen: list[int] = []
+    join = decoding.Running.join
+    monkeypatch.setattr(decoding.Running, "join", lambda self, *a: seen.append(self.live) or join(self, *a))
+    return seen
+
+
+@pytest.mark.parametrize("running_batch", [True, False])
+def test_a_request_joins_the_running_batch_at_its_next_step(trained, monkeypatch, running_batch):
+    """nmt's engine on a CPU: a request that arrives while a batch of its options decodes joins
+    it at its next step and is answered before it ends (each sentence leaves as it ends), the
+    answers exactly `nmt translate`'s; without the running batch it waits for the batch."""
+    import asyncio
+
+    from nmt_cli.translator import Translator
+
+    options = {"min_len": 40, "max_len_b": 40, "max_len_a": 0.0}
+    translator = Translator.load(trained, threads=2, **options)
+    joins = _joined_while_running(monkeypatch)
+    lines = [f"a dog runs {'on the grass ' * i}." for i in range(6)]
+    expected = translator.translate(lines)
+
+    async def scenario(post, get):
+        long = asyncio.ensure_future(post({"text": lines[:4], **options}))
+        while (await get("/health"))[1]["decoding"] < 1:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # a few of its steps
+        short = await post({"text": lines[4:], **options, "max_len_b": 10, "min_len": 40})
+        late = long.done()
+        return await long, short, late
+
+    long, short, late = _in_process(translator, scenario, max_wait_ms=0, running_batch=running_batch)
+    assert long == (200, {"translations": expected[:4]})
+    capped = Translator.load(trained, threads=2, **{**options, "max_len_b": 10})
+    assert short == (200, {"translations": capped.translate(lines[4:])})
+    if running_batch:
+        assert not late and joins[0] == 0 and joins[1] == 4, joins  # it joined 4 sentences decoding
+    else:
+        assert late and not joins
+
+
+def test_the_rows_of_a_request_nobody_waits_for_leave_the_running_batch_at_its_next_step(
+    trained, monkeypatch
+):
+    """Two requests decode in one running batch; the client of one leaves: its sentences leave
+    at the next step, and the other's are decoded exactly as before."""
+    import asyncio
+
+    from nmt_cli.translator import Translator
+
+    options = {"min_len": 60, "max_len_b": 60, "max_len_a": 0.0}
+    translator = Translator.load(trained, threads=2, **options)
+    lines = [f"a cat sits {'on the mat ' * i}." for i in range(5)]
+    expected = translator.translate(lines[3:])
+    from nmt_cli.engine import decoding
+
+    dropped: list = []
+    drop = decoding.Running.drop
+    monkeypatch.setattr(decoding.Running, "drop", lambda self, s: dropped.append(len(s)) or drop(self, s))
+
+    async def scenario(post, get):
+        leaving = asyncio.ensure_future(post({"text": lines[:3], **options}))
+        staying = asyncio.ensure_future(post({"text": lines[3:], **options}))
+        while (await get("/health"))[1]["queued"] < 5:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        leaving.cancel()
+        while (await get("/health"))[1]["queued"] > 2:
+            await asyncio.sleep(0.001)
+        health = (await get("/health"))[1]
+        return health, staying.done(), await staying
+
+    health, finished, staying = _in_process(translator, scenario, max_wait_ms=0)
+    assert dropped == [3] and health["given_up"] == 1 and not finished
+    assert staying == (200, {"translations": expected})

@@ -150,6 +150,11 @@ class DecodeOptions:
         which each sentence keeps for itself (its random stream, its ranking)."""
         return dataclasses.replace(self, seed=0, alpha=0.0)
 
+    def joint(self) -> DecodeOptions:
+        """What the sentences of one running batch (`nmt serve`) must have alike: `shared`'s, but
+        for the length limits too (max_len_a, max_len_b, max_len), which each sentence keeps."""
+        return dataclasses.replace(self.shared(), max_len_a=0.0, max_len_b=0, max_len=0)
+
     def __post_init__(self) -> None:
         for name, (lo, hi) in RANGES.items():
             value = getattr(self, name)
@@ -300,6 +305,13 @@ class ServeConfig:
         "(on a CPU), CTranslate2's workers decode them side by side; a request that arrives while "
         "a costly one decodes is not held up by it (0: nmt's engine 1, as its p99 on honest load "
         "alone is lower so; CTranslate2 its workers, one per CPU thread or GPU).",
+    )
+    running_batch: bool = knob(
+        True,
+        "nmt's engine on a CPU: requests join one running batch at its next decoding step and each "
+        "sentence leaves it as it ends, or as its client goes (iteration-level scheduling); requests "
+        "whose search cannot take sentences midway (sampling, --mbr, prefixes, constraints, "
+        "no_repeat_ngram, the coverage penalty, alignments) decode in batches of their own.",
     )
     max_chars: int = knob(2000, "Characters per sentence, prefix or constraint; beyond, 400.")
     max_body: int = knob(1 << 20, "Bytes of a request's body; beyond, 413 (refused before it is read).")

@@ -119,7 +119,9 @@ class Beams:
             penalty = length_penalty(int(lengths[row]), rules.alphas[s])
             self.finished[s].append(Hypothesis(tokens_so_far, float(cand_scores[row, col]) / penalty))
         live_scores = np.take_along_axis(cand_scores, live, 1)
-        keep = _going_on(self.finished, active, live_scores, beam, self.nbest, rules.max_lens, rules.alphas, lengths)
+        keep = _going_on(
+            self.finished, active, live_scores, beam, self.nbest, rules.max_lens, rules.alphas, lengths
+        )
         self.ended = np.setdiff1d(active, active[keep], assume_unique=True)
         if not len(keep) and not self.open:
             return None
@@ -154,7 +156,9 @@ class Beams:
         scores = torch.full((n, beam), -math.inf, device=self.device)
         scores[:, 0] = 0.0
         self.scores = torch.cat([self.scores, scores])
-        self.tokens = torch.cat([self.tokens, torch.full((n * beam, 1), BOS, dtype=torch.long, device=self.device)])
+        self.tokens = torch.cat(
+            [self.tokens, torch.full((n * beam, 1), BOS, dtype=torch.long, device=self.device)]
+        )
         return added
 
     def drop(self, sentences: list[int]) -> Tensor:
@@ -187,7 +191,9 @@ def _going_on(
     # without is_done's look at their scores (the per-sentence loop was a large part of the
     # host's work per step, which a GPU waits for).
     counts = np.fromiter((len(finished[s]) for s in active), dtype=np.int64, count=len(active))
-    limits = np.maximum(np.fromiter((max_lens[s] for s in active), dtype=np.int64, count=len(active)), lengths)
+    limits = np.maximum(
+        np.fromiter((max_lens[s] for s in active), dtype=np.int64, count=len(active)), lengths
+    )
     going = (counts < min(nbest, beam)) & (lengths < limits)
     for i in np.flatnonzero(~going):
         sentence = active[i]

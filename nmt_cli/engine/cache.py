@@ -187,28 +187,33 @@ class FixedCache:
 class RowCache:
     """DecoderCache for a search that sentences join between its steps and leave at any step
     (nmt serve's running batch): each row is at a position of its own, the steps since its
-    sentence began. A row's new K/V are written at its position, and it attends to its own
-    positions alone (`self_mask`); the encoder-decoder K/V of its sentence are padded to the
-    longest source among the live sentences (`src_mask` hides the padding), as in a batch.
+    sentence began. A step's K/V tensors are (rows, H, n, K) with n the positions of the
+    longest live row: each row writes its new K/V at its own position and attends to its own
+    positions alone (`self_mask`; None while every row is at the same one); the encoder-decoder
+    K/V of each sentence are padded to the longest live source (`src_mask` hides the padding),
+    as in a batch.
 
-    `offset` (R,) is each row's position, on the device; `positions` the same on the host, from
-    which the length every step attends over is the longest row's."""
+    As in DecoderCache, a step's first append moves every tensor once into its next shape,
+    gathering the rows a reorder kept on the way; positions a row has not reached are zeros
+    (masked, but never garbage that a zero weight would turn into NaN)."""
 
     def __init__(self, layers: int, heads: int, head_dim: int, beam: int, dtype: torch.dtype, device):
-        self.beam, self.max_len = beam, 0
+        self.beam, self.dtype = beam, dtype
         empty = torch.empty((0, heads, 0, head_dim), dtype=dtype, device=device)
         self.memory_kv = [(empty, empty) for _ in range(layers)]
         self.src_mask = torch.zeros((0, 1, 1, 0), dtype=torch.bool, device=device)
         self.sources = np.zeros(0, dtype=np.int64)  # each sentence's source length (with EOS)
-        self.kvs = [empty] * (2 * layers)  # self-attention K, V of each layer, (R, H, room, K)
-        self.offset = torch.zeros(0, dtype=torch.long, device=device)
-        self.positions = np.zeros(0, dtype=np.int64)
+        self.kvs = [empty] * (2 * layers)  # self-attention K, V of each layer, (R, H, n, K)
+        self.kept: Tensor | None = None  # rows of `kvs` a reorder kept, gathered at the next move
+        self.added = 0  # rows that joined since, after them
+        self.offset = torch.zeros(0, dtype=torch.long, device=device)  # each row's position
+        self.positions = np.zeros(0, dtype=np.int64)  # the same on the host
         self.self_mask: Tensor | None = None
         self._rows = torch.zeros(0, dtype=torch.long, device=device)
 
     def join(self, memory_kv: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> None:
         """Sentences (their encoder-decoder K/V and source mask) begin: `beam` rows each, after
-        the live ones, at position 0."""
+        the live ones, at position 0 (their self-attention K/V made at the next move)."""
         width = max(self.src_mask.shape[-1], src_mask.shape[-1])
         self.memory_kv = [
             (torch.cat([_wide(k0, width), _wide(k1, width)]), torch.cat([_wide(v0, width), _wide(v1, width)]))
@@ -217,25 +222,50 @@ class RowCache:
         self.src_mask = torch.cat([_wide(self.src_mask, width), _wide(src_mask, width)])
         self.sources = np.concatenate([self.sources, src_mask.sum((1, 2, 3)).cpu().numpy()])
         rows = src_mask.shape[0] * self.beam
-        self.kvs = [torch.cat([kv, kv.new_zeros((rows, *kv.shape[1:]))]) for kv in self.kvs]
+        self.added += rows
         self.offset = torch.cat([self.offset, self.offset.new_zeros(rows)])
         self.positions = np.concatenate([self.positions, np.zeros(rows, dtype=np.int64)])
         self._rows = torch.arange(len(self.positions), device=self.offset.device)
 
+    def _move(self, n: int) -> None:
+        """Every K/V tensor into (rows kept, H, n, K): the kept rows' first positions copied, the
+        rest zeros."""
+        if self.kept is None and not self.added and self.kvs[0].shape[2] == n:
+            return
+        for i, kv in enumerate(self.kvs):
+            old = len(self.kept) if self.kept is not None else kv.shape[0]
+            dst = kv.new_empty((old + self.added, kv.shape[1], n, kv.shape[3]))
+            m = min(n, kv.shape[2])
+            if self.kept is None:
+                dst[:old, :, :m] = kv[:, :, :m]
+            else:
+                torch.index_select(kv[:, :, :m], 0, self.kept, out=dst[:old, :, :m])
+            dst[:old, :, m:] = 0
+            dst[old:] = 0
+            self.kvs[i] = dst
+        self.kept, self.added = None, 0
+
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store each row's new K/V of `layer` at its position; returns the layer's K/V of the
-        positions any row has reached (`self_mask` hides, in each row, those past its own)."""
-        n = int(self.positions.max()) + 1 if len(self.positions) else 1
+        positions the longest row has reached (`self_mask` hides, in each row, those past its
+        own)."""
         if layer == 0:  # a step begins
-            if n > self.kvs[0].shape[2]:
-                room = max(n, 2 * self.kvs[0].shape[2], 16)
-                self.kvs = [F.pad(kv, (0, 0, 0, room - kv.shape[2])) for kv in self.kvs]
-            seen = torch.arange(n, device=self.offset.device)[None, :] <= self.offset[:, None]
-            self.self_mask = seen[:, None, None, :]  # (R, 1, 1, n)
+            n = int(self.positions.max()) + 1
+            self._move(n)
+            if self.positions.min() == n - 1:
+                self.self_mask = None
+            else:
+                seen = torch.arange(n, device=self.offset.device)[None, :] <= self.offset[:, None]
+                mask = torch.zeros(seen.shape, dtype=self.dtype, device=seen.device)
+                self.self_mask = mask.masked_fill_(~seen, -math.inf)[:, None, None, :]
         keys, values = self.kvs[2 * layer], self.kvs[2 * layer + 1]
-        keys[self._rows, :, self.offset] = k[:, :, 0]
-        values[self._rows, :, self.offset] = v[:, :, 0]
-        return keys[:, :, :n], values[:, :, :n]
+        if self.self_mask is None:  # every row at the last position
+            keys[:, :, -1:] = k
+            values[:, :, -1:] = v
+        else:
+            keys[self._rows, :, self.offset] = k[:, :, 0]
+            values[self._rows, :, self.offset] = v[:, :, 0]
+        return keys, values
 
     def advance(self) -> None:
         self.offset += 1
@@ -245,8 +275,10 @@ class RowCache:
         """Keep rows `indices` (each sentence's beams together, sentences in their old order):
         beam search's survivors and the sentences still running; the memory of those that left
         is dropped and trimmed to the longest source left."""
+        if self.added:  # the rows that joined are made first
+            self._move(self.kvs[0].shape[2])
         host = indices.cpu().numpy()
-        self.kvs = [kv.index_select(0, indices) for kv in self.kvs]
+        self.kept = indices if self.kept is None else self.kept.index_select(0, indices)
         self.offset = self.offset.index_select(0, indices)
         self.positions = self.positions[host]
         self._rows = torch.arange(len(host), device=indices.device)

@@ -158,9 +158,10 @@ def _search(
 class Running:
     """nmt serve's running batch (iteration-level scheduling): one beam search that sentences
     `join` between its steps and leave as soon as they end, or `drop` out when nobody waits
-    for them, on one model and a cache whose rows each have their own position
-    (cache.RowCache). Each sentence is searched as `translate` searches it: the same rules,
-    ranking and ending; it only shares the steps' matrices with whatever else is live.
+    for them, each with its own seed, alpha and length limits, on one model and a cache whose
+    rows each have their own position (cache.RowCache). Each sentence is searched as
+    `translate` searches it: the same rules, ranking and ending; it only shares the steps'
+    matrices with whatever else is live.
 
     For the options whose search can take sentences midway (`takes`): beam search and greedy,
     with their limits, min_len and repetition penalty; not sampling, prefixes, constraints,
@@ -171,12 +172,12 @@ class Running:
             raise ValueError("these options need every sentence of a search to begin together")
         model.eval()
         self.model, self.options = model, options
-        c = model.config
-        self.ceiling = int(min(c.max_positions - 1, options.max_len or math.inf))
         self.rules = NextToken(options, [], options.beam, device)
         self.beams = beam.Beams(self.rules, device, open=True)
-        dtype = model.embed.weight.dtype
-        self.cache = RowCache(c.num_decoder_layers, c.heads, c.d_model // c.heads, options.beam, dtype, device)
+        c, dtype = model.config, model.embed.weight.dtype
+        self.cache = RowCache(
+            c.num_decoder_layers, c.heads, c.d_model // c.heads, options.beam, dtype, device
+        )
         self.device = device
 
     @staticmethod
@@ -190,14 +191,20 @@ class Running:
         return len(self.beams.active)
 
     @torch.no_grad()
-    def join(self, sources: Sequence[Sequence[int]], alphas: Sequence[float]) -> list[int]:
-        """Sentences (ids without EOS, none empty) begin at the next step; their numbers."""
+    def join(self, sources: Sequence[Sequence[int]], options: Sequence[DecodeOptions]) -> list[int]:
+        """Sentences (ids without EOS, none empty) begin at the next step, each with its options
+        (alike but for the seed, alpha and length limits: DecodeOptions.joint); their numbers."""
+        if any(o.joint() != self.options.joint() for o in options):
+            raise ValueError("the sentences of a running batch differ in seed, alpha and length limits only")
         src = torch.from_numpy(pad_sources([list(x) for x in sources])).to(self.device)
         memory, src_mask = self.model.encode(src)
         self.cache.join(self.model.memory_keys_values(memory), src_mask)
-        o = self.options
-        max_lens = limits([len(x) for x in sources], o.max_len_a, o.max_len_b, self.ceiling)
-        return self.beams.join(max_lens, list(alphas))
+        most = self.model.config.max_positions - 1
+        max_lens = [
+            limits([len(x)], o.max_len_a, o.max_len_b, int(min(most, o.max_len or math.inf)))[0]
+            for x, o in zip(sources, options)
+        ]
+        return self.beams.join(max_lens, [o.alpha for o in options])
 
     def drop(self, sentences: Sequence[int]) -> None:
         """`sentences` leave unfinished."""

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
+from nmt_cli.engine.hypothesis import Hypothesis
 from nmt_cli.errors import Stopped
 from nmt_cli.serve.turns import Turns
 from nmt_cli.translator import Translator
@@ -36,13 +37,33 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
     decoding: bool = False  # a piece of it is being decoded: its next waits (one at a time)
-    answers: list = field(default_factory=list)  # the answers of the pieces decoded, in order
+    answers: list = field(init=False)  # each sentence's answer, as it comes
+    answered: int = 0
+
+    def __post_init__(self) -> None:
+        self.answers = [None] * len(self.sentences)
 
 
 Piece = tuple[Job, int, int]  # a job's sentences [lo, hi) in one decoding batch
 
+
+@dataclass(eq=False)
+class Stream:
+    """The running batch of nmt's engine (Translator.running): the options its sentences share,
+    its search, the pieces handed to it that join at its next step, the hypotheses it holds
+    (the loop's count), and whether it still takes pieces (its thread ends when it has none)."""
+
+    options: DecodeOptions
+    search: Any
+    inbox: deque[Piece] = field(default_factory=deque)
+    rows: int = 0
+    open: bool = True
+
+
 # --max-queue counts sentences of this many pieces at the default options
 TYPICAL = 32
+# running batches (of different options) and batches decoding at once by default, in turn
+RUNNING = 4
 
 
 class Batcher:
@@ -62,22 +83,45 @@ class Batcher:
         # nmt's engine asks `gone` before each step, where a batch waits for its turn
         # CTranslate2's workers (one per CPU thread) decode its batches side by side, each whole
         apart = translator.engine == "ctranslate2"
-        own = getattr(getattr(translator, "backend", None), "workers", 1) if apart else 1  # 0: its own
-        self.at_once = (config.concurrent_batches or own) if translator.steps_in_turn() or apart else 1
-        self.stepped = self.at_once > 1 and not apart
+        backend = getattr(translator, "backend", None)
+        own = getattr(backend, "workers", 1) if apart else 1  # 0: its own
+        # nmt's engine on a CPU: requests whose search can take sentences midway join a running
+        # batch of their options at its next step (Translator.running); the running batches of
+        # different options and the batches of the others step in turn, one at a time on every
+        # thread
+        self.joins = (
+            config.running_batch
+            and config.batching
+            and callable(getattr(translator, "running", None))
+            and translator.steps_in_turn()
+        )
+        if self.joins:
+            self.at_once = config.concurrent_batches or RUNNING
+            self.stepped, slots, threads = True, 1, getattr(backend, "threads", 1)
+        else:
+            self.at_once = (config.concurrent_batches or own) if translator.steps_in_turn() or apart else 1
+            self.stepped = self.at_once > 1 and not apart
+            # with several searches at once, each on one thread (not slots x all of them)
+            slots, threads = (translator.slots(), 1) if self.stepped else (1, 0)
         self.cut = translator.engine != "nmt"  # batches that cannot share their steps
-        self.turns = Turns(translator.slots() if self.stepped else 1)
-        if self.stepped and self.turns.slots > 1 and hasattr(translator, "backend"):
-            # nmt's backend: each search on one thread, its caller's (slots x 1 thread, not
-            # slots x all of them; and no worker thread holding a turn it no longer uses)
-            cast(Any, translator.backend).one_thread = True
+        self.turns = Turns(slots)
+        if self.stepped and hasattr(translator, "backend"):
+            # nmt's backend: each search in its caller's thread (no worker thread holding a
+            # turn it no longer uses)
+            cast(Any, translator.backend).caller_threads = threads
         self.batch_ids = itertools.count()
         self.decoding: set[asyncio.Task] = set()  # the batches being decoded
         self.busy: set[Future] = set()  # ... in their threads, which may outlive their tasks
         self.changed = asyncio.Event()  # a job arrived or a batch ended
         self.decoder = ThreadPoolExecutor(self.at_once, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
-        self.stopped = 0  # batches given up midway: nobody waited for them any more
+        # batches given up midway, and steps at which sentences left the running batch
+        # unfinished: nobody waited for them any more
+        self.stopped = 0
+        # nmt's engine: requests whose search can take sentences midway join one running batch
+        # at its next step (Translator.running); the others decode in batches as above
+        self.streams: dict[DecodeOptions, Stream] = {}  # the running batches, by their options
+        self.lock = threading.Lock()  # the stream's inbox and end, between the loop and its thread
 
     def submit(
         self,
@@ -207,6 +251,11 @@ class Batcher:
             while (first := self._next()) is None:
                 self.changed.clear()
                 await self.changed.wait()
+            if self._joinable(first):
+                if not self._feed(first):  # until a sentence or batch ends or a job arrives
+                    self.changed.clear()
+                    await self.changed.wait()
+                continue
             while first is not None and not self._ready(first):
                 self.changed.clear()
                 left = self.config.max_wait_ms / 1000 - (time.monotonic() - first.arrived)
@@ -230,6 +279,167 @@ class Batcher:
             self.decoding.add(task)
             if self.at_once == 1:  # one batch at a time
                 await asyncio.wait([task])
+
+    def _joinable(self, job: Job) -> bool:
+        return (
+            self.joins
+            and not any(job.prefixes or [])
+            and not any(job.constraints or [])
+            and self.translator.joins(job.options)
+        )
+
+    def _feed(self, first: Job) -> bool:
+        """Hand the running batch (begun for `first` if none runs and a batch is free) the
+        sentences that fit beside its rows: of the waiting jobs with its options, least served
+        first, while its hypotheses stay within `max_batch` sentences at the default beam and
+        their memory within --max-memory (one sentence at least when it holds none). Whether
+        any was handed."""
+        s = self.streams.get(first.options.joint())
+        if s is None:
+            if len(self.decoding) >= self.at_once:
+                return False
+            try:
+                search = self.translator.running(first.options)
+            except Exception as e:  # noqa: BLE001 - a fault of ours: that request gets a 500
+                self._fail(first, e)
+                return True
+            s = self.streams[first.options.joint()] = Stream(first.options.joint(), search)
+            task = asyncio.get_running_loop().create_task(self._streaming(s))
+            self.decoding.add(task)
+        budget = self.config.max_batch * self.translator.config.decode.rows - s.rows
+        room = self.memory - self.held
+        pieces: list[Piece] = []
+        with self.lock:
+            if not s.open:  # its thread is ending: a new one begins when it has
+                return False
+            for job in sorted(self._waiting(), key=lambda j: (j.taken, j.arrived)):
+                if job.options.joint() != s.options or not self._joinable(job):
+                    continue
+                rows = job.options.rows
+                n = min(len(job.sentences) - job.taken, max(0, budget // rows))
+                if not s.rows and not pieces:
+                    n = max(n, 1)  # an empty batch takes a sentence whatever it costs
+                n = _within(job.sizes[job.taken : job.taken + n], room, first=not s.rows and not pieces)
+                if not n:
+                    break
+                room -= sum(job.sizes[job.taken : job.taken + n])
+                budget -= n * rows
+                pieces.append((job, job.taken, job.taken + n))
+                job.taken += n
+                if job.taken == len(job.sentences):
+                    self.jobs.remove(job)
+            for job, lo, hi in pieces:
+                s.rows += (hi - lo) * job.options.rows
+                self.held += sum(job.sizes[lo:hi])
+            s.inbox.extend(pieces)
+        return bool(pieces)
+
+    async def _streaming(self, s: Stream) -> None:
+        """The running batch `s`, decoded in a thread until it holds nothing and is handed
+        nothing."""
+        loop = asyncio.get_running_loop()
+        future = self.decoder.submit(self._stream, s, loop)
+        self.busy.add(future)
+        future.add_done_callback(self.busy.discard)
+        try:
+            await asyncio.wrap_future(future, loop=loop)
+        except Exception as e:  # noqa: BLE001 - a fault of ours: its requests got a 500
+            ui.say("nmt serve: a batch failed: " + "".join(traceback.format_exception_only(e)).strip())
+        finally:
+            if self.streams.get(s.options) is s:
+                del self.streams[s.options]
+            task = asyncio.current_task()
+            if task is not None:
+                self.decoding.discard(task)
+            self.changed.set()
+
+    def _stream(self, s: Stream, loop: asyncio.AbstractEventLoop) -> None:
+        """The running batch's thread: before each step, the pieces handed to it join and the
+        sentences nobody waits for leave; after it, each sentence that ended is answered."""
+        members: dict[int, tuple[Job, int]] = {}  # each live sentence's job and place in it
+        key = ("stream", threading.get_ident())
+        pieces: list[Piece] = []
+        try:
+            while True:
+                with self.lock:
+                    pieces = list(s.inbox)
+                    s.inbox.clear()
+                    if not pieces and not s.search.live:
+                        s.open = False
+                        return
+                gone = [n for n, (job, _) in members.items() if job.done.done()]
+                if gone:
+                    s.search.drop(gone)
+                    loop.call_soon_threadsafe(self._given_up)
+                    for n in gone:
+                        loop.call_soon_threadsafe(self._left, s, *members.pop(n), None, None)
+                if pieces:
+                    self._enter(s, pieces, members, loop)
+                    pieces = []
+                if not s.search.live:
+                    continue
+                if self.stepped:  # the step waits for its turn beside the other batches
+                    self.turns.step(key)
+                for n, hyps in s.search.step():
+                    job, i = members.pop(n)
+                    answer, error = None, None
+                    try:  # one answer that cannot be made fails its job alone
+                        answer = _answer(self.translator.texts([hyps]), [hyps], job.options)[0]
+                    except Exception as e:  # noqa: BLE001
+                        error = e
+                    loop.call_soon_threadsafe(self._left, s, job, i, answer, error)
+        except BaseException as e:
+            with self.lock:
+                s.open = False
+                pieces += list(s.inbox)
+                s.inbox.clear()
+            held = [(job, i) for job, i in members.values()]
+            held += [(job, i) for job, lo, hi in pieces for i in range(lo, hi)]
+            for job, i in held:
+                loop.call_soon_threadsafe(self._left, s, job, i, None, e)
+            raise
+        finally:
+            self.turns.leave([key])
+
+    def _enter(self, s: Stream, pieces: list[Piece], members: dict, loop) -> None:
+        """The pieces' sentences join the running batch at once (a blank one, or one nobody
+        waits for any more, is answered at once)."""
+        joining: list[tuple[Job, int, list[int]]] = []
+        for job, lo, hi in pieces:
+            if job.done.done():  # its client left while it waited: not decoded
+                loop.call_soon_threadsafe(self._given_up)
+                for i in range(lo, hi):
+                    loop.call_soon_threadsafe(self._left, s, job, i, None, None)
+                continue
+            ids = self.translator.encode(job.sentences[lo:hi], job.options.tag)
+            blank = [Hypothesis([], 0.0)] * job.options.nbest
+            for k, x in enumerate(ids):
+                if x:
+                    joining.append((job, lo + k, x))
+                else:
+                    answer = _answer(self.translator.texts([blank]), [blank], job.options)[0]
+                    loop.call_soon_threadsafe(self._left, s, job, lo + k, answer, None)
+        if joining:
+            numbers = s.search.join([x for _, _, x in joining], [job.options for job, _, _ in joining])
+            members.update({n: (job, i) for n, (job, i, _) in zip(numbers, joining)})
+
+    def _given_up(self) -> None:
+        self.stopped += 1
+
+    def _left(self, s: Stream, job: Job, i: int, answer, error: BaseException | None) -> None:
+        """Sentence i of `job` left the running batch, answered (`answer`), failed (`error`) or
+        given up (neither); the job is answered with its last."""
+        s.rows -= job.options.rows
+        self.held -= job.sizes[i]
+        self._done_with(job, i, i + 1)
+        if error is not None:
+            self._fail(job, error)
+        elif answer is not None and not job.done.done():
+            job.answers[i] = answer
+            job.answered += 1
+            if job.answered == len(job.sentences):
+                _settle(job, answers=job.answers)
+        self.changed.set()
 
     async def _batch(self, pieces: list[Piece], held: int) -> None:
         try:
@@ -294,11 +504,12 @@ class Batcher:
         for job, lo, hi in pieces:
             end = start + hi - lo
             try:  # one job's answer that cannot be made fails that job alone
-                job.answers += _answer(texts[start:end], hyps[start:end], job.options)
+                job.answers[lo:hi] = _answer(texts[start:end], hyps[start:end], job.options)
             except Exception as e:  # noqa: BLE001 - its client gets a 500, the others their answers
                 self._fail(job, e)
             else:
-                if len(job.answers) == len(job.sentences):
+                job.answered += hi - lo
+                if job.answered == len(job.sentences):
                     _settle(job, answers=job.answers)
             start = end
 
