@@ -36,6 +36,7 @@ class Job:
     sizes: list[int]  # ... and the bytes its search holds while it decodes
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
+    flying: int = 0  # ... and not yet answered
     decoding: bool = False  # a piece of it is being decoded: its next waits (one at a time)
     answers: list = field(init=False)  # each sentence's answer, as it comes
     answered: int = 0
@@ -181,7 +182,14 @@ class Batcher:
     def _next(self) -> Job | None:
         """The waiting job served least so far (then the oldest): a short request waits for at
         most the batch being decoded, however large the requests queued before it."""
-        return min(self._waiting(), key=lambda j: (j.taken, j.arrived), default=None)
+        return min(self._waiting(), key=self._order, default=None)
+
+    def _order(self, job: Job) -> tuple:
+        """Who is served first. Batch by batch: the request served least so far. With running
+        batches, which free room a sentence at a time: the request with the fewest sentences
+        decoding, then the oldest (one served least so far would keep a large request waiting
+        behind every newcomer for each sentence of it)."""
+        return (job.flying, job.arrived) if self.joins else (job.taken, job.arrived)
 
     def _fits(self, first: Job) -> bool:
         """Whether another batch may begin with `first`: a batch is free and its next sentence's
@@ -202,7 +210,7 @@ class Batcher:
         shared = first.options.shared()
         same = [j for j in self._waiting() if j.options.shared() == shared]
         rows = first.options.rows
-        for job in sorted(same, key=lambda j: (j.taken, j.arrived)):
+        for job in sorted(same, key=self._order):
             if pieces and (not self.config.batching or budget < rows):
                 break
             n = min(len(job.sentences) - job.taken, max(1, budget // rows))
@@ -216,6 +224,7 @@ class Batcher:
                 work -= sum(job.costs[job.taken : job.taken + n])
             pieces.append((job, job.taken, job.taken + n))
             job.taken += n
+            job.flying += n
             budget -= n * rows
             if job.taken == len(job.sentences):
                 self.jobs.remove(job)
@@ -312,7 +321,7 @@ class Batcher:
         with self.lock:
             if not s.open:  # its thread is ending: a new one begins when it has
                 return False
-            for job in sorted(self._waiting(), key=lambda j: (j.taken, j.arrived)):
+            for job in sorted(self._waiting(), key=self._order):
                 if job.options.joint() != s.options or not self._joinable(job):
                     continue
                 rows = job.options.rows
@@ -326,6 +335,7 @@ class Batcher:
                 budget -= n * rows
                 pieces.append((job, job.taken, job.taken + n))
                 job.taken += n
+                job.flying += n
                 if job.taken == len(job.sentences):
                     self.jobs.remove(job)
             for job, lo, hi in pieces:
@@ -430,6 +440,7 @@ class Batcher:
         """Sentence i of `job` left the running batch, answered (`answer`), failed (`error`) or
         given up (neither); the job is answered with its last."""
         s.rows -= job.options.rows
+        job.flying -= 1
         self.held -= job.sizes[i]
         self._done_with(job, i, i + 1)
         if error is not None:
@@ -452,6 +463,7 @@ class Batcher:
             for job, lo, hi in pieces:
                 self._done_with(job, lo, hi)
                 job.decoding = False
+                job.flying -= hi - lo
             self.held -= held
             task = asyncio.current_task()
             if task is not None:
