@@ -16,7 +16,6 @@ models and provenance.json beside CTranslate2's own files.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING
 from nmt_cli import shortlist
 from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import check_regular, read_json, read_regular, sha256_file
+from nmt_cli.files import check_regular, open_regular, read_json, read_regular, sha256_file
 from nmt_cli.rundir import RunDir
 from nmt_cli.vocab import Vocabularies
 
@@ -42,6 +41,8 @@ NMT, CT2 = "nmt", "ctranslate2"
 # 2: a source embedding of its own; 3: the settings of a model made elsewhere (`nmt import`);
 # a model that needs neither is still written as 1
 VERSION = 3
+MAX_MEMBERS = 100  # entries of an export folder: nmt writes about a dozen
+MAX_HEADER = 1 << 20  # bytes of a safetensors header
 
 
 def vocabulary_key(vocabs: Vocabularies) -> tuple:
@@ -250,15 +251,13 @@ def from_dir(path: Path) -> Model:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise NmtError(f"{settings_path} is damaged ({type(e).__name__}: {e})") from None
     config = _declared(s.get("model"), settings_path)
-    if s.get("version", 0) > VERSION:
-        raise NmtError(f"{path} was exported by a newer nmt (package version {s['version']}): upgrade nmt")
+    version = s.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise NmtError(f"{settings_path} is damaged: its version is {version!r}, not a number nmt writes")
+    if version > VERSION:
+        raise NmtError(f"{path} was exported by a newer nmt (package version {version}): upgrade nmt")
     vocabs, provenance_path = Vocabularies.in_folder(path), path / PROVENANCE
-    provenance = {}
-    if provenance_path.exists():
-        try:
-            provenance = json.loads(read_regular(provenance_path, 16 << 20).decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise NmtError(f"{provenance_path} is damaged ({type(e).__name__}: {e})") from None
+    provenance = read_json(provenance_path) if provenance_path.exists() else {}
     if fmt not in (NMT, CT2):
         raise NmtError(f"{settings_path}: unknown format {fmt!r}")
     weights_path = path / (WEIGHTS if fmt == NMT else CT2_WEIGHTS)
@@ -295,8 +294,14 @@ def _if_there(path: Path) -> Path | None:
 
 
 def _members_are_regular(path: Path) -> None:
+    """Every entry of an export is a regular file, and there are few: a folder of many more than
+    nmt writes is refused, not scanned for ever (nor checked in part, a FIFO past the part)."""
     with os.scandir(path) as entries:
-        for entry in itertools.islice(entries, 1000):
+        for n, entry in enumerate(entries):
+            if n >= MAX_MEMBERS:
+                raise NmtError(
+                    f"{path} holds more than {MAX_MEMBERS} entries: an export holds only the files nmt wrote"
+                )
             if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
                 raise NmtError(
                     f"{entry.path} is not a regular file: an export holds only the files nmt wrote"
@@ -329,6 +334,13 @@ def check_shapes(config: ModelConfig, weights_path: Path, settings_path: Path) -
     loaded: a package that declared more than it holds could make its user allocate at will."""
     from safetensors import safe_open
 
+    # safetensors parses the whole JSON header it is given: its size is bounded first (a model's
+    # is tens of KB; a crafted one of a million keys would cost seconds and a GB to parse)
+    with os.fdopen(open_regular(weights_path, os.O_RDONLY, follow=True), "rb") as raw:
+        head = raw.read(8)
+    size = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < size <= MAX_HEADER:
+        raise NmtError(f"{weights_path} is not a safetensors file nmt wrote (a header of {size} bytes)")
     try:
         with safe_open(str(weights_path), "pt") as f:
             held = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}

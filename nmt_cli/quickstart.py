@@ -4,14 +4,13 @@ prep, BPE, training on the CPU recipe, averaging, translating and scoring test20
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 from nmt_cli import average, bpe, plot, prep, recipes, score, translate, ui
 from nmt_cli import train as train_mod
 from nmt_cli.config import MULTI30K_CPU, BpeConfig, PrepConfig, TrainConfig, TranslateConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_write_json
+from nmt_cli.files import atomic_write_json, read_json
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import read_lines
 
@@ -106,7 +105,7 @@ def _data_steps_done(run_dir: RunDir) -> set[str]:
         return set()
     manifest = run_dir.load_manifest()
     prep_config = run_dir.config_path("prep")
-    recipe = json.loads(prep_config.read_text()).get("recipe") if prep_config.exists() else None
+    recipe = read_json(prep_config).get("recipe") if prep_config.exists() else None
     if "prep" in manifest and (recipe != "multi30k-en-de" or manifest["prep"].get("src") != "en"):
         raise NmtError(
             f"{run_dir.root} holds another corpus or direction ({recipe}): give "

@@ -7,16 +7,19 @@ import json
 from pathlib import Path
 
 from nmt_cli.errors import NmtError
+from nmt_cli.files import read_regular
+
+MAX_BYTES = 1 << 20  # a settings file is a page of options
 
 
 def read_settings(path: Path) -> tuple[dict, dict]:
     """The file's settings, and each key's line (from 1)."""
     import yaml
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise NmtError(f"--config {path}: {e.strerror}") from None
+    try:  # a regular file of a sane size: a link to /dev/zero or a FIFO is refused, not read
+        text = read_regular(path, MAX_BYTES).decode("utf-8")
+    except NmtError as e:
+        raise NmtError(f"--config {e}") from None
     except UnicodeDecodeError:
         raise NmtError(f"--config {path} is not UTF-8 text") from None
     loader = yaml.SafeLoader(text)  # YAML reads JSON too

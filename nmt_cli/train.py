@@ -16,15 +16,22 @@ from nmt_cli import ui
 from nmt_cli.config import PRESETS, LaunchConfig, TrainConfig, from_json
 from nmt_cli.engine import checkpoint, launcher, parts, state, trainer
 from nmt_cli.errors import NmtError
+from nmt_cli.files import read_regular
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
+
+
+def _saved(run: RunDir) -> TrainConfig:
+    """The settings a run saved (train.json), read as a regular file under a size cap."""
+    path = run.config_path("train")
+    return from_json(TrainConfig, read_regular(path, 1 << 20).decode("utf-8", "replace"), str(path))
 
 
 def settings(run: RunDir, given: dict, explicit: set[str]) -> TrainConfig:
     """The run's TrainConfig: a resume keeps the saved settings, and the options set on the
     command line (`explicit`) override them; a new run takes `given` whole."""
     if checkpoint.listed(run.checkpoints) and run.config_path("train").exists():
-        saved = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
+        saved = _saved(run)
         if "optimizer" in explicit and given["optimizer"] != saved.optimizer:
             raise NmtError(
                 f"{run.root} trains with --optimizer {saved.optimizer}, whose state its checkpoints "
@@ -112,7 +119,7 @@ def worker(run_dir: str) -> int:
     if os.environ.get("RANK", "0") == "0":  # the launcher holds the run; rank 0 speaks for it
         ui.log_to(run.log, f"nmt train: rank 0 (pid {os.getpid()})")
     try:
-        config = from_json(TrainConfig, run.config_path("train").read_text(), str(run.config_path("train")))
+        config = _saved(run)
         _train(run, config)
         return 0
     except state.Interrupted as e:  # the launcher says so, once

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from nmt_cli import ui, workers
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_open, atomic_write_json
+from nmt_cli.files import atomic_open, atomic_write_json, read_json
 from nmt_cli.models import Model, from_run
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import Counts
@@ -36,7 +35,7 @@ def translate_split(
     model = model or from_run(run, config.checkpoint)
     key = {"model": str(model.where), "model_sha256": model.sha256, "settings": dataclasses.asdict(config)}
     key_path = out.with_suffix(out.suffix + ".json")
-    if out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key:
+    if out.exists() and key_path.exists() and read_json(key_path) == key:
         ui.say(f"reusing {out} (same model and settings)")
         return out, ref_path
     with open(src_path, "rb") as source, atomic_open(out) as sink:

@@ -235,6 +235,45 @@ def test_a_models_members_are_regular_files_that_match_their_sha256(package, exp
     assert "model.bin does not match the sha256 in nmt.json" in line
 
 
+def test_a_damaged_package_is_one_error_line_before_anything_large_is_read(package, tmp_path, nmt):
+    """A package folder of many entries (a FIFO among them past any part a scan would look at),
+    a version that is not a number, provenance that is not an object, and a weights file whose
+    header claims a million keys: each one error line naming the file, nothing hangs, no
+    traceback."""
+    cases = {}
+    crowded, hidden = tmp_path / "crowded", tmp_path / "hidden"
+    for folder in (crowded, hidden):
+        shutil.copytree(package, folder)
+        for i in range(150):
+            (folder / f"extra-{i:03d}").write_text("x")
+    os.mkfifo(hidden / "zz-config.json")
+    cases[crowded] = "crowded holds more than 100 entries"
+    found = one_error_line(nmt("translate", "--model", hidden, stdin=b"a dog\n"))
+    assert "zz-config.json is not a regular file" in found or "hidden holds more than 100 entries" in found
+    for name, value, said in (
+        ("version", "9", "nmt.json is damaged: its version is '9'"),
+        ("version", True, "nmt.json is damaged: its version is True"),
+    ):
+        copy = tmp_path / f"{name}-{value}"
+        shutil.copytree(package, copy)
+        settings = json.loads((copy / "nmt.json").read_text())
+        (copy / "nmt.json").write_text(json.dumps({**settings, name: value}))
+        cases[copy] = said
+    listed = tmp_path / "listed"
+    shutil.copytree(package, listed)
+    (listed / "provenance.json").write_text("[]")
+    cases[listed] = "provenance.json holds a JSON list, not what nmt wrote there"
+    header = tmp_path / "header"
+    shutil.copytree(package, header)
+    weights = header / "model.safetensors"
+    claimed = (1 << 30).to_bytes(8, "little")  # a GiB of header promised
+    weights.write_bytes(claimed + weights.read_bytes()[8:])
+    cases[header] = "model.safetensors is not a safetensors file nmt wrote (a header of 1073741824 bytes)"
+    for folder, said in cases.items():
+        line = one_error_line(nmt("translate", "--model", folder, stdin=b"a dog\n"))
+        assert said in line, line
+
+
 def test_an_export_is_on_disk_before_it_appears(trained, tmp_path, monkeypatch, nmt):
     """Every file of an export is fsynced before the rename that makes it visible."""
     synced = []

@@ -176,3 +176,21 @@ def test_what_nmt_reads_from_a_run_directory_is_a_regular_file_or_one_error(trai
     record.write_text(json.dumps({**meta, "sha256": sha256, "bytes": size}))
     with pytest.raises(NmtError, match=f"{newest.name} holds a list, not a checkpoint's tensors"):
         checkpoint.load_tensors(newest)
+
+
+def test_the_settings_nmt_reads_back_are_regular_files_or_one_error(trained, tmp_path, nmt):
+    """A resume reads the run's train.json, `--config` its file: a FIFO there (a read that waits
+    for ever) or a link to /dev/zero (one that never ends) is one error line naming the file."""
+    from conftest import one_error_line
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    saved = RunDir(run_dir).config_path("train")
+    saved.unlink()
+    os.mkfifo(saved)
+    line = one_error_line(nmt("train", "--run-dir", run_dir, "--max-steps", "41"))
+    assert "train.json is not a regular file" in line, line
+    settings = tmp_path / "settings.yaml"
+    settings.symlink_to("/dev/zero")
+    line = one_error_line(nmt("translate", "--model", run_dir, "--config", settings, stdin=b"a dog\n"))
+    assert "--config" in line and "settings.yaml is not a regular file" in line, line
