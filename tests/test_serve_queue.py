@@ -631,8 +631,8 @@ def test_a_request_joins_the_running_batch_at_its_next_step(trained, monkeypatch
 
     from nmt_cli.translator import Translator
 
-    options = {"min_len": 40, "max_len_b": 40, "max_len_a": 0.0}
-    translator = Translator.load(trained, threads=2, **options)
+    options = {"min_len": 200, "max_len_b": 200, "max_len_a": 0.0}
+    translator = Translator.load(trained, threads=1, **options)  # one lane: one running batch
     joins = _joined_while_running(monkeypatch)
     lines = [f"a dog runs {'on the grass ' * i}." for i in range(6)]
     expected = translator.translate(lines)
@@ -642,7 +642,7 @@ def test_a_request_joins_the_running_batch_at_its_next_step(trained, monkeypatch
         while (await get("/health"))[1]["decoding"] < 1:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.05)  # a few of its steps
-        short = await post({"text": lines[4:], **options, "max_len_b": 10, "min_len": 40})
+        short = await post({"text": lines[4:], **options, "max_len_b": 10})
         late = long.done()
         return await long, short, late
 
@@ -690,3 +690,30 @@ def test_the_rows_of_a_request_nobody_waits_for_leave_the_running_batch_at_its_n
     health, finished, staying = _in_process(translator, scenario, max_wait_ms=0)
     assert dropped == [3] and health["given_up"] == 1 and not finished
     assert staying == (200, {"translations": expected})
+
+
+def test_a_request_begins_a_lane_of_its_own_while_the_other_is_busy(trained, monkeypatch):
+    """With two CPU threads a running batch has two lanes, each stepping on one thread: a request
+    that arrives while the first lane decodes begins the second (a step's matrices are too small
+    for two threads to share one well), and answers exactly as `nmt translate`."""
+    import asyncio
+
+    from nmt_cli.translator import Translator
+
+    options = {"min_len": 200, "max_len_b": 200, "max_len_a": 0.0}
+    translator = Translator.load(trained, threads=2, **options)
+    joins = _joined_while_running(monkeypatch)
+    lines = [f"a bird flies {'over the lake ' * i}." for i in range(6)]
+    expected = translator.translate(lines)
+
+    async def scenario(post, get):
+        first = asyncio.ensure_future(post({"text": lines[:4], **options}))
+        while (await get("/health"))[1]["decoding"] < 1:
+            await asyncio.sleep(0.001)
+        second = await post({"text": lines[4:], **options})
+        health = (await get("/health"))[1]
+        return await first, second, health
+
+    first, second, health = _in_process(translator, scenario, max_wait_ms=0)
+    assert first == (200, {"translations": expected[:4]}) and second == (200, {"translations": expected[4:]})
+    assert joins == [0, 0], joins  # each began a running batch of its own

@@ -294,17 +294,18 @@ class ServeConfig:
         16, "Beam (or n-best when sampling, or --mbr's candidates) of a request at most; beyond, 400."
     )
     max_memory: int = knob(
-        1024,
+        0,
         "MiB that the searches being decoded may hold (their caches and alignments, as estimated "
         "from each sentence's length and options): a batch waits for room; a request with one "
-        "sentence over it alone gets 413.",
+        "sentence over it alone gets 413 (0: half the memory the machine has available once the "
+        "model is loaded, at least 256 MiB).",
     )
     concurrent_batches: int = knob(
         0,
         "Batches decoded at once: nmt's engine takes their steps in turn by the time each has used "
         "(on a CPU), CTranslate2's workers decode them side by side; a request that arrives while "
-        "a costly one decodes is not held up by it (0: nmt's engine 1, as its p99 on honest load "
-        "alone is lower so; CTranslate2 its workers, one per CPU thread or GPU).",
+        "a costly one decodes is not held up by it (0: nmt's engine 1, or with --running-batch two "
+        "per CPU thread; CTranslate2 its workers, one per CPU thread or GPU).",
     )
     running_batch: bool = knob(
         True,
@@ -352,7 +353,6 @@ class ServeConfig:
             "max_body",
             "max_connections",
             "max_beam",
-            "max_memory",
         ):
             if getattr(self, name) < 1:
                 raise NmtError(f"--{name.replace('_', '-')} must be at least 1")
@@ -366,5 +366,7 @@ class ServeConfig:
             )
         if self.concurrent_batches < 0:
             raise NmtError("--concurrent-batches must not be negative (0: the engine's own)")
+        if self.max_memory < 0:
+            raise NmtError("--max-memory must not be negative (0: half of what the machine has available)")
         if self.max_connections_per_client < 0:
             raise NmtError("--max-connections-per-client must not be negative (0: no cap)")

@@ -6,12 +6,12 @@
 
 Requests that arrive within `max_wait_ms` of each other are decoded together (dynamic
 batching), up to `max_batch` sentences at the default beam, in decoding threads; the event loop
-only parses, checks and answers. A large request is decoded in pieces, and each batch serves
-first the requests served least so far; with `concurrent_batches` above 1 nmt's engine
-decodes that many at once, taking their steps in turn (batcher.py), so a short request is not
-held up by a long one. One request may ask for `max_hypotheses` (sentences x beam) at most, a
-beam of `max_beam`, and `max_output_len` tokens per sentence at most (also its min_len and
-max_len_b); each sentence's search must fit `max_memory`. Every decoding option is checked against
+only parses, checks and answers. On nmt's engine on a CPU a request joins a running batch of
+its options at its next decoding step, and running batches of different options take their
+steps in turn (batcher.py), so a short request is not held up by a long one. One request may
+ask for `max_hypotheses` (sentences x beam) at most, a beam of `max_beam`, and
+`max_output_len` tokens per sentence at most (also its min_len and max_len_b); each
+sentence's search must fit `max_memory`. Every decoding option is checked against
 its range (config.translation.RANGES) as on the command line; NaN and infinities are refused.
 The queue counts work: a sentence's hypotheses times its output limit in tokens (what its length,
 prefix, constraints and max_len allow; a blank line nothing). Past `max_queue` typical sentences'

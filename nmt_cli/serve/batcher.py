@@ -1,14 +1,18 @@
-"""The decoding queue of `nmt serve`: requests gathered into batches, the requests served least
-first, large ones in pieces; each request's answers in order. With --concurrent-batches above 1,
-nmt's engine on a CPU decodes several batches at once, taking turns step by step (turns.py): a
-request that arrives while others decode starts at their next step. CTranslate2 cannot share
-its steps: its batches are cut to a bounded cost, and its workers decode several side by side.
-Batches are admitted while the memory their searches hold (Translator.costs) fits --max-memory."""
+"""The decoding queue of `nmt serve`: requests gathered into batches, large ones in pieces; each
+request's answers in order. nmt's engine on a CPU schedules step by step: a request joins a
+running batch of its options at its next step and each sentence leaves it as it ends
+(Translator.running, one per CPU thread); running batches and the batches of the requests that
+cannot join one take their steps in turn (turns.py). Elsewhere batches are decoded whole, the
+requests served least first, one at a time or, with --concurrent-batches, several taking turns
+step by step. CTranslate2 cannot share its steps: its batches are cut to a bounded cost, and its
+workers decode several side by side. Work is admitted while the memory its searches hold
+(Translator.costs) fits --max-memory."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 import traceback
@@ -55,6 +59,7 @@ class Stream:
     (the loop's count), and whether it still takes pieces (its thread ends when it has none)."""
 
     options: DecodeOptions
+    lane: int
     search: Any
     inbox: deque[Piece] = field(default_factory=deque)
     rows: int = 0
@@ -63,8 +68,6 @@ class Stream:
 
 # --max-queue counts sentences of this many pieces at the default options
 TYPICAL = 32
-# running batches (of different options) and batches decoding at once by default, in turn
-RUNNING = 4
 
 
 class Batcher:
@@ -79,7 +82,7 @@ class Batcher:
         # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
         self.most_work = config.max_queue * translator.work_of([TYPICAL], translator.config.decode)[0]
-        self.memory = config.max_memory << 20  # bytes the batches being decoded may hold
+        self.memory = memory_budget(config.max_memory)  # bytes the batches being decoded may hold
         self.held = 0
         # nmt's engine asks `gone` before each step, where a batch waits for its turn
         # CTranslate2's workers (one per CPU thread) decode its batches side by side, each whole
@@ -87,18 +90,19 @@ class Batcher:
         backend = getattr(translator, "backend", None)
         own = getattr(backend, "workers", 1) if apart else 1  # 0: its own
         # nmt's engine on a CPU: requests whose search can take sentences midway join a running
-        # batch of their options at its next step (Translator.running); the running batches of
-        # different options and the batches of the others step in turn, one at a time on every
-        # thread
+        # batch of their options at its next step (Translator.running), one per CPU thread (its
+        # lanes: a step's matrices are too small for threads to share one well); the running
+        # batches and the batches of the others step in turn, a thread each
         self.joins = (
             config.running_batch
             and config.batching
             and callable(getattr(translator, "running", None))
             and translator.steps_in_turn()
         )
+        self.lanes = translator.slots() if self.joins else 1
         if self.joins:
-            self.at_once = config.concurrent_batches or RUNNING
-            self.stepped, slots, threads = True, 1, getattr(backend, "threads", 1)
+            self.at_once = config.concurrent_batches or 2 * self.lanes
+            self.stepped, slots, threads = True, self.lanes, 1
         else:
             self.at_once = (config.concurrent_batches or own) if translator.steps_in_turn() or apart else 1
             self.stepped = self.at_once > 1 and not apart
@@ -121,7 +125,8 @@ class Batcher:
         self.stopped = 0
         # nmt's engine: requests whose search can take sentences midway join one running batch
         # at its next step (Translator.running); the others decode in batches as above
-        self.streams: dict[DecodeOptions, Stream] = {}  # the running batches, by their options
+        # the running batches, by their options and lane
+        self.streams: dict[tuple[DecodeOptions, int], Stream] = {}
         self.lock = threading.Lock()  # the stream's inbox and end, between the loop and its thread
 
     def submit(
@@ -146,7 +151,7 @@ class Batcher:
         if max(sizes, default=0) > self.memory:
             raise OverflowError(
                 f"a sentence of this request needs {max(sizes) / 2**20:.0f} MiB to decode; this server "
-                f"decodes in {self.config.max_memory} MiB (--max-memory): ask for a narrower beam or a "
+                f"decodes in {self.memory >> 20} MiB (--max-memory): ask for a narrower beam or a "
                 "shorter output"
             )
         if self.work + sum(costs) > self.most_work:
@@ -186,10 +191,13 @@ class Batcher:
 
     def _order(self, job: Job) -> tuple:
         """Who is served first. Batch by batch: the request served least so far. With running
-        batches, which free room a sentence at a time: the request with the fewest sentences
-        decoding, then the oldest (one served least so far would keep a large request waiting
-        behind every newcomer for each sentence of it)."""
-        return (job.flying, job.arrived) if self.joins else (job.taken, job.arrived)
+        batches, which free room a sentence at a time: the oldest request, unless it has a
+        quarter of --max-batch sentences decoding already (a request served least so far would
+        keep a large one waiting behind every newcomer for each of its sentences; the oldest
+        alone would let a large one take all the room)."""
+        if not self.joins:
+            return (job.taken, job.arrived)
+        return (job.flying >= max(1, self.config.max_batch // 4), job.arrived)
 
     def _fits(self, first: Job) -> bool:
         """Whether another batch may begin with `first`: a batch is free and its next sentence's
@@ -298,24 +306,31 @@ class Batcher:
         )
 
     def _feed(self, first: Job) -> bool:
-        """Hand the running batch (begun for `first` if none runs and a batch is free) the
-        sentences that fit beside its rows: of the waiting jobs with its options, least served
-        first, while its hypotheses stay within `max_batch` sentences at the default beam and
-        their memory within --max-memory (one sentence at least when it holds none). Whether
-        any was handed."""
-        s = self.streams.get(first.options.joint())
-        if s is None:
-            if len(self.decoding) >= self.at_once:
-                return False
+        """Hand a running batch of `first`'s options the sentences that fit beside its rows: a
+        lane of its own if one is unused, the others busy and a batch free, else the lane with
+        the fewest rows; of the waiting jobs with its options, in `_order`, while its hypotheses
+        stay within its share of `max_batch` sentences at the default beam and their memory
+        within --max-memory (one sentence at least when it holds none). Whether any was
+        handed."""
+        key = first.options.joint()
+        lanes = [self.streams.get((key, lane)) for lane in range(self.lanes)]
+        fewest = min(((s.rows, s.lane) for s in lanes if s is not None and s.open), default=None)
+        unused = [lane for lane, s in enumerate(lanes) if s is None]
+        if unused and (fewest is None or fewest[0]) and len(self.decoding) < self.at_once:
             try:
                 search = self.translator.running(first.options)
             except Exception as e:  # noqa: BLE001 - a fault of ours: that request gets a 500
                 self._fail(first, e)
                 return True
-            s = self.streams[first.options.joint()] = Stream(first.options.joint(), search)
+            s = self.streams[key, unused[0]] = Stream(key, unused[0], search)
             task = asyncio.get_running_loop().create_task(self._streaming(s))
             self.decoding.add(task)
-        budget = self.config.max_batch * self.translator.config.decode.rows - s.rows
+        elif fewest is not None:
+            s = self.streams[key, fewest[1]]
+        else:
+            return False
+        sentences = max(1, self.config.max_batch // self.lanes)  # each lane's share
+        budget = sentences * self.translator.config.decode.rows - s.rows
         room = self.memory - self.held
         pieces: list[Piece] = []
         with self.lock:
@@ -356,8 +371,8 @@ class Batcher:
         except Exception as e:  # noqa: BLE001 - a fault of ours: its requests got a 500
             ui.say("nmt serve: a batch failed: " + "".join(traceback.format_exception_only(e)).strip())
         finally:
-            if self.streams.get(s.options) is s:
-                del self.streams[s.options]
+            if self.streams.get((s.options, s.lane)) is s:
+                del self.streams[s.options, s.lane]
             task = asyncio.current_task()
             if task is not None:
                 self.decoding.discard(task)
@@ -548,6 +563,33 @@ class Batcher:
         finally:  # its threads take no more steps
             self.turns.leave(list(threads))
         return self.translator.texts(hyps), hyps
+
+
+def memory_budget(mib: int, available: int | None = None) -> int:
+    """--max-memory in bytes: `mib` as given, or (0) half of the memory the machine has
+    available (`available` bytes, default: read now, with the model loaded), at least 256 MiB:
+    the searches' estimate does not count the process's own (the model, the interpreter, the
+    allocator's arenas), hence the half."""
+    if mib:
+        return mib << 20
+    if available is None:
+        available = _available_bytes()
+    return max(available // 2, 256 << 20)
+
+
+def _available_bytes() -> int:
+    """What the machine can still give (Linux's MemAvailable; elsewhere its free pages)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 2 << 30
 
 
 def _settle(job: Job, answers: list | None = None, error: BaseException | None = None) -> None:

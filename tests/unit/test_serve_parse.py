@@ -171,3 +171,12 @@ def test_the_servers_log_lines_are_rate_limited(capsys, monkeypatch):
     handler.emit(record)
     lines = capsys.readouterr().err.splitlines()
     assert lines == [said] * 3 + ["(47 more lines like these left out)", said]
+
+
+def test_the_memory_the_searches_may_hold_is_derived_from_the_machine_unless_given():
+    from nmt_cli.serve.batcher import memory_budget
+
+    assert memory_budget(1024, available=64 << 30) == 1024 << 20  # as given
+    assert memory_budget(0, available=24 << 30) == 12 << 30  # half of what is available
+    assert memory_budget(0, available=100 << 20) == 256 << 20  # at least 256 MiB
+    assert 256 << 20 <= memory_budget(0)  # read from this machine
