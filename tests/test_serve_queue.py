@@ -717,3 +717,30 @@ def test_a_request_begins_a_lane_of_its_own_while_the_other_is_busy(trained, mon
     first, second, health = _in_process(translator, scenario, max_wait_ms=0)
     assert first == (200, {"translations": expected[:4]}) and second == (200, {"translations": expected[4:]})
     assert joins == [0, 0], joins  # each began a running batch of its own
+
+
+def test_a_request_whose_running_batch_is_full_holds_up_no_other_options(trained):
+    """The running batch of beam-8 requests is full (--max-batch 2: one such sentence) and a
+    second waits for room: a request at other options, arriving after it, begins its own
+    running batch at once instead of waiting behind it."""
+    import asyncio
+
+    from nmt_cli.translator import Translator
+
+    translator = Translator.load(trained, threads=1)
+    wide = {"beam": 8, "min_len": 300, "max_len_b": 300, "max_len_a": 0.0}
+
+    async def scenario(post, get):
+        first = asyncio.ensure_future(post({"text": ["a dog runs ."], **wide}))
+        while (await get("/health"))[1]["decoding"] < 1:
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(post({"text": ["a cat sits ."], **wide}))
+        while (await get("/health"))[1]["queued"] < 2:
+            await asyncio.sleep(0.001)
+        other = await post({"text": ["a bird sings ."]})
+        waiting = first.done(), second.done()
+        return other, waiting, await first, await second
+
+    other, waiting, first, second = _in_process(translator, scenario, max_wait_ms=0, max_batch=2)
+    assert other == (200, {"translations": translator.translate(["a bird sings ."])})
+    assert waiting == (False, False) and first[0] == second[0] == 200

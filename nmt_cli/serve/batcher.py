@@ -123,8 +123,6 @@ class Batcher:
         # batches given up midway, and steps at which sentences left the running batch
         # unfinished: nobody waited for them any more
         self.stopped = 0
-        # nmt's engine: requests whose search can take sentences midway join one running batch
-        # at its next step (Translator.running); the others decode in batches as above
         # the running batches, by their options and lane
         self.streams: dict[tuple[DecodeOptions, int], Stream] = {}
         self.lock = threading.Lock()  # the stream's inbox and end, between the loop and its thread
@@ -185,9 +183,12 @@ class Batcher:
         return [j for j in self.jobs if not j.decoding]
 
     def _next(self) -> Job | None:
-        """The waiting job served least so far (then the oldest): a short request waits for at
-        most the batch being decoded, however large the requests queued before it."""
+        """The waiting job to serve first (`_order`): a short request waits for at most the batch
+        being decoded, however large the requests queued before it."""
         return min(self._waiting(), key=self._order, default=None)
+
+    def _ordered(self) -> list[Job]:
+        return sorted(self._waiting(), key=self._order)
 
     def _order(self, job: Job) -> tuple:
         """Who is served first. Batch by batch: the request served least so far. With running
@@ -269,10 +270,13 @@ class Batcher:
                 self.changed.clear()
                 await self.changed.wait()
             if self._joinable(first):
-                if not self._feed(first):  # until a sentence or batch ends or a job arrives
+                first = self._fed()
+                if first is None:
+                    continue
+                if self._joinable(first):  # until a sentence or batch ends or a job arrives
                     self.changed.clear()
                     await self.changed.wait()
-                continue
+                    continue
             while first is not None and not self._ready(first):
                 self.changed.clear()
                 left = self.config.max_wait_ms / 1000 - (time.monotonic() - first.arrived)
@@ -281,6 +285,8 @@ class Batcher:
                 except asyncio.TimeoutError:
                     pass
                 first = self._next()
+                if first is not None and self._joinable(first):  # the first of those in batches
+                    first = next((j for j in self._ordered() if not self._joinable(j)), None)
             if first is None:
                 continue
             if not self._fits(first):  # until a batch ends or a job arrives
@@ -304,6 +310,22 @@ class Batcher:
             and not any(job.constraints or [])
             and self.translator.joins(job.options)
         )
+
+    def _fed(self) -> Job | None:
+        """Feed the running batches, in `_order`, a running batch of the first waiting job whose
+        options have room (None: done); a job whose running batches have none does not hold up
+        those of other options. Else the first waiting job that must be decoded in a batch of
+        its own (the loop begins one if it can), or the first job (nothing can begin now)."""
+        waiting = self._ordered()
+        tried = set()
+        for job in waiting:
+            if not self._joinable(job):
+                return job
+            if job.options.joint() not in tried:
+                tried.add(job.options.joint())
+                if self._feed(job):
+                    return None
+        return waiting[0]
 
     def _feed(self, first: Job) -> bool:
         """Hand a running batch of `first`'s options the sentences that fit beside its rows: a
@@ -336,7 +358,7 @@ class Batcher:
         with self.lock:
             if not s.open:  # its thread is ending: a new one begins when it has
                 return False
-            for job in sorted(self._waiting(), key=self._order):
+            for job in self._ordered():
                 if job.options.joint() != s.options or not self._joinable(job):
                     continue
                 rows = job.options.rows
