@@ -744,3 +744,29 @@ def test_a_request_whose_running_batch_is_full_holds_up_no_other_options(trained
     other, waiting, first, second = _in_process(translator, scenario, max_wait_ms=0, max_batch=2)
     assert other == (200, {"translations": translator.translate(["a bird sings ."])})
     assert waiting == (False, False) and first[0] == second[0] == 200
+
+
+def test_a_running_batch_that_took_its_share_of_sentences_ends_and_another_takes_its_place(
+    trained, monkeypatch
+):
+    """A running batch keeps a little of every sentence it took: past RENEW sentences it takes
+    no more, and the next request waits for it to end and begins a new one (here RENEW 1)."""
+    import asyncio
+
+    from nmt_cli.serve import batcher
+    from nmt_cli.translator import Translator
+
+    monkeypatch.setattr(batcher, "RENEW", 1)
+    options = {"min_len": 100, "max_len_b": 100, "max_len_a": 0.0}
+    translator = Translator.load(trained, threads=1, **options)
+    joins = _joined_while_running(monkeypatch)
+
+    async def scenario(post, get):
+        first = asyncio.ensure_future(post({"text": ["a dog runs ."], **options}))
+        while (await get("/health"))[1]["decoding"] < 1:
+            await asyncio.sleep(0.001)
+        second = await post({"text": ["a cat sits ."], **options})
+        return first.done(), await first, second
+
+    ended_first, first, second = _in_process(translator, scenario, max_wait_ms=0)
+    assert ended_first and first[0] == second[0] == 200 and joins == [0, 0], joins

@@ -53,7 +53,7 @@ class NextToken:
         self.limits_host = np.repeat(np.asarray(max_lens, dtype=np.int64), rows)
         self.sentence = np.repeat(np.arange(len(self.max_lens)), rows)  # each live row's
         self.limits = torch.from_numpy(self.limits_host).to(device)
-        self.young: np.ndarray | None = None  # (R,) the step each row began at, once one joined
+        self.row_begun: np.ndarray | None = None  # (R,) the step each row began at, once one joined
         self.forced = forced.repeat_interleave(rows, 0) if forced is not None else None
         # each row's tokens so far, kept only for a rule that reads them
         self.history = (
@@ -99,9 +99,9 @@ class NextToken:
 
     def _early(self) -> bool | np.ndarray | None:
         """Which rows may not take the EOS yet (below min_len): True for all, None for none."""
-        if self.young is None:
+        if self.row_begun is None:
             return True if self.t < self.options.min_len else None
-        early = self.t - self.young < self.options.min_len
+        early = self.t - self.row_begun < self.options.min_len
         return True if early.all() else early if early.any() else None
 
     def join(self, max_lens: Sequence[int], alphas: Sequence[float]) -> list[int]:
@@ -114,8 +114,8 @@ class NextToken:
         self.max_lens += list(max_lens)
         self.alphas += list(alphas)
         self.begun += [self.t] * n
-        young = np.full(n * self.rows, self.t, dtype=np.int64)
-        self.young = young if self.young is None else np.concatenate([self.young, young])
+        begun = np.full(n * self.rows, self.t, dtype=np.int64)
+        self.row_begun = begun if self.row_begun is None else np.concatenate([self.row_begun, begun])
         limits = np.repeat(np.asarray(max_lens, dtype=np.int64) + self.t, self.rows)
         self.limits_host = np.concatenate([self.limits_host, limits])
         self.sentence = np.concatenate([self.sentence, np.repeat(np.arange(first, first + n), self.rows)])
@@ -161,8 +161,8 @@ class NextToken:
     def select(self, rows: np.ndarray, on_device: Tensor | None = None) -> None:
         """Keep the live rows `rows` (indices, in their new order; `on_device` the same there)."""
         self.limits_host, self.sentence = self.limits_host[rows], self.sentence[rows]
-        if self.young is not None:
-            self.young = self.young[rows]
+        if self.row_begun is not None:
+            self.row_begun = self.row_begun[rows]
         index = on_device if on_device is not None else torch.from_numpy(rows).to(self.limits.device)
         self.limits = self.limits.index_select(0, index)
         if self.forced is not None:

@@ -64,10 +64,13 @@ class Stream:
     inbox: deque[Piece] = field(default_factory=deque)
     rows: int = 0
     open: bool = True
+    total: int = 0  # sentences handed to it so far
 
 
 # --max-queue counts sentences of this many pieces at the default options
 TYPICAL = 32
+# sentences a running batch takes before it ends and another takes its place
+RENEW = 100_000
 
 
 class Batcher:
@@ -336,7 +339,10 @@ class Batcher:
         handed."""
         key = first.options.joint()
         lanes = [self.streams.get((key, lane)) for lane in range(self.lanes)]
-        fewest = min(((s.rows, s.lane) for s in lanes if s is not None and s.open), default=None)
+        # a running batch keeps a little of each sentence it took (its limit, alpha, first step):
+        # past RENEW it takes no more, ends, and a new one takes its lane
+        taking = [s for s in lanes if s is not None and s.open and s.total < RENEW]
+        fewest = min(((s.rows, s.lane) for s in taking), default=None)
         unused = [lane for lane, s in enumerate(lanes) if s is None]
         if unused and (fewest is None or fewest[0]) and len(self.decoding) < self.at_once:
             try:
@@ -377,6 +383,7 @@ class Batcher:
                     self.jobs.remove(job)
             for job, lo, hi in pieces:
                 s.rows += (hi - lo) * job.options.rows
+                s.total += hi - lo
                 self.held += sum(job.sizes[lo:hi])
             s.inbox.extend(pieces)
         return bool(pieces)
