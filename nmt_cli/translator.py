@@ -178,8 +178,9 @@ class Translator:
         return self.engine == "nmt" and not options.alignments and joins is not None and joins(options)
 
     def running(self, options: DecodeOptions):
-        """A running batch for sentences with `options` (but for the seed and alpha): ids join
-        it between its steps and leave as they end (decoding.Running; `nmt serve`)."""
+        """A running batch for sentences with `options` (but for the seed, alpha and length
+        limits: DecodeOptions.joint): ids join it between its steps and leave as they end
+        (decoding.Running; `nmt serve`)."""
         if not self.joins(options):
             raise ValueError("these options or this engine take no running batch")
         self.check_tag(options.tag)

@@ -309,8 +309,9 @@ class ServeConfig:
     )
     running_batch: bool = knob(
         True,
-        "nmt's engine on a CPU: requests join one running batch at its next decoding step and each "
-        "sentence leaves it as it ends, or as its client goes (iteration-level scheduling); requests "
+        "nmt's engine on a CPU: a request joins a running batch of its options (one per CPU thread) at "
+        "its next decoding step and each sentence leaves it as it ends, or as its client goes "
+        "(iteration-level scheduling); requests "
         "whose search cannot take sentences midway (sampling, --mbr, prefixes, constraints, "
         "no_repeat_ngram, the coverage penalty, alignments) decode in batches of their own.",
     )
