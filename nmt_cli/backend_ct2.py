@@ -57,12 +57,16 @@ class Backend:
             cpu = kind == "cpu"
             # batches it decodes side by side: a worker per CPU thread, or one per GPU
             self.workers = threads if cpu else (len(index) if isinstance(index, list) else 1)
+            # On a CPU, one more for `nmt serve`'s long batches: a batch cannot be stopped midway,
+            # so one that decodes for minutes would hold a worker the others need; on the spare
+            # it shares the cores with them instead (serve/batcher.py)
+            self.spare = 1 if cpu else 0
             self.translator = ct2.Translator(
                 str(where),
                 device=kind,
                 device_index=index,
                 compute_type=compute_type,
-                inter_threads=threads if cpu else 1,
+                inter_threads=threads + self.spare if cpu else 1,
                 intra_threads=1 if cpu else threads,
             )
         except (RuntimeError, ValueError) as e:

@@ -550,6 +550,43 @@ def test_a_request_that_arrives_while_a_long_one_decodes_starts_at_its_next_step
     assert run(apart)[0] is False and apart.finished == [["slow"], ["quick"]]
 
 
+@pytest.mark.parametrize("spare", [1, 0])
+def test_a_long_batch_that_cannot_stop_takes_the_spare_worker_and_holds_no_request_up(spare):
+    """CTranslate2 cannot stop a batch midway: a sentence of 16 typical sentences' work or more
+    (beam 16 to its longest output, say) goes to the spare worker a CPU server keeps, one such
+    batch at a time, while the other requests keep the workers they had. Without the spare,
+    the one worker holds the request that arrives behind it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    class Costly(StandIn):
+        engine, backend = "ctranslate2", SimpleNamespace(workers=1, spare=spare)
+
+        def work_of(self, lengths, options, forced=None, phrases=None):
+            return [options.rows * n for n in lengths]
+
+        def work(self, sentences, options, prefixes=None, constraints=None):
+            return [options.rows * (5000 if s == "stubborn" else len(s.split())) for s in sentences]
+
+    decoder = Costly()
+
+    async def scenario(post, get):
+        held = asyncio.ensure_future(post(["stubborn"]))
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        quick = asyncio.ensure_future(post(["quick"]))
+        done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if spare else 0.5)
+        again = asyncio.ensure_future(post(["stubborn"]))  # waits for the first: one at a time
+        await asyncio.sleep(0.2)
+        begun = list(decoder.batches)
+        decoder.release.set()
+        return bool(done), begun, await held, await quick, await again
+
+    beside, begun, *answers = _in_process(decoder, scenario, max_wait_ms=0)
+    assert beside == bool(spare) and all(status == 200 for status, _ in answers)
+    assert begun == ([["stubborn"], ["quick"]] if spare else [["stubborn"]])
+
+
 @pytest.mark.parametrize("room", [1, 2])
 def test_batches_begin_while_the_memory_of_those_decoding_leaves_room(room):
     """Each sentence's search holds its bytes (here 1 MiB): with --max-memory 1 a request waits

@@ -5,7 +5,9 @@ running batch of its options at its next step and each sentence leaves it as it 
 cannot join one take their steps in turn (turns.py). Elsewhere batches are decoded whole, the
 requests served least first, one at a time or, with --concurrent-batches, several taking turns
 step by step. CTranslate2 cannot share its steps: its batches are cut to a bounded cost, and its
-workers decode several side by side. Work is admitted while the memory its searches hold
+workers decode several side by side; on a CPU, a batch of long sentences goes to a spare worker
+(a batch cannot be stopped midway: one that decodes for minutes would hold a worker the others
+need). Work is admitted while the memory its searches hold
 (Translator.costs) fits --max-memory."""
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Job:
     taken: int = 0  # sentences handed to the decoder so far
     flying: int = 0  # ... and not yet answered
     decoding: bool = False  # a piece of it is being decoded: its next waits (one at a time)
+    long: bool = False  # a sentence of it is LONG typical sentences' work or more
     answers: list = field(init=False)  # each sentence's answer, as it comes
     answered: int = 0
 
@@ -71,6 +74,9 @@ class Stream:
 TYPICAL = 32
 # sentences a running batch takes before it ends and another takes its place
 RENEW = 100_000
+# a sentence of this many typical sentences' work is long (CTranslate2's spare worker): beam 16
+# with a limit of 328 tokens; at the default beam, none is
+LONG = 16
 
 
 class Batcher:
@@ -84,7 +90,8 @@ class Batcher:
         # ... and their work (Translator.costs: hypotheses x output limit), which --max-queue
         # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
-        self.most_work = config.max_queue * translator.work_of([TYPICAL], translator.config.decode)[0]
+        self.typical = translator.work_of([TYPICAL], translator.config.decode)[0]
+        self.most_work = config.max_queue * self.typical
         self.memory = memory_budget(config.max_memory)  # bytes the batches being decoded may hold
         self.held = 0
         # nmt's engine asks `gone` before each step, where a batch waits for its turn
@@ -92,6 +99,10 @@ class Batcher:
         apart = translator.engine == "ctranslate2"
         backend = getattr(translator, "backend", None)
         own = getattr(backend, "workers", 1) if apart else 1  # 0: its own
+        # ... and a spare worker (CPU) that only batches of long sentences take, up to half of
+        # what decodes at once: long batches share the cores with the others, never hold them up
+        self.spare = getattr(backend, "spare", 0) if apart else 0
+        self.long = 0  # long batches being decoded
         # nmt's engine on a CPU: requests whose search can take sentences midway join a running
         # batch of their options at its next step (Translator.running), one per CPU thread (its
         # lanes: a step's matrices are too small for threads to share one well); the running
@@ -121,7 +132,7 @@ class Batcher:
         self.decoding: set[asyncio.Task] = set()  # the batches being decoded
         self.busy: set[Future] = set()  # ... in their threads, which may outlive their tasks
         self.changed = asyncio.Event()  # a job arrived or a batch ended
-        self.decoder = ThreadPoolExecutor(self.at_once, thread_name_prefix="nmt-decode")
+        self.decoder = ThreadPoolExecutor(self.at_once + self.spare, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
         # batches given up midway, and steps at which sentences left the running batch
         # unfinished: nobody waited for them any more
@@ -159,6 +170,7 @@ class Batcher:
             return None
         done = asyncio.get_running_loop().create_future()
         job = Job(sentences, options, prefixes, constraints, done, costs, sizes)
+        job.long = bool(self.spare) and max(costs, default=0) >= LONG * self.typical
         self.jobs.append(job)
         self.pending += len(sentences)
         self.work += sum(costs)
@@ -204,9 +216,18 @@ class Batcher:
         return (job.flying >= max(1, self.config.max_batch // 4), job.arrived)
 
     def _fits(self, first: Job) -> bool:
-        """Whether another batch may begin with `first`: a batch is free and its next sentence's
-        memory fits beside what the batches being decoded hold."""
-        return len(self.decoding) < self.at_once and self.held + first.sizes[first.taken] <= self.memory
+        """Whether another batch may begin with `first`: a batch of its kind is free (long
+        batches: the spare, and up to half of the others) and its next sentence's memory fits
+        beside what the batches being decoded hold."""
+        if first.long:
+            free = self.long < max(1, self.at_once // 2)
+        else:
+            free = len(self.decoding) - self.long < self.at_once
+        return (
+            free
+            and len(self.decoding) < self.at_once + self.spare
+            and self.held + first.sizes[first.taken] <= self.memory
+        )
 
     def _take(self, first: Job) -> list[Piece]:
         """One decoding batch: pieces of the jobs with the next job's options (all but the seed
@@ -220,7 +241,7 @@ class Batcher:
         room = self.memory - self.held
         pieces: list[Piece] = []
         shared = first.options.shared()
-        same = [j for j in self._waiting() if j.options.shared() == shared]
+        same = [j for j in self._waiting() if j.options.shared() == shared and j.long == first.long]
         rows = first.options.rows
         for job in sorted(same, key=self._order):
             if pieces and (not self.config.batching or budget < rows):
@@ -292,6 +313,8 @@ class Batcher:
                     first = next((j for j in self._ordered() if not self._joinable(j)), None)
             if first is None:
                 continue
+            if not self._fits(first) and self.spare:  # a job of the other kind may
+                first = next((j for j in self._ordered() if j.long != first.long), first)
             if not self._fits(first):  # until a batch ends or a job arrives
                 self.changed.clear()
                 await self.changed.wait()
@@ -301,9 +324,10 @@ class Batcher:
                 job.decoding = True
             held = sum(sum(job.sizes[lo:hi]) for job, lo, hi in pieces)
             self.held += held
-            task = asyncio.get_running_loop().create_task(self._batch(pieces, held))
+            self.long += first.long
+            task = asyncio.get_running_loop().create_task(self._batch(pieces, held, first.long))
             self.decoding.add(task)
-            if self.at_once == 1:  # one batch at a time
+            if self.at_once + self.spare == 1:  # one batch at a time
                 await asyncio.wait([task])
 
     def _joinable(self, job: Job) -> bool:
@@ -496,7 +520,7 @@ class Batcher:
                 _settle(job, answers=job.answers)
         self.changed.set()
 
-    async def _batch(self, pieces: list[Piece], held: int) -> None:
+    async def _batch(self, pieces: list[Piece], held: int, long: bool = False) -> None:
         try:
             await self._serve(pieces)
         except Exception as e:  # noqa: BLE001 - a fault of ours: those requests get a 500
@@ -509,6 +533,7 @@ class Batcher:
                 job.decoding = False
                 job.flying -= hi - lo
             self.held -= held
+            self.long -= long
             task = asyncio.current_task()
             if task is not None:
                 self.decoding.discard(task)
