@@ -279,9 +279,12 @@ def from_dir(path: Path) -> Model:
     def load_weights() -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
-        _verified(weights_path, sha)
         return load_file(str(weights_path))
 
+    # the file is what the settings say before anything of it is parsed (a damaged header
+    # parsed first would be a confusing error, or hours of work); a crafted file whose sha256
+    # was recorded with it is bounded by check_shapes
+    _verified(weights_path, sha)
     check_shapes(config, weights_path, settings_path)
     return Model(
         path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance,

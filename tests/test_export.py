@@ -1,6 +1,7 @@
 """A trained model on its own: the package `nmt export` writes, the files it holds and checks,
 and a model named as a run, a checkpoint or a package; streaming through an open pipe."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -237,9 +238,10 @@ def test_a_models_members_are_regular_files_that_match_their_sha256(package, exp
 
 def test_a_damaged_package_is_one_error_line_before_anything_large_is_read(package, tmp_path, nmt):
     """A package folder of many entries (a FIFO among them past any part a scan would look at),
-    a version that is not a number, provenance that is not an object, and a weights file whose
-    header claims a million keys: each one error line naming the file, nothing hangs, no
-    traceback."""
+    a version that is not a number, provenance that is not an object, a weights file whose
+    header claims a GiB (its sha256 recorded with it), and one whose header was changed (the
+    sha256 is checked before the header is parsed): each one error line naming the file,
+    nothing hangs, no traceback."""
     cases = {}
     crowded, hidden = tmp_path / "crowded", tmp_path / "hidden"
     for folder in (crowded, hidden):
@@ -268,7 +270,16 @@ def test_a_damaged_package_is_one_error_line_before_anything_large_is_read(packa
     weights = header / "model.safetensors"
     claimed = (1 << 30).to_bytes(8, "little")  # a GiB of header promised
     weights.write_bytes(claimed + weights.read_bytes()[8:])
+    settings = json.loads((header / "nmt.json").read_text())  # crafted: its sha256 recorded
+    sha = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (header / "nmt.json").write_text(json.dumps({**settings, "sha256": sha}))
     cases[header] = "model.safetensors is not a safetensors file nmt wrote (a header of 1073741824 bytes)"
+    changed = tmp_path / "changed"  # its header still JSON of the same size, never parsed
+    shutil.copytree(package, changed)
+    data = (changed / "model.safetensors").read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    (changed / "model.safetensors").write_bytes(data[:8] + b"{" + b" " * (size - 2) + b"}" + data[8 + size :])
+    cases[changed] = "model.safetensors does not match the sha256 in nmt.json"
     for folder, said in cases.items():
         line = one_error_line(nmt("translate", "--model", folder, stdin=b"a dog\n"))
         assert said in line, line
