@@ -756,6 +756,48 @@ def test_a_request_begins_a_lane_of_its_own_while_the_other_is_busy(trained, mon
     assert joins == [0, 0], joins  # each began a running batch of its own
 
 
+def test_the_lane_of_a_sentence_that_decodes_long_takes_no_more_while_another_can(trained, monkeypatch):
+    """Two lanes, each decoding a sentence kept long by min_len, the first begun first: both have
+    run more than 1.5 times the steps of the sentences that ended before, so the first lane
+    takes no sentence while the second can. A request of their options that arrives then joins
+    the second lane, although both hold as many rows, and is answered exactly as `nmt translate`
+    answers it."""
+    import asyncio
+
+    from nmt_cli.engine import decoding
+    from nmt_cli.translator import Translator
+
+    translator = Translator.load(trained, threads=2)
+    joined: list[tuple[int, int]] = []  # each join's running batch and the sentences it held
+    join = decoding.Running.join
+    monkeypatch.setattr(
+        decoding.Running, "join", lambda self, *a: joined.append((id(self), self.live)) or join(self, *a)
+    )
+    long = {"min_len": 300, "max_len_b": 300, "max_len_a": 0.0}
+    short = ["a dog runs .", "a cat sits .", "two men talk ."]
+
+    async def scenario(post, get):
+        for line in short:  # sentences that end: what a sentence's steps are
+            assert (await post([line]))[0] == 200
+        first = asyncio.ensure_future(post({"text": ["a dog runs on the grass ."], **long}))
+        while (await get("/health"))[1]["decoding"] < 1:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(post({"text": ["a cat sits on the mat ."], **long}))
+        while (await get("/health"))[1]["decoding"] < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)  # past 1.5 times the short ones' steps, both
+        late = await post({"text": ["a bird sings ."], **long})
+        return late, await first, await second
+
+    late, first, second = _in_process(translator, scenario, max_wait_ms=0)
+    expected = Translator.load(trained, threads=2, **long).translate(["a bird sings ."])
+    assert late == (200, {"translations": expected})
+    assert first[0] == second[0] == 200
+    lanes = [search for search, _ in joined]
+    assert joined[-1] == (lanes[-2], 1), joined  # the second lane's, beside its one sentence
+
+
 def test_a_request_whose_running_batch_is_full_holds_up_no_other_options(trained):
     """The running batch of beam-8 requests is full (--max-batch 2: one such sentence) and a
     second waits for room: a request at other options, arriving after it, begins its own

@@ -190,6 +190,14 @@ class Running:
         """Sentences being searched."""
         return len(self.beams.active)
 
+    def age(self, sentence: int) -> int:
+        """The steps `sentence` has taken (live, or ended at the last step)."""
+        return self.rules.t - self.rules.begun[sentence]
+
+    def oldest(self) -> int:
+        """The steps the live sentence that began first has taken (0: none is live)."""
+        return max((self.age(int(s)) for s in self.beams.active), default=0)
+
     @torch.no_grad()
     def join(self, sources: Sequence[Sequence[int]], options: Sequence[DecodeOptions]) -> list[int]:
         """Sentences (ids without EOS, none empty) begin at the next step, each with its options

@@ -23,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
+
 from nmt_cli import ui
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.engine.hypothesis import Hypothesis
@@ -68,12 +70,16 @@ class Stream:
     rows: int = 0
     open: bool = True
     total: int = 0  # sentences handed to it so far
+    oldest: int = 0  # the steps its longest-running live sentence has taken (its thread's count)
 
 
 # --max-queue counts sentences of this many pieces at the default options
 TYPICAL = 32
 # sentences a running batch takes before it ends and another takes its place
 RENEW = 100_000
+# a sentence that has run this many times the median sentence's steps (of the last LASTED to
+# end) is long: the lane that holds the longest takes no sentences while another can
+LONGER, LASTED = 1.5, 256
 # a sentence of this many typical sentences' work is long (CTranslate2's spare worker): beam 16
 # with a limit of 328 tokens; at the default beam, none is
 LONG = 16
@@ -139,6 +145,7 @@ class Batcher:
         self.stopped = 0
         # the running batches, by their options and lane
         self.streams: dict[tuple[DecodeOptions, int], Stream] = {}
+        self.lasted: deque[int] = deque(maxlen=LASTED)  # the steps of the sentences that ended last
         self.lock = threading.Lock()  # the stream's inbox and end, between the loop and its thread
 
     def submit(
@@ -366,6 +373,13 @@ class Batcher:
         # a running batch keeps a little of each sentence it took (its limit, alpha, first step):
         # past RENEW it takes no more, ends, and a new one takes its lane
         taking = [s for s in lanes if s is not None and s.open and s.total < RENEW]
+        # A sentence that decodes long pays its lane's whole step at each of its steps: while one
+        # runs, its lane takes no sentences if another lane can, so that its steps get cheaper as
+        # the others end, as at the end of a batch (only one lane: new sentences always have one)
+        if len(taking) > 1 and self.lasted:
+            longest = max(taking, key=lambda s: s.oldest)
+            if longest.oldest > LONGER * float(np.median(self.lasted)):
+                taking.remove(longest)
         fewest = min(((s.rows, s.lane) for s in taking), default=None)
         unused = [lane for lane, s in enumerate(lanes) if s is None]
         if unused and (fewest is None or fewest[0]) and len(self.decoding) < self.at_once:
@@ -459,6 +473,7 @@ class Batcher:
                 if self.stepped:  # the step waits for its turn beside the other batches
                     self.turns.step(key)
                 for n, hyps in s.search.step():
+                    self.lasted.append(s.search.age(n))
                     job, i = members.pop(n)
                     answer, error = None, None
                     try:  # one answer that cannot be made fails its job alone
@@ -466,6 +481,7 @@ class Batcher:
                     except Exception as e:  # noqa: BLE001
                         error = e
                     loop.call_soon_threadsafe(self._left, s, job, i, answer, error)
+                s.oldest = s.search.oldest()
         except BaseException as e:
             with self.lock:
                 s.open = False
