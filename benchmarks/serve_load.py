@@ -26,6 +26,10 @@ with the default settings, a fresh server for each part:
   and how many of them the server let go within 15 s (--write-timeout 10).
 - sigterm: SIGTERM while the honest clients send: every request sent is answered (200) or
   refused (503), and the process is gone within the drain deadline.
+
+--before REV: instead, the honest load with dynamic batching, `--rounds` rounds alternated with
+the server of git revision REV (a worktree of it exporting its own package of RUN, or of
+--before-run: a copy of RUN whose records REV can read).
 """
 
 from __future__ import annotations
@@ -61,14 +65,14 @@ COSTLY_BEAM = 16  # --max-beam's default
 class Server:
     """`nmt serve` on `model` in a process of its own."""
 
-    def __init__(self, model: Path, *options: str):
+    def __init__(self, model: Path, *options: str, root: Path = ROOT):
         # its log goes to a file: a pipe nobody reads would block the server once full
         self.log = tempfile.NamedTemporaryFile(prefix="nmt-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [*NMT, "serve", "--model", str(model), "--port", "0", *SERVER_OPTIONS, *options],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
-            cwd=ROOT,
+            cwd=root,
         )
         self.log.close()  # the server writes it through its own descriptor
         while not (found := re.search(rb":(\d+)", Path(self.log.name).read_bytes())):
@@ -172,6 +176,28 @@ def honest(served: Path, requests, expected, clients: int) -> dict:
             server.stop()
         print(json.dumps(rows[name]), flush=True)
     return rows["honest"]
+
+
+def before(served: Path, requests, expected, args) -> None:
+    """The honest load on this tree's server and on revision `args.before`'s, alternated."""
+    work = served.parent
+    old = work / "before"
+    subprocess.run(["git", "worktree", "add", "--detach", str(old), args.before], cwd=ROOT, check=True)
+    try:
+        theirs = work / "before-package"
+        nmt("export", str(theirs), "--run-dir", str((args.before_run or args.run).resolve()), cwd=old)
+        servers = {"this tree": (served, ROOT), args.before: (theirs, old)}
+        for round_ in range(1, args.rounds + 1):
+            for name, (model, root) in servers.items():
+                server = Server(model, "--max-wait-ms", "5", root=root)
+                try:
+                    result = load(server.url, requests, expected, args.clients)
+                finally:
+                    server.stop()
+                row = summary(f"honest, {name}, round {round_}", result, sum(map(len, requests)))
+                print(json.dumps(row), flush=True)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=True)
 
 
 def greedy(served: Path, requests, expected, clients: int, pool: list[str], baseline: dict) -> None:
@@ -487,7 +513,12 @@ def main() -> None:
     ap.add_argument(
         "--server-option", action="append", default=[], help="an option of `nmt serve` for every server"
     )
+    ap.add_argument("--before", help="a git revision: the honest load alternated with its server")
+    ap.add_argument("--before-run", type=Path, help="RUN as --before's code reads it (default: RUN)")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.before and args.ct2:
+        ap.error("--before compares nmt's engine: drop --ct2")
     SERVER_OPTIONS.extend(o for option in args.server_option for o in option.split())
     work = Path(tempfile.mkdtemp(prefix="nmt-serve-load-"))
     try:
@@ -504,6 +535,9 @@ def main() -> None:
             f"requests, {sum(map(len, requests))} sentences; serve {' '.join(SERVER_OPTIONS)}",
             flush=True,
         )
+        if args.before:
+            before(served, requests, expected, args)
+            return
         baseline = None
         if {"honest", "greedy", "costly"} & set(args.parts):
             baseline = honest(served, requests, expected, args.clients)
