@@ -77,8 +77,8 @@ class Stream:
 TYPICAL = 32
 # sentences a running batch takes before it ends and another takes its place
 RENEW = 100_000
-# a sentence that has run this many times the median sentence's steps (of the last LASTED to
-# end) is long: the lane that holds the longest takes no sentences while another can
+# once a sentence has run this many times the median sentence's steps (of the last LASTED to
+# end), the lane that holds the longest-running one takes no sentences while another can
 LONGER, LASTED = 1.5, 256
 # a sentence of this many typical sentences' work is long (CTranslate2's spare worker): beam 16
 # with a limit of 328 tokens; at the default beam, none is
@@ -473,14 +473,13 @@ class Batcher:
                 if self.stepped:  # the step waits for its turn beside the other batches
                     self.turns.step(key)
                 for n, hyps in s.search.step():
-                    self.lasted.append(s.search.age(n))
                     job, i = members.pop(n)
                     answer, error = None, None
                     try:  # one answer that cannot be made fails its job alone
                         answer = _answer(self.translator.texts([hyps]), [hyps], job.options)[0]
                     except Exception as e:  # noqa: BLE001
                         error = e
-                    loop.call_soon_threadsafe(self._left, s, job, i, answer, error)
+                    loop.call_soon_threadsafe(self._left, s, job, i, answer, error, s.search.age(n))
                 s.oldest = s.search.oldest()
         except BaseException as e:
             with self.lock:
@@ -520,10 +519,14 @@ class Batcher:
     def _given_up(self) -> None:
         self.stopped += 1
 
-    def _left(self, s: Stream, job: Job, i: int, answer, error: BaseException | None) -> None:
+    def _left(
+        self, s: Stream, job: Job, i: int, answer, error: BaseException | None, steps: int | None = None
+    ) -> None:
         """Sentence i of `job` left the running batch, answered (`answer`), failed (`error`) or
         given up (neither); the job is answered with its last."""
         s.rows -= job.options.rows
+        if steps is not None:  # it ended after so many steps
+            self.lasted.append(steps)
         job.flying -= 1
         self.held -= job.sizes[i]
         self._done_with(job, i, i + 1)
