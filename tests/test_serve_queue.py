@@ -769,9 +769,15 @@ def test_the_lane_of_a_sentence_that_decodes_long_takes_no_more_while_another_ca
 
     translator = Translator.load(trained, threads=2)
     joined: list[tuple[int, int]] = []  # each join's running batch and the sentences it held
-    join = decoding.Running.join
+    steps: dict[int, int] = {}  # each running batch's steps so far
+    join, step = decoding.Running.join, decoding.Running.step
     monkeypatch.setattr(
         decoding.Running, "join", lambda self, *a: joined.append((id(self), self.live)) or join(self, *a)
+    )
+    monkeypatch.setattr(
+        decoding.Running,
+        "step",
+        lambda self: steps.update({id(self): steps.get(id(self), 0) + 1}) or step(self),
     )
     long = {"min_len": 300, "max_len_b": 300, "max_len_a": 0.0}
     short = ["a dog runs .", "a cat sits .", "two men talk ."]
@@ -779,6 +785,8 @@ def test_the_lane_of_a_sentence_that_decodes_long_takes_no_more_while_another_ca
     async def scenario(post, get):
         for line in short:  # sentences that end: what a sentence's steps are
             assert (await post([line]))[0] == 200
+        most = max(steps.values())  # the steps of the longest of them
+        steps.clear()
         first = asyncio.ensure_future(post({"text": ["a dog runs on the grass ."], **long}))
         while (await get("/health"))[1]["decoding"] < 1:
             await asyncio.sleep(0.001)
@@ -786,7 +794,8 @@ def test_the_lane_of_a_sentence_that_decodes_long_takes_no_more_while_another_ca
         second = asyncio.ensure_future(post({"text": ["a cat sits on the mat ."], **long}))
         while (await get("/health"))[1]["decoding"] < 2:
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.1)  # past 1.5 times the short ones' steps, both
+        while min(steps.get(search, 0) for search, _ in joined[-2:]) <= 2 * most:  # both past 1.5x
+            await asyncio.sleep(0.001)
         late = await post({"text": ["a bird sings ."], **long})
         return late, await first, await second
 
