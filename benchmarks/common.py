@@ -4,9 +4,12 @@ needs it)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # nmt's presets, read from nmt_cli/config/training.py (standard library only, so the peers' venvs import
@@ -97,3 +100,21 @@ def cpu_name() -> str:
         return f"{name} ({flags})"
     except (OSError, StopIteration):
         return platform.processor()
+
+
+@contextlib.contextmanager
+def checkout(revision: str, where: Path) -> Iterator[Path]:
+    """A git worktree of this repository at `revision` in `where` (before/after comparisons),
+    removed on the way out."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(where), revision],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield where
+    finally:
+        # unchecked: a failed removal must not hide what went wrong inside
+        subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=root)

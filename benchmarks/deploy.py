@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import cpu_name  # noqa: E402
+from benchmarks.common import checkout, cpu_name  # noqa: E402
 
 NMT = [sys.executable, "-m", "nmt_cli"]
 
@@ -214,11 +214,7 @@ def latency(args, work: Path) -> None:
     with open(train, encoding="utf-8") as f:
         text = "".join(line for _, line in zip(range(args.lines), f))
     (work / "file.txt").write_text(text, encoding="utf-8")
-    old = work / "old"
-    subprocess.run(
-        ["git", "worktree", "add", "--detach", str(old), args.old], cwd=ROOT, check=True, capture_output=True
-    )
-    try:
+    with checkout(args.old, work / "old") as old:
         # The old code reads the run directory; the new one reads it too, for the same model.
         runs = {"new": ROOT, f"old ({args.old})": old}
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -248,8 +244,6 @@ def latency(args, work: Path) -> None:
             f"max {max(waits[1:]):.3f} s (first, with the model's load: {waits[0]:.2f} s) |"
         )
         print(f"cpu: {cpu_name()}")
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import cpu_name  # noqa: E402
+from benchmarks.common import checkout, cpu_name  # noqa: E402
 from benchmarks.deploy import NMT, exports, nmt, split_files  # noqa: E402
 
 GREEDY_BEAM = 8
@@ -181,9 +181,7 @@ def honest(served: Path, requests, expected, clients: int) -> dict:
 def before(served: Path, requests, expected, args) -> None:
     """The honest load on this tree's server and on revision `args.before`'s, alternated."""
     work = served.parent
-    old = work / "before"
-    subprocess.run(["git", "worktree", "add", "--detach", str(old), args.before], cwd=ROOT, check=True)
-    try:
+    with checkout(args.before, work / "before") as old:
         theirs = work / "before-package"
         nmt("export", str(theirs), "--run-dir", str((args.before_run or args.run).resolve()), cwd=old)
         servers = {"this tree": (served, ROOT), args.before: (theirs, old)}
@@ -196,8 +194,6 @@ def before(served: Path, requests, expected, args) -> None:
                     server.stop()
                 row = summary(f"honest, {name}, round {round_}", result, sum(map(len, requests)))
                 print(json.dumps(row), flush=True)
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=True)
 
 
 def greedy(served: Path, requests, expected, clients: int, pool: list[str], baseline: dict) -> None:
