@@ -7,8 +7,8 @@ requests served least first, one at a time or, with --concurrent-batches, severa
 step by step. CTranslate2 cannot share its steps: its batches are cut to a bounded cost, and its
 workers decode several side by side; on a CPU, a batch of long sentences goes to a spare worker
 (a batch cannot be stopped midway: one that decodes for minutes would hold a worker the others
-need). Work is admitted while the memory its searches hold
-(Translator.costs) fits --max-memory."""
+need). Work is admitted while the memory its searches hold (Translator.costs) fits
+--max-memory."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class Batcher:
         # ... and a spare worker (CPU) that only batches of long sentences take, up to half of
         # what decodes at once: long batches share the cores with the others, never hold them up
         self.spare = getattr(backend, "spare", 0) if apart else 0
-        self.long = 0  # long batches being decoded
+        self.long_batches = 0  # long batches being decoded
         # nmt's engine on a CPU: requests whose search can take sentences midway join a running
         # batch of their options at its next step (Translator.running), one per CPU thread (its
         # lanes: a step's matrices are too small for threads to share one well); the running
@@ -227,9 +227,9 @@ class Batcher:
         batches: the spare, and up to half of the others) and its next sentence's memory fits
         beside what the batches being decoded hold."""
         if first.long:
-            free = self.long < max(1, self.at_once // 2)
+            free = self.long_batches < max(1, self.at_once // 2)
         else:
-            free = len(self.decoding) - self.long < self.at_once
+            free = len(self.decoding) - self.long_batches < self.at_once
         return (
             free
             and len(self.decoding) < self.at_once + self.spare
@@ -331,7 +331,7 @@ class Batcher:
                 job.decoding = True
             held = sum(sum(job.sizes[lo:hi]) for job, lo, hi in pieces)
             self.held += held
-            self.long += first.long
+            self.long_batches += first.long
             task = asyncio.get_running_loop().create_task(self._batch(pieces, held, first.long))
             self.decoding.add(task)
             if self.at_once + self.spare == 1:  # one batch at a time
@@ -552,7 +552,7 @@ class Batcher:
                 job.decoding = False
                 job.flying -= hi - lo
             self.held -= held
-            self.long -= long
+            self.long_batches -= long
             task = asyncio.current_task()
             if task is not None:
                 self.decoding.discard(task)
