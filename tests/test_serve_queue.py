@@ -702,7 +702,7 @@ def test_the_rows_of_a_request_nobody_waits_for_leave_the_running_batch_at_its_n
 
     from nmt_cli.translator import Translator
 
-    options = {"min_len": 60, "max_len_b": 60, "max_len_a": 0.0}
+    options = {"min_len": 300, "max_len_b": 300, "max_len_a": 0.0}  # longer than the test waits
     translator = Translator.load(trained, threads=2, **options)
     lines = [f"a cat sits {'on the mat ' * i}." for i in range(5)]
     expected = translator.translate(lines[3:])
@@ -711,11 +711,16 @@ def test_the_rows_of_a_request_nobody_waits_for_leave_the_running_batch_at_its_n
     dropped: list = []
     drop = decoding.Running.drop
     monkeypatch.setattr(decoding.Running, "drop", lambda self, s: dropped.append(len(s)) or drop(self, s))
+    joined: list[int] = []  # the sentences of each join
+    join = decoding.Running.join
+    monkeypatch.setattr(
+        decoding.Running, "join", lambda self, x, o: joined.append(len(x)) or join(self, x, o)
+    )
 
     async def scenario(post, get):
         leaving = asyncio.ensure_future(post({"text": lines[:3], **options}))
         staying = asyncio.ensure_future(post({"text": lines[3:], **options}))
-        while (await get("/health"))[1]["queued"] < 5:
+        while sum(joined) < 5:  # all five decoding
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.05)
         leaving.cancel()
