@@ -462,9 +462,10 @@ class Batcher:
                 gone = [n for n, (job, _) in members.items() if job.done.done()]
                 if gone:
                     s.search.drop(gone)
-                    loop.call_soon_threadsafe(self._given_up)
                     for n in gone:
                         loop.call_soon_threadsafe(self._left, s, *members.pop(n), None, None)
+                    # counted once its sentences left: /health never shows it given up and held
+                    loop.call_soon_threadsafe(self._given_up)
                 if pieces:
                     self._enter(s, pieces, members, loop)
                     pieces = []
@@ -500,9 +501,9 @@ class Batcher:
         joining: list[tuple[Job, int, list[int]]] = []
         for job, lo, hi in pieces:
             if job.done.done():  # its client left while it waited: not decoded
-                loop.call_soon_threadsafe(self._given_up)
                 for i in range(lo, hi):
                     loop.call_soon_threadsafe(self._left, s, job, i, None, None)
+                loop.call_soon_threadsafe(self._given_up)
                 continue
             ids = self.translator.encode(job.sentences[lo:hi], job.options.tag)
             blank = [Hypothesis([], 0.0)] * job.options.nbest
