@@ -102,6 +102,12 @@ class Translator:
             (m.config.num_decoder_layers * m.config.d_model * 4, m.config.vocab_size) for m in model.parts
         ]
         self.counts = Counts()
+        # --batch-size 0: a narrow model's steps on a CPU are small matrices whose operators
+        # cost about as much for 64 sentences as for 32 (docs/benchmarks.md, "Decoding"); a
+        # wider model's gain nothing from more, and hold twice the cache
+        narrow = all(m.config.d_model <= 256 for m in model.parts)
+        cpu = self.engine == "nmt" and cast(Any, self.backend).device.type == "cpu"
+        self.batch_size = config.batch_size or (64 if narrow and cpu else 32)
 
     def check_tag(self, tag: str) -> None:
         if tag and tag not in self.tags:
@@ -212,7 +218,7 @@ class Translator:
         for i in order:
             longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
             if batch and (
-                len(batch) >= self.config.batch_size or longest * (len(batch) + 1) > self.config.max_tokens
+                len(batch) >= self.batch_size or longest * (len(batch) + 1) > self.config.max_tokens
             ):
                 yield batch
                 batch = []
@@ -315,7 +321,7 @@ class Translator:
     def align(self, ids: list[list[int]], hyps: list[list[Hypothesis]], tag: str) -> None:
         """Set each hypothesis's word alignment (of the source `ids`)."""
         rows = [(i, h) for i, hs in enumerate(hyps) if ids[i] for h in hs]
-        size = self.config.batch_size
+        size = self.batch_size
         groups = [rows[k : k + size] for k in range(0, len(rows), size)]
         found = self.backend.align(
             [[ids[i] for i, _ in g] for g in groups], [[h.tokens for _, h in g] for g in groups]

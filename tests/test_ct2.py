@@ -166,3 +166,14 @@ def test_the_server_hands_ctranslate2_as_many_batches_as_it_has_workers(exported
     assert Batcher(translator, ServeConfig()).spare == 1
     assert Batcher(translator, ServeConfig(concurrent_batches=1)).at_once == 1
     assert not Batcher(translator, ServeConfig()).stepped  # its batches take no turns
+
+
+def test_the_batch_size_is_the_engines_own_unless_given(package, exported, multi30k_bpe):
+    """--batch-size 0 (the default): nmt's engine decodes a narrow model (d_model 256 or less)
+    on a CPU 64 sentences at a time, CTranslate2 32; a size given is kept."""
+    ids = Translator(from_dir(package), TranslateConfig()).encode(sources_of(multi30k_bpe)[:100])
+    sizes = {}
+    for name, where, given in (("nmt", package, 0), ("ct2", exported["float32"], 0), ("given", package, 10)):
+        translator = Translator(from_dir(where), TranslateConfig(batch_size=given))
+        sizes[name] = [len(b) for b in translator.batches(ids)]
+    assert sizes == {"nmt": [64, 36], "ct2": [32, 32, 32, 4], "given": [10] * 10}

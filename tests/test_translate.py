@@ -81,6 +81,9 @@ def test_translate_errors(trained, tmp_path, nmt):
     assert "not found" in one_error_line(
         nmt("translate", "--run-dir", trained, "--checkpoint", tmp_path / "none.pt", stdin=b"x\n")
     )
+    assert "--batch-size must not be negative" in one_error_line(
+        nmt("translate", "--run-dir", trained, "--batch-size", "-1", stdin=b"x\n")
+    )
 
 
 def test_score_files(tmp_path, nmt):
