@@ -214,12 +214,13 @@ class Translator:
         batches of bounded size."""
         among = (i for i, x in enumerate(ids) if x) if among is None else among
         order = sorted(among, key=lambda i: -len(ids[i]))
+        size = self.batch_size
+        if not self.config.batch_size:  # lines too few for 64 a thread: shared out, 32 at least
+            size = min(size, max(32, -(-len(order) // self.slots())))
         batch: list[int] = []
         for i in order:
             longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
-            if batch and (
-                len(batch) >= self.batch_size or longest * (len(batch) + 1) > self.config.max_tokens
-            ):
+            if batch and (len(batch) >= size or longest * (len(batch) + 1) > self.config.max_tokens):
                 yield batch
                 batch = []
             batch.append(i)

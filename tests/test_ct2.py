@@ -170,10 +170,19 @@ def test_the_server_hands_ctranslate2_as_many_batches_as_it_has_workers(exported
 
 def test_the_batch_size_is_the_engines_own_unless_given(package, exported, multi30k_bpe):
     """--batch-size 0 (the default): nmt's engine decodes a narrow model (d_model 256 or less)
-    on a CPU 64 sentences at a time, CTranslate2 32; a size given is kept."""
-    ids = Translator(from_dir(package), TranslateConfig()).encode(sources_of(multi30k_bpe)[:100])
+    on a CPU 64 sentences at a time, CTranslate2 32, and fewer lines than fill a batch for each
+    thread in batches of 32 (no thread idle); a size given is kept."""
+    ids = Translator(from_dir(package), TranslateConfig()).encode(sources_of(multi30k_bpe)[:200])
     sizes = {}
-    for name, where, given in (("nmt", package, 0), ("ct2", exported["float32"], 0), ("given", package, 10)):
-        translator = Translator(from_dir(where), TranslateConfig(batch_size=given))
+    for name, where, given in (("nmt", package, 0), ("ct2", exported["float32"], 0), ("given", package, 60)):
+        translator = Translator(from_dir(where), TranslateConfig(threads=2, batch_size=given))
         sizes[name] = [len(b) for b in translator.batches(ids)]
-    assert sizes == {"nmt": [64, 36], "ct2": [32, 32, 32, 4], "given": [10] * 10}
+        sizes[name, "few"] = [len(b) for b in translator.batches(ids[:64])]
+    assert sizes == {
+        "nmt": [64, 64, 64, 8],
+        ("nmt", "few"): [32, 32],
+        "ct2": [32] * 6 + [8],
+        ("ct2", "few"): [32, 32],
+        "given": [60, 60, 60, 20],
+        ("given", "few"): [60, 4],
+    }

@@ -204,7 +204,8 @@ class TranslateConfig:
     max_tokens: int = knob(4096, "Padded source tokens per batch.")
     batch_size: int = knob(
         0,
-        "Sentences per batch (0: 64 for nmt's engine on a CPU with a model of d_model 256 or less, else 32).",
+        "Sentences per batch (0: 32; nmt's engine on a CPU with a model of d_model 256 or less: 64, "
+        "or as many as give each thread a batch, 32 at least).",
     )
     chunk: int = 10_000  # lines read (and held) at a time
     device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
