@@ -34,6 +34,11 @@ from nmt_cli.textio import Counts, requests
 PIECE_CHARS = 32
 # Characters that some readers take for a line break: an output line must stay one line.
 ONE_LINE = str.maketrans({c: " " for c in "\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+# --batch-size 0: sentences per batch, and for nmt's engine on a CPU with a model of d_model
+# NARROW or less, whose steps are small matrices whose operators cost about as much for twice
+# the rows (docs/benchmarks.md, "Decoding"); a wider model's gain nothing from more, and hold
+# twice the cache
+BATCH, NARROW_BATCH, NARROW = 32, 64, 256
 
 
 @dataclass(frozen=True)
@@ -102,12 +107,8 @@ class Translator:
             (m.config.num_decoder_layers * m.config.d_model * 4, m.config.vocab_size) for m in model.parts
         ]
         self.counts = Counts()
-        # --batch-size 0: a narrow model's steps on a CPU are small matrices whose operators
-        # cost about as much for 64 sentences as for 32 (docs/benchmarks.md, "Decoding"); a
-        # wider model's gain nothing from more, and hold twice the cache
-        narrow = all(m.config.d_model <= 256 for m in model.parts)
-        cpu = self.engine == "nmt" and cast(Any, self.backend).device.type == "cpu"
-        self.batch_size = config.batch_size or (64 if narrow and cpu else 32)
+        narrow = all(m.config.d_model <= NARROW for m in model.parts)
+        self.batch_size = config.batch_size or (NARROW_BATCH if narrow and self._nmt_on_cpu() else BATCH)
 
     def check_tag(self, tag: str) -> None:
         if tag and tag not in self.tags:
@@ -173,6 +174,9 @@ class Translator:
         """Whether a server may decode several batches at once, taking their steps in turn:
         nmt's engine on a CPU. On a GPU one batch at a time until a GPU has measured it (a graph
         captured in one thread while another launches kernels would fail its capture)."""
+        return self._nmt_on_cpu()
+
+    def _nmt_on_cpu(self) -> bool:
         device = getattr(self.backend, "device", None)
         return self.engine == "nmt" and getattr(device, "type", None) == "cpu"
 
@@ -215,8 +219,8 @@ class Translator:
         among = (i for i, x in enumerate(ids) if x) if among is None else among
         order = sorted(among, key=lambda i: -len(ids[i]))
         size = self.batch_size
-        if not self.config.batch_size:  # lines too few for 64 a thread: shared out, 32 at least
-            size = min(size, max(32, -(-len(order) // self.slots())))
+        if not self.config.batch_size:  # lines too few for a batch a thread: shared out, BATCH at least
+            size = min(size, max(BATCH, -(-len(order) // self.slots())))
         batch: list[int] = []
         for i in order:
             longest = len(ids[batch[0]]) + 1 if batch else len(ids[i]) + 1
