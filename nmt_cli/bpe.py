@@ -25,7 +25,7 @@ from nmt_cli.files import atomic_open
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard, ShardWriter
 from nmt_cli.textio import chunks, read_lines
-from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies
+from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies, processor
 
 ENCODE_CHUNK = 20_000
 
@@ -119,14 +119,6 @@ def _lowercase_rules() -> str:
     return "".join(rules)
 
 
-def folds_case(spm_model: Path) -> bool:
-    """Whether a sentencepiece model lowercases what it encodes (`nmt bpe --lowercase`)."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
-    return sp.decode(sp.encode("A")) == "a"
-
-
 def vocabularies_of(where: Path) -> Vocabularies:
     """The sentencepiece models of a run directory, a package or export, or one .model file."""
     if where.is_file():
@@ -144,16 +136,11 @@ def vocabularies_of(where: Path) -> Vocabularies:
 def adopt(where: Path, run: RunDir, tags: list[str]) -> Vocabularies:
     """Take another model's sentencepiece models as this run's (for fine-tuning that model); its
     source side must hold the run's corpus `tags` as pieces."""
-    import sentencepiece as spm
-
     found = vocabularies_of(where)
     mine = Vocabularies.in_folder(run.spm_folder, found.joint)
     run.spm_folder.mkdir(parents=True, exist_ok=True)
     for path, dest in zip(found.files(), mine.files()):
-        try:
-            sp = spm.SentencePieceProcessor(model_file=str(path))
-        except (OSError, RuntimeError) as e:
-            raise NmtError(f"{path} is not a sentencepiece model ({e})") from None
+        sp = processor(path, follow=True)  # a file the user named
         if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD, UNK, BOS, EOS):
             raise NmtError(f"{path} was not made by `nmt bpe`: its special pieces have other ids")
         for tag in tags if path == found.source else ():
@@ -167,7 +154,7 @@ def adopt(where: Path, run: RunDir, tags: list[str]) -> Vocabularies:
         with atomic_open(dest.with_suffix(".vocab")) as f:
             f.write(vocab)
         with atomic_open(dest, "wb") as f:
-            f.write(path.read_bytes())
+            f.write(sp.serialized_model_proto())
     return mine
 
 
@@ -182,9 +169,7 @@ def _drop_other_layout(run: RunDir, kept: Vocabularies) -> None:
 
 def load(run: RunDir, side: str = "target"):
     """The sentencepiece processor of the run's `side` ("source" or "target")."""
-    import sentencepiece as spm
-
-    return spm.SentencePieceProcessor(model_file=str(getattr(run.vocabularies(), side)))
+    return processor(getattr(run.vocabularies(), side))
 
 
 def dropout_encoding(run: RunDir, lang: str, p: float, seed: int, epoch: int) -> Shard:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nmt_cli import floors
+from nmt_cli import floors, shortlist
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.vocab import pieces
@@ -31,13 +31,17 @@ def require_ctranslate2():
 
 
 def save(model: Model, folder: Path, quantization: str = "float32") -> None:
-    """`model` as CTranslate2's model files in `folder`."""
+    """`model` as CTranslate2's model files in `folder`, with its shortlist (as vmap.txt)."""
     spec = build_spec(model)
-    if model.shortlist is not None:  # its lexical shortlist, as CTranslate2's vmap.txt
-        spec.register_vocabulary_mapping(str(model.shortlist))
+    if model.shortlist is not None:  # CTranslate2 copies the file it is given: a parsed copy
+        parsed = folder / f".{shortlist.NAME}"
+        shortlist.copy(model, parsed)
+        spec.register_vocabulary_mapping(str(parsed))
     spec.validate()
     spec.optimize(quantization=None if quantization == "float32" else quantization)
     spec.save(str(folder))
+    if model.shortlist is not None:
+        parsed.unlink()
 
 
 def build_spec(model: Model):

@@ -19,8 +19,8 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, copy_regular, fsync_dir, new_file_mode, now, sha256_file
 from nmt_cli.models import (
     CT2,
+    CT2_SHORTLIST,
     CT2_WEIGHTS,
-    MAX_SPM_BYTES,
     NMT,
     PROVENANCE,
     SETTINGS,
@@ -29,10 +29,12 @@ from nmt_cli.models import (
     Model,
     sha_key,
 )
-from nmt_cli.vocab import Vocabularies
+from nmt_cli.vocab import MAX_SPM_BYTES, Vocabularies, processor
 
 
-def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
+def settings(model: Model, fmt: str, sha256: str, folder: Path, **extra) -> dict:
+    """The nmt.json of `model` exported into `folder`: the sha256 of each file is of what the
+    folder holds."""
     from nmt_cli import __version__
     from nmt_cli.config import DecodeOptions
 
@@ -57,10 +59,16 @@ def settings(model: Model, fmt: str, sha256: str, **extra) -> dict:
         "tgt": model.tgt,
         "text": model.text_settings,
         "sha256": sha256,
-        **{sha_key(name): sha256_file(held) for held, name in _packaged(model, Path("."))},
+        **{sha_key(name): sha256_file(name) for _, name in _packaged(model, folder)},
+        **dict((shortlist.SHA_KEY, sha256_file(held)) for held in _shortlist_in(folder)),
         "decoding": {"beam": d.beam, "alpha": d.alpha, "max_len_a": d.max_len_a, "max_len_b": d.max_len_b},
         **extra,
     }
+
+
+def _shortlist_in(folder: Path) -> list[Path]:
+    """The shortlist file an export in `folder` holds (as a package or as CTranslate2's), if any."""
+    return [folder / name for name in (shortlist.NAME, CT2_SHORTLIST) if (folder / name).exists()]
 
 
 def _packaged(model: Model, folder: Path) -> list[tuple[Path, Path]]:
@@ -78,11 +86,11 @@ def export_nmt(model: Model, out: Path) -> None:
         )
     with writing(model, out) as staging:
         if model.shortlist is not None:  # a CTranslate2 export carries it as its vmap.txt
-            copy_regular(model.shortlist, staging / shortlist.NAME, shortlist.MAX_BYTES)
+            shortlist.copy(model, staging / shortlist.NAME)
         weights = {k: v.contiguous() for k, v in model.weights().items()}
         save_file(weights, str(staging / WEIGHTS), metadata={"format": "pt"})
         os.chmod(staging / WEIGHTS, new_file_mode())  # safetensors writes it 0600
-        atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS)))
+        atomic_write_json(staging / SETTINGS, settings(model, NMT, sha256_file(staging / WEIGHTS), staging))
 
 
 @contextlib.contextmanager
@@ -91,7 +99,10 @@ def writing(model: Model, out: Path) -> Iterator[Path]:
     provenance; renamed to `out` at the end, so `out` appears complete or not at all."""
     with staged(out) as staging:
         for held, dest in _packaged(model, staging):
-            copy_regular(held, dest, MAX_SPM_BYTES)
+            # not through a link (a run's file linked to a private one would ship), kept no more
+            # readable than it was, and a sentencepiece model: what ships is what was parsed
+            copy_regular(held, dest, MAX_SPM_BYTES, follow=False)
+            processor(dest)
         atomic_write_json(staging / PROVENANCE, model.provenance)
         yield staging
 
@@ -101,6 +112,8 @@ def staged(out: Path) -> Iterator[Path]:
     """A sibling directory of the new directory `out` to write into, renamed to `out` when the
     block ends, fsynced; removed if it raises."""
     out = Path(out)
+    if out.is_symlink():  # renamed over at the end: a link would be left, and the export beside it
+        raise NmtError(f"{out} is a symbolic link: give the new directory itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NmtError(f"{out} exists and is not empty: choose a new directory")
     staging = out.with_name(f".{out.name}.partial")
@@ -135,5 +148,5 @@ def export_ct2(model: Model, out: Path, quantization: str = "float32") -> None:
         save(model, staging, quantization)
         atomic_write_json(
             staging / SETTINGS,
-            settings(model, CT2, sha256_file(staging / CT2_WEIGHTS), quantization=quantization),
+            settings(model, CT2, sha256_file(staging / CT2_WEIGHTS), staging, quantization=quantization),
         )

@@ -14,6 +14,7 @@ import json
 import os
 import stat
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -134,10 +135,10 @@ def open_regular(path: Path, flags: int, mode: int = 0o644, follow: bool = False
     return fd
 
 
-def read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file `path` (or of the one a link leads to), refused past
-    `limit` bytes."""
-    with os.fdopen(open_regular(path, os.O_RDONLY, follow=True), "rb") as f:
+def read_regular(path: Path, limit: int, follow: bool = True) -> bytes:
+    """The bytes of the regular file `path` (or of the one a link leads to, if `follow`),
+    refused past `limit` bytes."""
+    with os.fdopen(open_regular(path, os.O_RDONLY, follow=follow), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise NmtError(f"{path} is larger than {limit} bytes: it is not what nmt wrote")
@@ -156,10 +157,12 @@ def read_json(path: Path, limit: int = 16 << 20, kind: type = dict):
     return data
 
 
-def copy_regular(src: Path, dest: Path, limit: int) -> None:
+def copy_regular(src: Path, dest: Path, limit: int, follow: bool = True) -> None:
     """Copy the regular file `src` to `dest`, from the descriptor that was checked (a link to a
-    device or a FIFO is refused, not read for ever), refused past `limit` bytes."""
-    with os.fdopen(open_regular(src, os.O_RDONLY, follow=True), "rb") as f, open(dest, "wb") as out:
+    device or a FIFO is refused, not read for ever; any link unless `follow`), refused past
+    `limit` bytes; `dest` no more readable than `src` is."""
+    with os.fdopen(open_regular(src, os.O_RDONLY, follow=follow), "rb") as f, open(dest, "wb") as out:
+        os.fchmod(out.fileno(), stat.S_IMODE(os.fstat(f.fileno()).st_mode) & new_file_mode())
         copied = 0
         while chunk := f.read(min(1 << 20, limit + 1 - copied)):
             copied += len(chunk)
@@ -176,6 +179,38 @@ def check_regular(path: Path, limit: int) -> None:
             raise NmtError(f"{path} is larger than {limit} bytes: it is not what nmt wrote")
     finally:
         os.close(fd)
+
+
+def check_torch_zip(f: IO[bytes], where: Path, most: int | None = None) -> None:
+    """Refuse a PyTorch file that torch.load would inflate, from its zip directory alone: the
+    legacy format (before zip) declares each storage's size ahead of its bytes, and a deflated
+    member of a few MB can declare gigabytes, where torch.save stores every member as it is. So:
+    a zip, every member stored and within the file, and (`most`) no more bytes in all than the
+    model it claims to be needs. `f` is left at its start."""
+    size = os.fstat(f.fileno()).st_size
+    try:
+        with zipfile.ZipFile(f) as z:
+            members = z.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
+        raise NmtError(
+            f"{where} is not a PyTorch zip file (torch.save's format since torch 1.6; {type(e).__name__})"
+        ) from None
+    total = 0
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED:
+            raise NmtError(
+                f"{where} holds a compressed member ({m.filename!r:.60}), which torch.save never writes: "
+                "refusing to inflate it"
+            )
+        if m.file_size != m.compress_size or m.header_offset + m.file_size > size:
+            raise NmtError(f"{where} declares a member ({m.filename!r:.60}) larger than the file holds")
+        total += m.file_size
+    if most is not None and total > most:
+        raise NmtError(
+            f"{where} holds {total / 2**20:.1f} MiB of data, more than the {most / 2**20:.1f} MiB "
+            "the model it declares needs: it is damaged or was changed"
+        )
+    f.seek(0)
 
 
 def open_appending(path: Path) -> io.TextIOWrapper:

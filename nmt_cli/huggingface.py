@@ -29,6 +29,7 @@ model's own, which the import reads back). Of M2M100 folders the import reads on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -41,14 +42,15 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import (
     atomic_write_json,
     check_regular,
+    check_torch_zip,
     copy_regular,
     new_file_mode,
     read_json,
     read_regular,
     sha256_file,
 )
-from nmt_cli.models import MAX_SPM_BYTES, Model
-from nmt_cli.vocab import BOS, EOS, PAD, UNK, Vocabularies, pieces
+from nmt_cli.models import Model
+from nmt_cli.vocab import BOS, EOS, MAX_SPM_BYTES, PAD, UNK, Vocabularies, pieces
 
 ABSENT = -100.0  # the output bias of a row outside the model's softmax: exp(-100) is nothing
 MAX_WEIGHTS_BYTES = 64 << 30
@@ -234,8 +236,10 @@ def _settings(c: dict, folder: Path) -> tuple[int, str]:
     return int(c["encoder_attention_heads"]), activation
 
 
-def _weights(folder: Path) -> tuple[dict, Path]:
+def _weights(folder: Path, config: ModelConfig) -> tuple[dict, Path]:
     import torch
+
+    from nmt_cli.engine.checkpoint import most_bytes
 
     safetensors, pickle = folder / "model.safetensors", folder / "pytorch_model.bin"
     if safetensors.is_file():
@@ -248,10 +252,13 @@ def _weights(folder: Path) -> tuple[dict, Path]:
             raise NmtError(f"{safetensors} is not a safetensors file ({type(e).__name__}: {e})") from None
     elif pickle.is_file():
         check_regular(pickle, MAX_WEIGHTS_BYTES)
-        try:
-            tensors, path = torch.load(pickle, map_location="cpu", weights_only=True), pickle
-        except Exception as e:  # noqa: BLE001 - an unpickling error of any kind
-            raise NmtError(f"{pickle} is not a weights-only PyTorch file ({type(e).__name__})") from None
+        with open(pickle, "rb") as f:  # checked above: a regular file, not a link
+            # Marian's tables may be held up to four times (shared, both embeddings, lm_head)
+            check_torch_zip(f, pickle, most_bytes(dataclasses.asdict(config)))
+            try:
+                tensors, path = torch.load(f, map_location="cpu", weights_only=True), pickle
+            except Exception as e:  # noqa: BLE001 - an unpickling error of any kind
+                raise NmtError(f"{pickle} is not a weights-only PyTorch file ({type(e).__name__})") from None
     else:
         raise NmtError(f"{folder} has no weights: model.safetensors or pytorch_model.bin")
     if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
@@ -345,7 +352,7 @@ def read_marian(folder: Path) -> Marian:
         )
     except (NmtError, TypeError, ValueError) as e:
         raise NmtError(f"{folder}/config.json: {e}") from None
-    w, weights_path = _weights(folder)
+    w, weights_path = _weights(folder, config)
     files[weights_path.name] = sha256_file(weights_path)
     try:
         weights = _as_nmt(config, w, source, target, separate)
@@ -355,6 +362,8 @@ def read_marian(folder: Path) -> Marian:
         raise NmtError(
             f"{weights_path} does not hold the model config.json declares ({type(e).__name__}: {e})"
         ) from None
+    except NmtError as e:
+        raise NmtError(f"{weights_path}: {e}") from None
     from nmt_cli.models import same_shapes
 
     held = {k: tuple(v.shape) for k, v in weights.items()}
@@ -381,6 +390,16 @@ def _as_nmt(c: ModelConfig, w: dict, source: Side, target: Side, separate: bool)
         )
 
     def gathered(table: torch.Tensor, side: Side) -> torch.Tensor:
+        # what the gather makes is the vocabulary's rows x the table's width: both checked
+        # against the config and the table first (a large vocab.json over a small table, or a
+        # wide table, would be gathered into gigabytes before any shape check)
+        if table.dim() != 2 or table.shape[1] != c.d_model:
+            raise NmtError(f"an embedding table is {tuple(table.shape)}, not (rows, {c.d_model}) as declared")
+        if len(side.rows) > 2 * table.shape[0] + len(SPECIALS) or max(side.rows) >= table.shape[0]:
+            raise NmtError(
+                f"the vocabulary names {len(side.rows)} pieces up to row {max(side.rows)} of an "
+                f"embedding table of {table.shape[0]} rows"
+            )
         rows = torch.tensor(side.rows)
         out = table[rows.clamp(min=0)].clone()
         out[rows < 0] = 0.0
@@ -492,8 +511,8 @@ def write_tokenizer(model: Model, folder: Path) -> None:
     """MarianTokenizer's files with nmt's ids: the sentencepiece models cut the text, vocab.json
     (and target_vocab.json) number the pieces as nmt's model does."""
     vocabs = model.vocabs
-    copy_regular(vocabs.source, folder / "source.spm", MAX_SPM_BYTES)
-    copy_regular(vocabs.target, folder / "target.spm", MAX_SPM_BYTES)
+    copy_regular(vocabs.source, folder / "source.spm", MAX_SPM_BYTES, follow=False)
+    copy_regular(vocabs.target, folder / "target.spm", MAX_SPM_BYTES, follow=False)
     source = {p: i for i, p in enumerate(pieces(vocabs.source))}
     # a language tag `nmt import` made one piece with its word boundary: MarianTokenizer looks
     # it up bare, as it takes it from the start of a line

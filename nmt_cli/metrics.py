@@ -124,14 +124,14 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
     token ids of the validation set, against its references as released (case-insensitive
     where the BPE model lowercases)."""
-    from nmt_cli import bpe
+    from nmt_cli.vocab import folds_case, processor
 
     path = run.text("valid", tgt_lang, raw=True)
     if not path.exists():
         path = run.text("valid", tgt_lang)
     refs = path.read_text(encoding="utf-8").splitlines()
-    sp = bpe.load(run, "target")
-    lowercase = bpe.folds_case(run.vocabularies().target)
+    sp = processor(run.vocabularies().target)
+    lowercase = folds_case(run.vocabularies().target)
 
     def bleu(ids: list[list[int]]) -> float:
         return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score

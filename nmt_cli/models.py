@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING
 
 from nmt_cli import shortlist
 from nmt_cli.config import ModelConfig
+from nmt_cli.config.common import language
 from nmt_cli.errors import NmtError
 from nmt_cli.files import check_regular, open_regular, read_json, read_regular, sha256_file
 from nmt_cli.rundir import RunDir
-from nmt_cli.vocab import Vocabularies
+from nmt_cli.vocab import MAX_SPM_BYTES, Vocabularies
 
 if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export never needs it
     import torch
@@ -36,7 +37,6 @@ if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export neve
 SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.json"
 CT2_WEIGHTS = "model.bin"
 CT2_SHORTLIST = "vmap.txt"  # CTranslate2's name for its vocabulary map: shortlist.py's file
-MAX_SPM_BYTES = 64 << 20  # several times what a sentencepiece model of a million pieces holds
 NMT, CT2 = "nmt", "ctranslate2"
 # 2: a source embedding of its own; 3: the settings of a model made elsewhere (`nmt import`);
 # a model that needs neither is still written as 1
@@ -152,9 +152,12 @@ def ensemble(models: list[Model]) -> Model:
     )
 
 
-def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict] | None = None) -> Model:
+def from_run(
+    run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict] | None = None, adapted: bool = True
+) -> Model:
     """The run's model: --checkpoint, else the averaged model, else the latest checkpoint.
-    `loaded`: that checkpoint's tensors and record, when the caller has read them already."""
+    `loaded`: that checkpoint's tensors and record, when the caller has read them already;
+    `adapted`: whether a checkpoint of adapters may be it (not as another's base)."""
     from nmt_cli.engine import checkpoint
 
     if checkpoint_path:
@@ -176,6 +179,10 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
             f"{path} is not an nmt model (expected a .pt file with its .json record, "
             "or a directory from `nmt export`)"
         )
+    if not adapted and (loaded[1] if loaded else read_json(record_path, 1 << 20)).get("adapters"):
+        # one level of adapters is merged: a base that is itself adapted could name its own
+        # checkpoint as its base, and be read again at every level
+        raise NmtError(f"{path} holds adapters too: the base of adapters must be a plain model")
     tensors, meta = loaded or checkpoint.load_tensors(path)  # verifies the sha256 once, here
     config = _declared(meta.get("model"), record_path)
     vocabs = run.vocabularies()
@@ -187,8 +194,8 @@ def from_run(run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict]
         where=path,
         config=config,
         vocabs=vocabs,
-        src=meta.get("src", "en"),
-        tgt=meta.get("tgt", "de"),
+        src=language(meta.get("src", "en"), f"{record_path}: its src"),
+        tgt=language(meta.get("tgt", "de"), f"{record_path}: its tgt"),
         sha256=meta["sha256"],
         load_weights=lambda: weights,
         provenance=_provenance(run, path, meta),
@@ -206,29 +213,29 @@ def with_adapters(meta: dict, held: dict[str, torch.Tensor], path: Path) -> dict
         raise NmtError(f"{path} is damaged: its record says adapters, and it holds other tensors")
     where = Path(str(said.get("base", "")))
     try:
-        base = locate(where)
+        base = locate(where, adapted=False)
     except NmtError as e:
         raise NmtError(f"{path} holds the adapters of {where}, which cannot be read: {e}") from None
     if base.sha256 != said.get("base_sha256"):
         raise NmtError(f"{path} adapts {where}, which has changed since (its sha256 differs)")
     try:
         return adapters.merged(base.weights(), held)
-    except (KeyError, RuntimeError) as e:
+    except (KeyError, RuntimeError, ValueError) as e:
         raise NmtError(f"{path}'s adapters do not fit {where} ({type(e).__name__}: {e})") from None
 
 
-def locate(where: Path, loaded: tuple[dict, dict] | None = None) -> Model:
+def locate(where: Path, loaded: tuple[dict, dict] | None = None, adapted: bool = True) -> Model:
     """The model one path names: a package or export, a run directory (as `from_run`), or a
-    checkpoint file of a run (in its checkpoints/, or averaged.pt at its top; `loaded` as in
-    `from_run`)."""
+    checkpoint file of a run (in its checkpoints/, or averaged.pt at its top; `loaded` and
+    `adapted` as in `from_run`)."""
     path = Path(where)
     if path.is_file():
         root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        return from_run(RunDir(root), str(path), loaded)
+        return from_run(RunDir(root), str(path), loaded, adapted)
     if os.path.lexists(path / SETTINGS):
         return from_dir(path)
     if RunDir(path).manifest_path.is_file():
-        return from_run(RunDir(path), None)
+        return from_run(RunDir(path), None, adapted=adapted)
     raise NmtError(
         f"{where} is not a model: give a directory from `nmt export`, a run directory or a checkpoint file"
         if path.exists()
@@ -251,6 +258,9 @@ def from_dir(path: Path) -> Model:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise NmtError(f"{settings_path} is damaged ({type(e).__name__}: {e})") from None
     config = _declared(s.get("model"), settings_path)
+    src, tgt = language(src, f"{settings_path}: its src"), language(tgt, f"{settings_path}: its tgt")
+    if not isinstance(sha, str):
+        raise NmtError(f"{settings_path} is damaged: its sha256 is {sha!r:.40}")
     version = s.get("version", 0)
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise NmtError(f"{settings_path} is damaged: its version is {version!r}, not a number nmt writes")
@@ -269,12 +279,19 @@ def from_dir(path: Path) -> Model:
         key = sha_key(spm)  # exports before the sha256 of spm.model lack it
         if (key in s or not vocabs.joint) and sha256_file(spm) != s.get(key):
             raise NmtError(f"{spm} does not match the sha256 in {SETTINGS}: it is corrupt or was changed")
+    # a shortlist is read only where the settings record its sha256 (it is parsed into a table
+    # as wide as its widest row, and an export before the record shipped whatever the run held)
+    listed: Path | None = path / (shortlist.NAME if fmt == NMT else CT2_SHORTLIST)
+    if listed is not None and os.path.lexists(listed) and shortlist.SHA_KEY in s:
+        if sha256_file(listed) != s[shortlist.SHA_KEY]:
+            raise NmtError(f"{listed} does not match the sha256 in {SETTINGS}: it is corrupt or was changed")
+    else:
+        listed = None
     if fmt == CT2:  # CTranslate2 reads its file itself: verified here, before it does
         _verified(weights_path, sha)
         return Model(
-            path, config, vocabs, src, tgt, sha, None, ct2_dir=path, provenance=provenance,
-            shortlist=_if_there(path / CT2_SHORTLIST),
-        )  # fmt: skip
+            path, config, vocabs, src, tgt, sha, None, ct2_dir=path, provenance=provenance, shortlist=listed
+        )
 
     def load_weights() -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -286,10 +303,7 @@ def from_dir(path: Path) -> Model:
     # was recorded with it is bounded by check_shapes
     _verified(weights_path, sha)
     check_shapes(config, weights_path, settings_path)
-    return Model(
-        path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance,
-        shortlist=_if_there(path / shortlist.NAME),
-    )  # fmt: skip
+    return Model(path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance, shortlist=listed)
 
 
 def _if_there(path: Path) -> Path | None:

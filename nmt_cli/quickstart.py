@@ -13,6 +13,7 @@ from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, read_json
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import read_lines
+from nmt_cli.vocab import folds_case
 
 # The minute of the budget the steps besides training take (prep, BPE, decoding and scoring the
 # test set; docs/benchmarks.md times them); the rest trains.
@@ -57,7 +58,7 @@ def run(
     _step(2, "learn BPE and binarize")
     # A rerun must not re-learn the BPE its checkpoints were trained on.
     if "bpe" in done:
-        learned = bpe.folds_case(run_dir.vocabularies().target)  # the model, not its config: what encodes
+        learned = folds_case(run_dir.vocabularies().target)  # the model, not its config: what encodes
         if learned != lowercase:
             raise NmtError(
                 f"{run_dir.root} holds a BPE model learned {'with' if learned else 'without'} "

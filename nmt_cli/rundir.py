@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nmt_cli.config.common import language
 from nmt_cli.errors import NmtError
 from nmt_cli.files import (
     atomic_write_json,
@@ -198,7 +199,19 @@ class RunDir:
         if not self.manifest_path.exists():
             return {}
         try:
-            return read_json(self.manifest_path)
+            manifest = read_json(self.manifest_path)
+            # of the types every reader of it takes for granted: checked once, here
+            for step, entry in manifest.items():
+                if not isinstance(entry, dict):
+                    raise NmtError(f"{self.manifest_path}: its {step!r} is not a record of a step")
+            prep = manifest.get("prep", {})
+            for side in ("src", "tgt"):
+                if side in prep:
+                    language(prep[side], f"{self.manifest_path}: prep's {side}")
+            splits = prep.get("splits", {})
+            if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
+                raise NmtError(f"{self.manifest_path}: prep's splits are not records of splits")
+            return manifest
         except NmtError as e:  # it names the file and what is wrong with it
             raise NmtError(f"{e}; delete it and rerun the steps") from None
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from nmt_cli import metrics as measure
-from nmt_cli import translate, ui
+from nmt_cli import translate, ui, vocab
 from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
@@ -144,11 +144,9 @@ def writes_lowercase(model: Model | None, run: RunDir | None, moses_lc: bool) ->
     """Whether the translations scored come from a model that writes lowercase (`nmt bpe
     --lowercase`): then case-insensitive scores, said so, rather than cased ones no casing of
     the model could reach. `run`: the run whose model translated, where no other did."""
-    from nmt_cli.bpe import folds_case
-
     vocabs = model.vocabs if model is not None else run.vocabularies(False) if run is not None else None
     spm = vocabs.target if vocabs is not None else None  # the side it writes
-    if moses_lc or spm is None or not spm.exists() or not folds_case(spm):
+    if moses_lc or spm is None or not spm.exists() or not vocab.folds_case(spm):
         return False
     ui.say("the model writes lowercase (`nmt bpe --lowercase`): the scores are case-insensitive")
     return True

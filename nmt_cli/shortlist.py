@@ -14,6 +14,7 @@ it and the CTranslate2 export carries it as its vmap.txt, so that both engines r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ PER_SOURCE = 32
 # in proportion to the pairs, and a piece that a batch meets often is in a million pairs often.
 PAIRS = 1_000_000
 MAX_BYTES = 256 << 20  # a shortlist file read at most
+# candidates of one source piece at most: every source piece holds a row as wide as the widest
+MAX_ROW = 256
+SHA_KEY = "shortlist_sha256"  # the setting of a package (or export) that holds its file's sha256
 SPECIALS = (PAD, UNK, BOS, EOS)
 
 
@@ -64,9 +68,17 @@ class Shortlist:
 def path_of(model: Model) -> Path:
     """The file of the shortlist `model` carries, for `--shortlist`; an error line if it has none."""
     if model.shortlist is None:
+        unrecorded = model.where.is_dir() and any(
+            os.path.lexists(model.where / name) for name in (NAME, "vmap.txt")
+        )
         raise NmtError(
-            f"{model.where} has no lexical shortlist for --shortlist: `nmt bpe` builds one in a run "
-            "directory, `nmt export` from a run directory into its package"
+            f"{model.where} has no lexical shortlist for --shortlist: "
+            + (
+                "its shortlist file is not recorded in its nmt.json (an older export): export it again"
+                if unrecorded
+                else "`nmt bpe` builds one in a run directory, `nmt export` from a run directory into "
+                "its package"
+            )
         )
     return model.shortlist
 
@@ -74,6 +86,13 @@ def path_of(model: Model) -> Path:
 def of(model: Model) -> Shortlist:
     """The shortlist `model` carries, loaded for nmt's engine (path_of)."""
     return load(path_of(model), pieces(model.vocabs.source), pieces(model.vocabs.target))
+
+
+def copy(model: Model, dest: Path) -> None:
+    """`model`'s shortlist written anew at `dest` from what was parsed of it: an export ships
+    lines of the model's own pieces, never the bytes of whatever the run's file was."""
+    source, target = pieces(model.vocabs.source), pieces(model.vocabs.target)
+    save(load(path_of(model), source, target), dest, source, target)
 
 
 def for_run(run: RunDir) -> Path:
@@ -194,7 +213,7 @@ def load(path: Path, source_pieces: list[str], target_pieces: list[str]) -> Shor
     """The shortlist saved at `path` for these pieces; an error line naming the file if it is
     not one of them."""
     try:
-        text = read_regular(path, MAX_BYTES).decode("utf-8")
+        text = read_regular(path, MAX_BYTES, follow=False).decode("utf-8")
     except UnicodeDecodeError:
         raise NmtError(f"{path} is not UTF-8 text: not a shortlist nmt wrote") from None
     source_ids = {p: i for i, p in enumerate(source_pieces)}
@@ -210,6 +229,11 @@ def load(path: Path, source_pieces: list[str], target_pieces: list[str]) -> Shor
                 "('source piece<TAB>target pieces'): rebuild it with `nmt bpe` or `nmt export`"
             )
         ids = [target_ids[p] for p in wanted]
+        if piece and len(ids) > MAX_ROW:
+            raise NmtError(
+                f"{path}:{number} lists {len(ids)} candidates for one source piece, more than "
+                f"{MAX_ROW}: rebuild it with `nmt bpe`"
+            )
         if piece:
             rows[source_ids[piece]] = ids
         else:

@@ -256,7 +256,9 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     path = Path(where)
     is_checkpoint = path.is_file() and path.with_suffix(".json").is_file()
     loaded = checkpoint.load_tensors(path) if keep and is_checkpoint else None
-    model = models.locate(path, loaded)
+    # adapters are merged into their base one level deep: new ones adapt a plain model (an
+    # adapted run's averaged model, or its export)
+    model = models.locate(path, loaded, adapted=not config.adapters)
     if model.load_weights is None:
         raise NmtError(
             f"--init-from {where} is a CTranslate2 export: give the run directory or the nmt package"

@@ -51,7 +51,15 @@ def note(message: str) -> None:
             _log.write(f"{stamp} {line}\n")
 
 
+def printable(text: str) -> str:
+    """`text` with each control character written as its escape (\\x1b): a file name or value
+    that holds an escape sequence must not recolour, move or retitle the user's terminal.
+    Line breaks stay."""
+    return "".join(c if c.isprintable() or c == "\n" else ascii(c)[1:-1] for c in str(text))
+
+
 def say(message: str) -> None:
+    message = printable(message)
     console.print(message, markup=False)
     note(message)
 

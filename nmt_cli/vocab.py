@@ -6,16 +6,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from nmt_cli.errors import NmtError
+from nmt_cli.files import read_regular
+
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
+MAX_SPM_BYTES = 64 << 20  # several times what a sentencepiece model of a million pieces holds
+
+
+def processor(spm_model: Path, follow: bool = False):
+    """The sentencepiece processor of `spm_model`, read as a regular file of at most
+    MAX_SPM_BYTES (sentencepiece would read a link to /dev/zero for ever, and wait on a FIFO),
+    not through a symbolic link unless `follow` (a file the user names)."""
+    import sentencepiece as spm
+
+    data = read_regular(spm_model, MAX_SPM_BYTES, follow=follow)
+    try:
+        return spm.SentencePieceProcessor(model_proto=data)
+    except (RuntimeError, OSError, TypeError) as e:
+        raise NmtError(f"{spm_model} is not a sentencepiece model ({str(e).strip()[:200]})") from None
 
 
 def pieces(spm_model: Path) -> list[str]:
     """A sentencepiece model's pieces in id order: the vocabulary as CTranslate2 and
     transformers' tokenizers take it."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    sp = processor(spm_model)
     return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def folds_case(spm_model: Path) -> bool:
+    """Whether a sentencepiece model lowercases what it encodes (`nmt bpe --lowercase`)."""
+    sp = processor(spm_model)
+    return sp.decode(sp.encode("A")) == "a"
 
 
 @dataclass(frozen=True)
@@ -49,7 +70,5 @@ class Vocabularies:
 
     def processors(self):
         """sentencepiece processors of the source and the target (one object when joint)."""
-        import sentencepiece as spm
-
-        source = spm.SentencePieceProcessor(model_file=str(self.source))
-        return source, source if self.joint else spm.SentencePieceProcessor(model_file=str(self.target))
+        source = processor(self.source)
+        return source, source if self.joint else processor(self.target)

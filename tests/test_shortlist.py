@@ -183,17 +183,20 @@ def test_a_damaged_or_missing_shortlist_is_one_error_line(narrow, tmp_path, nmt)
     shutil.copytree(narrow.parent / "package", package)
     (package / shortlist.NAME).write_text("\t▁der\n▁dog\tnot-a-piece-of-this-model\n")
     line = one_error_line(nmt("translate", "--model", package, "--shortlist", stdin=b"a dog\n"))
-    assert f"{package / shortlist.NAME}:2 is not a line of a shortlist" in line
+    assert f"{package / shortlist.NAME} does not match the sha256 in nmt.json" in line
+    run = tmp_path / "run"  # a run directory's, which no settings hash: parsed line by line
+    shutil.copytree(narrow, run)
+    (RunDir(run).spm_folder / shortlist.NAME).write_text("\t▁der\n▁dog\tnot-a-piece-of-this-model\n")
+    line = one_error_line(nmt("translate", "--run-dir", run, "--shortlist", stdin=b"a dog\n"))
+    assert f"{RunDir(run).spm_folder / shortlist.NAME}:2 is not a line of a shortlist" in line
     (package / shortlist.NAME).unlink()
     (package / shortlist.NAME).symlink_to("/dev/zero")
     refused = nmt("translate", "--model", package, "--shortlist", stdin=b"a dog\n")
     assert "shortlist.txt is not a regular file" in one_error_line(refused)
-    run = tmp_path / "run"  # a run directory's too
-    shutil.copytree(narrow, run)
-    (RunDir(run).spm_folder / shortlist.NAME).unlink()
+    (RunDir(run).spm_folder / shortlist.NAME).unlink()  # a run directory's too
     (RunDir(run).spm_folder / shortlist.NAME).symlink_to("/dev/zero")
     refused = nmt("translate", "--run-dir", run, "--shortlist", stdin=b"a dog\n")
-    assert "shortlist.txt is not a regular file" in one_error_line(refused)
+    assert "shortlist.txt is a symbolic link" in one_error_line(refused)
     (package / shortlist.NAME).unlink()
     assert "has no lexical shortlist" in one_error_line(
         nmt("translate", "--model", package, "--shortlist", stdin=b"x\n")

@@ -21,7 +21,7 @@ try:  # typer >= 0.22 carries its own copy of click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions
 
-from nmt_cli import __version__
+from nmt_cli import __version__, ui
 from nmt_cli.cli.options import app
 from nmt_cli.errors import NmtError
 
@@ -60,7 +60,7 @@ from nmt_cli.cli import quickstart  # noqa: E402,F401
 def _error(message: str) -> None:
     # One line, whatever the message contains. A rank that torchrun started also hands it to
     # torchrun through its error file.
-    message = " ".join(str(message).split())
+    message = ui.printable(" ".join(str(message).split()))
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         from nmt_cli.engine.launcher import record_worker_error
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from nmt_cli.errors import NmtError
@@ -18,6 +19,15 @@ def knob(default: Any, help: str) -> Any:
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+LANGUAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+
+
+def language(value: Any, where: str) -> str:
+    """`value` if it is a language code (en, de, zh_Hant, deu_Latn), else one error line naming
+    `where` (an option, or a file's field): a language becomes part of file names and commands."""
+    if not isinstance(value, str) or not LANGUAGE.fullmatch(value):
+        raise NmtError(f"{where} is {value!r:.40}, not a language code (letters, digits, _ and -)")
+    return value
 
 
 def resolve_device_name(name: str, gpu: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from nmt_cli.config.common import knob
+from nmt_cli.config.common import knob, language
 from nmt_cli.errors import NmtError
 
 
@@ -47,6 +47,9 @@ class PrepConfig:
         for name in ("train_src", "train_tgt", "tags", "weights"):  # a list from JSON, one path before
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
+        for side in ("src", "tgt"):
+            if getattr(self, side) is not None:
+                language(getattr(self, side), f"--{side}")
         if self.src == self.tgt and self.src is not None:
             raise NmtError(f"--src and --tgt are both {self.src!r}: give two languages")
         if self.max_words < 1 or (self.max_ratio is not None and self.max_ratio < 1):

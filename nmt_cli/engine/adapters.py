@@ -60,7 +60,20 @@ def merged(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> 
     for name in adapters:
         if name.endswith(f".{A}"):
             layer = name.removesuffix(f".{A}")
-            weight = out[f"{layer}.weight"]
-            delta = adapters[f"{layer}.{B}"].float() @ adapters[name].float()
+            weight, a, b = out[f"{layer}.weight"], adapters[name], adapters[f"{layer}.{B}"]
+            # checked before the product, which is as large as the weight it is added to: a
+            # (30000, 1) B and a (1, 30000) A would make gigabytes before any shape was compared
+            rank = a.shape[0] if a.dim() == 2 else -1
+            if (
+                weight.dim() != 2
+                or tuple(a.shape) != (rank, weight.shape[1])
+                or tuple(b.shape) != (weight.shape[0], rank)
+                or not 0 < rank <= min(weight.shape)
+            ):
+                raise ValueError(
+                    f"{layer}'s adapters are {tuple(b.shape)} x {tuple(a.shape)}, not of a rank at most "
+                    f"{min(weight.shape)} for its {tuple(weight.shape)} weight"
+                )
+            delta = b.float() @ a.float()
             out[f"{layer}.weight"] = (weight.float() + delta).to(weight.dtype)
     return out

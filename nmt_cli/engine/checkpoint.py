@@ -19,8 +19,17 @@ from typing import Any
 
 import torch
 
+from nmt_cli.config import ModelConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.files import atomic_open, atomic_write_json, open_regular, read_json, sha256_file, sha256_of
+from nmt_cli.files import (
+    atomic_open,
+    atomic_write_json,
+    check_torch_zip,
+    open_regular,
+    read_json,
+    sha256_file,
+    sha256_of,
+)
 
 NAME = re.compile(r"checkpoint_(\d{8})\.json$")
 
@@ -53,10 +62,25 @@ def load_tensors(path: Path, verify: bool = True) -> tuple[dict[str, Any], dict]
                     f"{path} does not match the sha256 in {record_path.name}: it is corrupt or half-written"
                 )
             f.seek(0)
+        check_torch_zip(f, path, most_bytes(meta.get("model")))
         tensors = _unpickled(f, path)
     if not isinstance(tensors, dict):
         raise NmtError(f"{path} holds a {type(tensors).__name__}, not a checkpoint's tensors")
     return tensors, meta
+
+
+def most_bytes(declared: Any) -> int | None:
+    """The most a checkpoint of the model `declared` (its record's "model") holds: the weights,
+    their moving average and Adam's two moments in fp32, and room for the ranks' generator
+    states; None where the record declares no model it could be."""
+    from nmt_cli.engine.model import undrawn
+
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            count = sum(p.numel() for p in undrawn(ModelConfig(**declared)).parameters())
+    except (TypeError, ValueError, RuntimeError, NmtError):
+        return None
+    return 4 * 4 * count + (256 << 20)
 
 
 def _unpickled(f, path: Path) -> Any:
