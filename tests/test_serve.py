@@ -88,7 +88,15 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
     try:
         assert server.get("/health") == (
             200,
-            {"status": "ok", "engine": "nmt", "queued": 0, "decoding": 0, "given_up": 0},  # no path
+            {
+                "status": "ok",
+                "engine": "nmt",
+                "queued": 0,
+                "decoding": 0,
+                "given_up": 0,
+                "oldest_wait_s": 0.0,
+                "held_bytes": 0,
+            },  # no path
         )
         answers: dict[int, tuple] = {}
 

@@ -38,6 +38,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 from nmt_cli import floors, ui
@@ -62,12 +63,25 @@ def require():
     return web
 
 
+# a refused request's answer waits this many times what parsing and counting it cost
+REFUSAL_WAIT = 10
+
+
 def error(web, status: int, message: str, **headers: str):
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
 def _translate_route(web, translator: Translator, config: ServeConfig, batcher_key):
     """POST /translate: read, check, queue, answer, each failure its own status."""
+
+    async def refused(status: int, message: str, began: float):
+        # Parsing and counting a body cost the event loop, which every request shares: a client
+        # looping bodies that are refused would take most of it. Its refusal comes after
+        # REFUSAL_WAIT times what its body cost (a second at most), and a client sends one
+        # request at a time per connection (whose number per address is capped), so such
+        # clients take a bounded share of the loop.
+        await asyncio.sleep(min(REFUSAL_WAIT * (time.perf_counter() - began), 1.0))
+        return error(web, status, message)
 
     async def translate(request):
         if request.headers.get("Content-Encoding", "identity").lower() != "identity":
@@ -83,20 +97,21 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             response = error(web, 408, f"the body did not arrive within {config.read_timeout:g} s")
             response.force_close()
             return response
+        began = time.perf_counter()
         try:
             asked = parse(
                 body, config, translator.config.decode, translator.tags, translator.engine, translator.max_src
             )
         except OverflowError as e:
-            return error(web, 413, str(e))
+            return await refused(413, str(e), began)
         except ValueError as e:
-            return error(web, 400, str(e))
+            return await refused(400, str(e), began)
         try:
             done = request.app[batcher_key].submit(
                 asked.text, asked.options, asked.prefixes, asked.constraints
             )
         except OverflowError as e:  # more work than the whole queue holds: it would never fit
-            return error(web, 413, str(e))
+            return await refused(413, str(e), began)
         except RuntimeError as e:  # the decoding loop has stopped: nothing would answer
             return error(web, 503, str(e))
         if done is None:
@@ -184,6 +199,9 @@ def make_app(
                 "queued": request.app[batcher_key].pending,
                 "decoding": len(request.app[batcher_key].decoding),  # batches
                 "given_up": request.app[batcher_key].stopped,  # batches nobody waited for
+                # how long the request waiting longest for its next sentence to begin has waited
+                "oldest_wait_s": round(request.app[batcher_key].oldest_wait(), 3),
+                "held_bytes": request.app[batcher_key].held,  # what the searches may hold (--max-memory)
             },
             status=200 if alive else 503,
         )

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -46,6 +47,7 @@ class Job:
     taken: int = 0  # sentences handed to the decoder so far
     flying: int = 0  # ... and not yet answered
     decoding: bool = False  # a piece of it is being decoded: its next waits (one at a time)
+    holds: int = 0  # the bytes of its sentences in running batches (their `sizes`)
     long: bool = False  # a sentence of it is LONG typical sentences' work or more
     answers: list = field(init=False)  # each sentence's answer, as it comes
     answered: int = 0
@@ -71,6 +73,21 @@ class Stream:
     open: bool = True
     total: int = 0  # sentences handed to it so far
     oldest: int = 0  # the steps its longest-running live sentence has taken (its thread's count)
+    draining: bool = False  # it takes no more sentences: its slot goes to options that have none
+    began: float = field(default_factory=time.monotonic)
+    # the bytes of each sentence it holds, and what they hold together: each row of a running
+    # batch is as wide as its longest (the caches are padded to the longest source and output)
+    sizes: dict[tuple[int, int], int] = field(default_factory=dict)
+    held: int = 0
+
+    @property
+    def takes(self) -> bool:
+        return self.open and not self.draining and self.total < RENEW
+
+    def holding(self, extra: Sequence[int] = ()) -> int:
+        """What its sentences hold with `extra` ones beside them: each at the widest's size."""
+        every = [*self.sizes.values(), *extra]
+        return len(every) * max(every, default=0)
 
 
 # --max-queue counts sentences of this many pieces at the default options
@@ -83,6 +100,12 @@ LONGER, LASTED = 1.5, 256
 # a sentence of this many typical sentences' work is long (CTranslate2's spare worker): beam 16
 # with a limit of 328 tokens; at the default beam, none is
 LONG = 16
+# ... and so is one whose output may run this many typical sentences' steps (a min_len or
+# max_len_b of hundreds, at any beam: steps are what a batch that cannot stop holds a worker for)
+LONG_STEPS = 4
+# seconds a request that does not fit the memory left is passed over by others that do; then
+# nothing else begins until it fits
+PATIENCE = 1.0
 
 
 class Batcher:
@@ -97,6 +120,7 @@ class Batcher:
         # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
         self.typical = translator.work_of([TYPICAL], translator.config.decode)[0]
+        self.typical_steps = self.typical // translator.config.decode.rows
         self.most_work = config.max_queue * self.typical
         self.memory = memory_budget(config.max_memory)  # bytes the batches being decoded may hold
         self.held = 0
@@ -120,8 +144,15 @@ class Batcher:
             and translator.steps_in_turn()
         )
         self.lanes = translator.slots() if self.joins else 1
+        # Options whose running batches hold every slot would lock the others out for as long
+        # as their clients send (a batch ends only when empty): the first waiting request whose
+        # options have no batch that takes sentences makes another one stop taking them, the
+        # one whose longest sentence has run longest, and begins beside it; that one ends when
+        # its sentences do. So at most `most` searches, half of them emptying.
+        self.most = 0
         if self.joins:
             self.at_once = config.concurrent_batches or 2 * self.lanes
+            self.most = 2 * self.at_once
             self.stepped, slots, threads = True, self.lanes, 1
         else:
             self.at_once = (config.concurrent_batches or own) if translator.steps_in_turn() or apart else 1
@@ -138,7 +169,8 @@ class Batcher:
         self.decoding: set[asyncio.Task] = set()  # the batches being decoded
         self.busy: set[Future] = set()  # ... in their threads, which may outlive their tasks
         self.changed = asyncio.Event()  # a job arrived or a batch ended
-        self.decoder = ThreadPoolExecutor(self.at_once + self.spare, thread_name_prefix="nmt-decode")
+        threads_needed = max(self.at_once, self.most) + self.spare
+        self.decoder = ThreadPoolExecutor(threads_needed, thread_name_prefix="nmt-decode")
         self.running = False  # the decoding loop takes work: submit refuses it otherwise
         # batches given up midway, and steps at which sentences left the running batch
         # unfinished: nobody waited for them any more
@@ -177,7 +209,10 @@ class Batcher:
             return None
         done = asyncio.get_running_loop().create_future()
         job = Job(sentences, options, prefixes, constraints, done, costs, sizes)
-        job.long = bool(self.spare) and max(costs, default=0) >= LONG * self.typical
+        steps = max(costs, default=0) // options.rows  # its output's limit
+        job.long = bool(self.spare) and (
+            max(costs, default=0) >= LONG * self.typical or steps >= LONG_STEPS * self.typical_steps
+        )
         self.jobs.append(job)
         self.pending += len(sentences)
         self.work += sum(costs)
@@ -214,13 +249,17 @@ class Batcher:
 
     def _order(self, job: Job) -> tuple:
         """Who is served first. Batch by batch: the request served least so far. With running
-        batches, which free room a sentence at a time: the oldest request, unless it has a
-        quarter of --max-batch sentences decoding already (a request served least so far would
-        keep a large one waiting behind every newcomer for each of its sentences; the oldest
-        alone would let a large one take all the room)."""
+        batches, which free room a sentence at a time: the request whose sentences hold the
+        fewest bytes in them, then the oldest (a newcomer is never behind a large request's
+        next sentences, and a request of long sentences, which hold much, never ahead of short
+        ones; a connection sends one request at a time, so connections are served alike)."""
         if not self.joins:
             return (job.taken, job.arrived)
-        return (job.flying >= max(1, self.config.max_batch // 4), job.arrived)
+        return (job.holds, job.arrived)
+
+    def _busy(self) -> int:
+        """The searches that hold a slot: all but the running batches that take no sentences."""
+        return len(self.decoding) - sum(not s.takes for s in self.streams.values())
 
     def _fits(self, first: Job) -> bool:
         """Whether another batch may begin with `first`: a batch of its kind is free (long
@@ -229,12 +268,35 @@ class Batcher:
         if first.long:
             free = self.long_batches < max(1, self.at_once // 2)
         else:
-            free = len(self.decoding) - self.long_batches < self.at_once
+            free = self._busy() - self.long_batches < self.at_once
         return (
             free
-            and len(self.decoding) < self.at_once + self.spare
+            and len(self.decoding) < max(self.at_once, self.most) + self.spare
             and self.held + first.sizes[first.taken] <= self.memory
         )
+
+    def _starved(self, job: Job) -> bool:
+        """Whether `job` has waited PATIENCE: what does not fit is passed over no longer."""
+        return time.monotonic() - job.arrived >= PATIENCE
+
+    def _make_room(self, key: DecodeOptions | None) -> bool:
+        """The first waiting request has no running batch of its options (`key`; None: it is
+        decoded in a batch of its own) that takes sentences, and every slot is held: the running
+        batch of other options whose longest sentence has run longest stops taking sentences
+        (it ends when they do, and its slot is free at once), while fewer than `most` searches
+        run. Whether one did."""
+        if not self.joins or len(self.decoding) >= self.most or self._busy() < self.at_once:
+            return False
+        others = [s for s in self.streams.values() if s.takes and s.options != key]
+        if not others:
+            return False
+        max(others, key=lambda s: (s.oldest, -s.began)).draining = True
+        return True
+
+    def oldest_wait(self) -> float:
+        """Seconds the request that has waited longest for its next sentence to begin has waited."""
+        now = time.monotonic()
+        return max((now - job.arrived for job in self.jobs), default=0.0)
 
     def _take(self, first: Job) -> list[Piece]:
         """One decoding batch: pieces of the jobs with the next job's options (all but the seed
@@ -250,15 +312,17 @@ class Batcher:
         shared = first.options.shared()
         same = [j for j in self._waiting() if j.options.shared() == shared and j.long == first.long]
         rows = first.options.rows
-        for job in sorted(same, key=self._order):
+        for job in sorted(same, key=lambda j: (j is not first, self._order(j))):
             if pieces and (not self.config.batching or budget < rows):
                 break
             n = min(len(job.sentences) - job.taken, max(1, budget // rows))
             n = _within(job.sizes[job.taken : job.taken + n], room, first=not pieces)
             if work is not None:
                 n = min(n, _within(job.costs[job.taken : job.taken + n], work, first=not pieces))
-            if not n:
-                break
+            if not n:  # passed over while it has waited less than PATIENCE; then it waits first
+                if self._starved(job):
+                    break
+                continue
             room -= sum(job.sizes[job.taken : job.taken + n])
             if work is not None:
                 work -= sum(job.costs[job.taken : job.taken + n])
@@ -320,8 +384,8 @@ class Batcher:
                     first = next((j for j in self._ordered() if not self._joinable(j)), None)
             if first is None:
                 continue
-            if not self._fits(first) and self.spare:  # a job of the other kind may
-                first = next((j for j in self._ordered() if j.long != first.long), first)
+            if not self._fits(first):
+                first = self._instead(first)
             if not self._fits(first):  # until a batch ends or a job arrives
                 self.changed.clear()
                 await self.changed.wait()
@@ -336,6 +400,21 @@ class Batcher:
             self.decoding.add(task)
             if self.at_once + self.spare == 1:  # one batch at a time
                 await asyncio.wait([task])
+
+    def _instead(self, first: Job) -> Job:
+        """What may begin where `first` may not: with every slot held, first makes room if it
+        is the first in line (`_make_room`); else a job of the other kind (CTranslate2's spare
+        worker) or, while first has waited less than PATIENCE, one that fits the memory left."""
+        ordered = self._ordered()
+        if ordered and ordered[0] is first and self._make_room(None) and self._fits(first):
+            return first
+        if self.spare:
+            other = next((j for j in ordered if j.long != first.long), None)
+            if other is not None and self._fits(other):
+                return other
+        if not self._starved(first):
+            return next((j for j in ordered if not self._joinable(j) and self._fits(j)), first)
+        return first
 
     def _joinable(self, job: Job) -> bool:
         return (
@@ -355,9 +434,13 @@ class Batcher:
         for job in waiting:
             if not self._joinable(job):
                 return job
-            if job.options.joint() not in tried:
-                tried.add(job.options.joint())
+            key = job.options.joint()
+            if key not in tried:
+                tried.add(key)
                 if self._feed(job):
+                    return None
+                # the first in line, whose options have no batch that takes sentences
+                if job is waiting[0] and self._make_room(key) and self._feed(job):
                     return None
         return waiting[0]
 
@@ -372,7 +455,7 @@ class Batcher:
         lanes = [self.streams.get((key, lane)) for lane in range(self.lanes)]
         # a running batch keeps a little of each sentence it took (its limit, alpha, first step):
         # past RENEW it takes no more, ends, and a new one takes its lane
-        taking = [s for s in lanes if s is not None and s.open and s.total < RENEW]
+        taking = [s for s in lanes if s is not None and s.takes]
         # A sentence that decodes long pays its lane's whole step at each of its steps: while one
         # runs, its lane takes no sentences if another lane can, so that its steps get cheaper as
         # the others end, as at the end of a batch (only one lane: new sentences always have one)
@@ -382,7 +465,12 @@ class Batcher:
                 taking.remove(longest)
         fewest = min(((s.rows, s.lane) for s in taking), default=None)
         unused = [lane for lane, s in enumerate(lanes) if s is None]
-        if unused and (fewest is None or fewest[0]) and len(self.decoding) < self.at_once:
+        if (
+            unused
+            and (fewest is None or fewest[0])
+            and self._busy() < self.at_once
+            and len(self.decoding) < self.most
+        ):
             try:
                 search = self.translator.running(first.options)
             except Exception as e:  # noqa: BLE001 - a fault of ours: that request gets a 500
@@ -399,6 +487,7 @@ class Batcher:
         budget = sentences * self.translator.config.decode.rows - s.rows
         room = self.memory - self.held
         pieces: list[Piece] = []
+        joining: list[int] = []  # the sizes of the sentences handed to it now
         with self.lock:
             if not s.open:  # its thread is ending: a new one begins when it has
                 return False
@@ -409,22 +498,38 @@ class Batcher:
                 n = min(len(job.sentences) - job.taken, max(0, budget // rows))
                 if not s.rows and not pieces:
                     n = max(n, 1)  # an empty batch takes a sentence whatever it costs
-                n = _within(job.sizes[job.taken : job.taken + n], room, first=not s.rows and not pieces)
-                if not n:
-                    break
-                room -= sum(job.sizes[job.taken : job.taken + n])
-                budget -= n * rows
-                pieces.append((job, job.taken, job.taken + n))
-                job.taken += n
-                job.flying += n
+                k = 0  # of those, the sentences whose rows fit at the lane's width
+                while k < n:
+                    wider = s.holding([*joining, job.sizes[job.taken + k]])
+                    # (a sentence alone in the server fits: submit refused any that would not)
+                    if wider - s.held > room and (s.sizes or joining or self.held):
+                        break
+                    joining.append(job.sizes[job.taken + k])
+                    k += 1
+                if not k:  # passed over while it has waited less than PATIENCE
+                    if self._starved(job):
+                        break
+                    continue
+                budget -= k * rows
+                pieces.append((job, job.taken, job.taken + k))
+                job.taken += k
+                job.flying += k
                 if job.taken == len(job.sentences):
                     self.jobs.remove(job)
             for job, lo, hi in pieces:
                 s.rows += (hi - lo) * job.options.rows
                 s.total += hi - lo
-                self.held += sum(job.sizes[lo:hi])
+                job.holds += sum(job.sizes[lo:hi])
+                s.sizes.update({(id(job), i): job.sizes[i] for i in range(lo, hi)})
+            self._resize(s)
             s.inbox.extend(pieces)
         return bool(pieces)
+
+    def _resize(self, s: Stream) -> None:
+        """`held` as the sentences of `s` now hold it, each at the size of its widest."""
+        wide = s.holding()
+        self.held += wide - s.held
+        s.held = wide
 
     async def _streaming(self, s: Stream) -> None:
         """The running batch `s`, decoded in a thread until it holds nothing and is handed
@@ -462,10 +567,7 @@ class Batcher:
                 gone = [n for n, (job, _) in members.items() if job.done.done()]
                 if gone:
                     s.search.drop(gone)
-                    for n in gone:
-                        loop.call_soon_threadsafe(self._left, s, *members.pop(n), None, None)
-                    # counted once its sentences left: /health never shows it given up and held
-                    loop.call_soon_threadsafe(self._given_up)
+                    loop.call_soon_threadsafe(self._given_up, s, [members.pop(n) for n in gone])
                 if pieces:
                     self._enter(s, pieces, members, loop)
                     pieces = []
@@ -501,9 +603,7 @@ class Batcher:
         joining: list[tuple[Job, int, list[int]]] = []
         for job, lo, hi in pieces:
             if job.done.done():  # its client left while it waited: not decoded
-                for i in range(lo, hi):
-                    loop.call_soon_threadsafe(self._left, s, job, i, None, None)
-                loop.call_soon_threadsafe(self._given_up)
+                loop.call_soon_threadsafe(self._given_up, s, [(job, i) for i in range(lo, hi)])
                 continue
             ids = self.translator.encode(job.sentences[lo:hi], job.options.tag)
             blank = [Hypothesis([], 0.0)] * job.options.nbest
@@ -517,7 +617,11 @@ class Batcher:
             numbers = s.search.join([x for _, _, x in joining], [job.options for job, _, _ in joining])
             members.update({n: (job, i) for n, (job, i, _) in zip(numbers, joining)})
 
-    def _given_up(self) -> None:
+    def _given_up(self, s: Stream, left: list[tuple[Job, int]]) -> None:
+        """Sentences nobody waits for left `s` unfinished: counted in the same call as they
+        leave, so that /health never shows them given up and held, or gone and not given up."""
+        for job, i in left:
+            self._left(s, job, i, None, None)
         self.stopped += 1
 
     def _left(
@@ -529,7 +633,9 @@ class Batcher:
         if steps is not None:  # it ended after so many steps
             self.lasted.append(steps)
         job.flying -= 1
-        self.held -= job.sizes[i]
+        job.holds -= job.sizes[i]
+        s.sizes.pop((id(job), i), None)
+        self._resize(s)
         self._done_with(job, i, i + 1)
         if error is not None:
             self._fail(job, error)
