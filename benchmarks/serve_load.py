@@ -26,10 +26,20 @@ with the default settings, a fresh server for each part:
   and how many of them the server let go within 15 s (--write-timeout 10).
 - sigterm: SIGTERM while the honest clients send: every request sent is answered (200) or
   refused (503), and the process is gone within the drain deadline.
+- lockout: the honest load (`--attacked-requests` of it, `--attacked-clients` clients) beside
+  four attacking keys, two clients each half a request apart, looping one-word requests at beam
+  1 with min_len 1000-k and max_len_b 1000 (four option keys whose running batches would never
+  empty); every server with --request-timeout 10, so that a request locked out costs 10 s, and
+  its latency (a 504's too) counts.
+- long: the same beside four clients looping the 8 longest validation sentences (whose
+  searches hold the most memory), with the default --max-memory and with 256 MiB.
+- refused: the same beside two clients looping a 0.9 MB body of 300 sentences (413: past
+  --max-sentences, known only once the body is parsed).
 
---before REV: instead, the honest load with dynamic batching, `--rounds` rounds alternated with
-the server of git revision REV (a worktree of it exporting its own package of RUN, or of
---before-run: a copy of RUN whose records REV can read).
+--before REV: instead, the honest load with dynamic batching (or, if --parts names them, the
+lockout and long parts), `--rounds` rounds alternated with the server of git revision REV (a
+worktree of it exporting its own package of RUN, or of --before-run: a copy of RUN whose records
+REV can read; its own CTranslate2 export with --ct2).
 """
 
 from __future__ import annotations
@@ -111,9 +121,12 @@ def post(url: str, body: bytes, timeout: float = 300, **headers: str) -> tuple[i
         return e.code, json.loads(e.read() or b"{}")
 
 
-def load(url: str, requests: list[list[str]], expected: dict[str, str], clients: int, stop=None) -> dict:
+def load(
+    url: str, requests: list[list[str]], expected: dict[str, str], clients: int, stop=None, every=False
+) -> dict:
     """`clients` threads send `requests`, each one at a time. Returns the seconds it took, each
-    answered request's latency, the statuses of those not answered, and the wrong answers."""
+    answered request's latency (`every`: each request's, answered or not), the statuses of those
+    not answered, and the wrong answers."""
     todo, lock = list(enumerate(requests)), threading.Lock()
     out: dict = {"latencies": [], "refused": [], "lost": [], "wrong": 0}
 
@@ -134,10 +147,13 @@ def load(url: str, requests: list[list[str]], expected: dict[str, str], clients:
             except Exception as e:  # noqa: BLE001 - a request sent and never answered
                 out["lost"].append(repr(e))
                 continue
+            if every:
+                out["latencies"].append(time.perf_counter() - start)
             if status != 200:
                 out["refused" if status == 503 else "lost"].append(status)
                 continue
-            out["latencies"].append(time.perf_counter() - start)
+            if not every:
+                out["latencies"].append(time.perf_counter() - start)
             if answer["translations"] != [expected[s] for s in sentences]:
                 out["wrong"] += 1
 
@@ -178,15 +194,21 @@ def honest(served: Path, requests, expected, clients: int) -> dict:
     return rows["honest"]
 
 
-def before(served: Path, requests, expected, args) -> None:
-    """The honest load on this tree's server and on revision `args.before`'s, alternated."""
+def before(served: Path, requests, expected, args, pool) -> None:
+    """The honest load (or the attacks) on this tree's server and on revision `args.before`'s,
+    alternated."""
     work = served.parent
     with checkout(args.before, work / "before") as old:
         theirs = work / "before-package"
-        nmt("export", str(theirs), "--run-dir", str((args.before_run or args.run).resolve()), cwd=old)
+        fmt = ["--format", "ctranslate2", "--quantization", args.ct2] if args.ct2 else []
+        run = str((args.before_run or args.run).resolve())
+        nmt("export", str(theirs), "--run-dir", run, *fmt, cwd=old)
         servers = {"this tree": (served, ROOT), args.before: (theirs, old)}
         for round_ in range(1, args.rounds + 1):
             for name, (model, root) in servers.items():
+                if {"lockout", "long", "refused"} & set(args.parts):
+                    attacks(model, root, f"{name}, round {round_}", args, pool, expected)
+                    continue
                 server = Server(model, "--max-wait-ms", "5", root=root)
                 try:
                     result = load(server.url, requests, expected, args.clients)
@@ -264,6 +286,74 @@ def costly(served: Path, requests, expected, clients: int, pool: list[str], base
     row["server_peak_rss_mb"] = rss
     row["p99_vs_honest_alone"] = round(row["p99_ms"] / baseline["p99_ms"], 2)
     print(json.dumps(row), flush=True)
+
+
+LOCKED_OUT_AFTER = 10  # --request-timeout of the attacked servers: a locked-out request's cost
+
+
+def attack_bodies(kind: str, pool: list[str]) -> list[tuple[bytes, float]]:
+    """Each attacking client's request and the seconds it waits before its first."""
+    if kind == "lockout":
+        bodies = [
+            json.dumps({"text": ["a"], "beam": 1, "min_len": 1000 - k, "max_len_b": 1000}).encode()
+            for k in range(4)
+        ]
+        return [(body, delay) for body in bodies for delay in (0.0, 0.5)]
+    if kind == "refused":
+        return [(json.dumps({"text": ["x" * 3000] * 300}).encode(), 0.0)] * 2
+    longest = sorted(pool, key=len, reverse=True)[:8]
+    return [(json.dumps({"text": longest}).encode(), 0.0)] * 4
+
+
+def attacked(
+    model: Path, root: Path, kind: str, options: list[str], pool, requests, expected, clients
+) -> dict:
+    """The honest load on `root`'s server of `model` beside the `kind` attack: its latencies
+    (504s included) and the attackers' answers."""
+    server = Server(model, "--request-timeout", str(LOCKED_OUT_AFTER), *options, root=root)
+    stop, statuses = threading.Event(), []
+
+    def attacker(body: bytes, delay: float) -> None:
+        time.sleep(delay)
+        while not stop.is_set():
+            try:
+                statuses.append(post(server.url, body, timeout=120)[0])
+            except Exception as e:  # noqa: BLE001 - counted, the attack goes on
+                statuses.append(type(e).__name__)
+
+    try:
+        threads = [threading.Thread(target=attacker, args=a) for a in attack_bodies(kind, pool)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)  # the attack holds the server before the honest clients come
+        result = load(server.url, requests, expected, clients, every=True)
+        stop.set()
+        for t in threads:
+            t.join()
+        rss = peak_rss_mb(server.proc.pid)
+    finally:
+        server.stop()
+    row = summary(f"honest beside {kind}", result, sum(map(len, requests)))
+    row["timed_out_504"] = result["lost"].count(504)
+    row["attacking_answered"] = statuses.count(200)
+    row["server_peak_rss_mb"] = rss
+    return row
+
+
+def attacks(served: Path, root: Path, name: str, args, pool, expected) -> None:
+    rng = random.Random(1)
+    requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.attacked_requests)]
+    for part, options in (
+        ("lockout", []),
+        ("long", []),
+        ("long", ["--max-memory", "256"]),
+        ("refused", []),
+    ):
+        if part not in args.parts:
+            continue
+        row = attacked(served, root, part, options, pool, requests, expected, args.attacked_clients)
+        row["server"] = " ".join([name, *options])
+        print(json.dumps(row), flush=True)
 
 
 def _closed_by_server(s: socket.socket) -> bool:
@@ -512,9 +602,9 @@ def main() -> None:
     ap.add_argument("--before", help="a git revision: the honest load alternated with its server")
     ap.add_argument("--before-run", type=Path, help="RUN as --before's code reads it (default: RUN)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--attacked-requests", type=int, default=120, help="the honest load of lockout, long")
+    ap.add_argument("--attacked-clients", type=int, default=4)
     args = ap.parse_args()
-    if args.before and args.ct2:
-        ap.error("--before compares nmt's engine: drop --ct2")
     SERVER_OPTIONS.extend(o for option in args.server_option for o in option.split())
     work = Path(tempfile.mkdtemp(prefix="nmt-serve-load-"))
     try:
@@ -532,7 +622,7 @@ def main() -> None:
             flush=True,
         )
         if args.before:
-            before(served, requests, expected, args)
+            before(served, requests, expected, args, pool)
             return
         baseline = None
         if {"honest", "greedy", "costly"} & set(args.parts):
@@ -549,6 +639,7 @@ def main() -> None:
             unread(served, args.unread, pool[:3], expected)
         if "sigterm" in args.parts:
             sigterm(served, requests, expected, args.clients)
+        attacks(served, ROOT, "this tree", args, pool, expected)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
