@@ -156,3 +156,34 @@ def test_a_batch_that_may_run_hundreds_of_steps_takes_the_spare_worker_at_any_be
 
     beside, held, quick = _in_process(decoder, scenario, max_wait_ms=0)
     assert beside == bool(spare) and held[0] == quick[0] == 200
+
+
+def test_a_sentence_that_does_not_fit_waits_without_beginning_lanes_for_nothing(trained, monkeypatch):
+    """Two lanes, --max-memory room for one long sentence: a second one waits for room (one
+    error of the past: an empty lane took a sentence whatever the memory held), and while it
+    waits no running batch is begun that would take nothing and end at once, again and again."""
+    translator = Translator.load(trained, threads=2)
+    long_line = " ".join(["a dog runs on the grass ."] * 20)
+    options = {"beam": 16, "min_len": 900, "max_len_b": 1000, "max_len_a": 0.0}
+    _, (size,) = translator.costs([long_line], dataclasses.replace(translator.config.decode, **options))
+    assert size > 1 << 20, size
+    mib = -(-3 * size // 2 >> 20)  # one fits, two do not
+    begun: list = []
+    running = Translator.running
+    monkeypatch.setattr(Translator, "running", lambda self, o: begun.append(o) or running(self, o))
+
+    async def scenario(post, get):
+        first = asyncio.ensure_future(post({"text": [long_line], **options}))
+        while (await get("/health"))[1]["held_bytes"] == 0:
+            await asyncio.sleep(0.001)
+        second = asyncio.ensure_future(post({"text": [long_line], **options}))
+        while (await get("/health"))[1]["queued"] < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.3)
+        health = (await get("/health"))[1]
+        first.cancel()
+        second.cancel()
+        return health
+
+    health = _in_process(translator, scenario, max_wait_ms=0, max_memory=mib)
+    assert health["held_bytes"] == size and health["decoding"] == 1 and len(begun) == 1, (health, begun)

@@ -199,7 +199,7 @@ def make_app(
                 "queued": request.app[batcher_key].pending,
                 "decoding": len(request.app[batcher_key].decoding),  # batches
                 "given_up": request.app[batcher_key].stopped,  # batches nobody waited for
-                # how long the request waiting longest for its next sentence to begin has waited
+                # how long the oldest request with no sentence decoding has been queued
                 "oldest_wait_s": round(request.app[batcher_key].oldest_wait(), 3),
                 "held_bytes": request.app[batcher_key].held,  # what the searches may hold (--max-memory)
             },

@@ -294,9 +294,9 @@ class Batcher:
         return True
 
     def oldest_wait(self) -> float:
-        """Seconds the request that has waited longest for its next sentence to begin has waited."""
+        """Seconds the oldest request with no sentence decoding has been queued."""
         now = time.monotonic()
-        return max((now - job.arrived for job in self.jobs), default=0.0)
+        return max((now - job.arrived for job in self.jobs if not job.flying), default=0.0)
 
     def _take(self, first: Job) -> list[Piece]:
         """One decoding batch: pieces of the jobs with the next job's options (all but the seed
@@ -465,8 +465,16 @@ class Batcher:
                 taking.remove(longest)
         fewest = min(((s.rows, s.lane) for s in taking), default=None)
         unused = [lane for lane, s in enumerate(lanes) if s is None]
+        # a new lane only for a sentence that fits (an empty one would end at once, and the
+        # next pass begin another)
+        fits = not self.held or any(
+            self.held + j.sizes[j.taken] <= self.memory
+            for j in self._waiting()
+            if j.options.joint() == key and self._joinable(j)
+        )
         if (
             unused
+            and fits
             and (fewest is None or fewest[0])
             and self._busy() < self.at_once
             and len(self.decoding) < self.most
