@@ -35,6 +35,7 @@ with the default settings, a fresh server for each part:
   searches hold the most memory), with the default --max-memory and with 256 MiB.
 - refused: the same beside two clients looping a 0.9 MB body of 300 sentences (413: past
   --max-sentences, known only once the body is parsed).
+  With any of these three, that honest load alone first, on a server with the same settings.
 
 --before REV: instead, the honest load with dynamic batching (or, if --parts names them, the
 lockout and long parts), `--rounds` rounds alternated with the server of git revision REV (a
@@ -299,6 +300,8 @@ def attack_bodies(kind: str, pool: list[str]) -> list[tuple[bytes, float]]:
             for k in range(4)
         ]
         return [(body, delay) for body in bodies for delay in (0.0, 0.5)]
+    if kind == "alone":
+        return []
     if kind == "refused":
         return [(json.dumps({"text": ["x" * 3000] * 300}).encode(), 0.0)] * 2
     longest = sorted(pool, key=len, reverse=True)[:8]
@@ -344,12 +347,15 @@ def attacks(served: Path, root: Path, name: str, args, pool, expected) -> None:
     rng = random.Random(1)
     requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.attacked_requests)]
     for part, options in (
+        ("alone", []),
         ("lockout", []),
         ("long", []),
         ("long", ["--max-memory", "256"]),
         ("refused", []),
     ):
-        if part not in args.parts:
+        if part not in args.parts and not (
+            part == "alone" and {"lockout", "long", "refused"} & set(args.parts)
+        ):
             continue
         row = attacked(served, root, part, options, pool, requests, expected, args.attacked_clients)
         row["server"] = " ".join([name, *options])
