@@ -31,8 +31,9 @@ with the default settings, a fresh server for each part:
   1 with min_len 1000-k and max_len_b 1000 (four option keys whose running batches would never
   empty); every server with --request-timeout 10, so that a request locked out costs 10 s, and
   its latency (a 504's too) counts.
-- long: the same beside four clients looping the 8 longest validation sentences (whose
-  searches hold the most memory), with the default --max-memory and with 256 MiB.
+- long: the same beside four clients looping 8 sentences of about 1,900 characters each
+  (validation sentences joined, near --max-chars: the searches that hold the most memory), with
+  the default --max-memory and with 256 MiB.
 - refused: the same beside two clients looping a 0.9 MB body of 300 sentences (413: past
   --max-sentences, known only once the body is parsed).
   With any of these three, that honest load alone first, on a server with the same settings.
@@ -304,8 +305,16 @@ def attack_bodies(kind: str, pool: list[str]) -> list[tuple[bytes, float]]:
         return []
     if kind == "refused":
         return [(json.dumps({"text": ["x" * 3000] * 300}).encode(), 0.0)] * 2
-    longest = sorted(pool, key=len, reverse=True)[:8]
-    return [(json.dumps({"text": longest}).encode(), 0.0)] * 4
+    # 8 sentences of validation text near --max-chars (2,000) each: the searches holding most
+    joined, long = "", []
+    for line in sorted(pool, key=len, reverse=True):
+        joined = f"{joined} {line}".strip()
+        if len(joined) > 1800:
+            long.append(joined[:1990])
+            joined = ""
+        if len(long) == 8:
+            break
+    return [(json.dumps({"text": long}).encode(), 0.0)] * 4
 
 
 def attacked(

@@ -75,8 +75,8 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
     """POST /translate: read, check, queue, answer, each failure its own status."""
 
     async def refused(status: int, message: str, began: float):
-        # Parsing and counting a body cost the event loop, which every request shares: a client
-        # looping bodies that are refused would take most of it. Its refusal comes after
+        # Reading, parsing and counting a body cost the event loop, which every request shares: a
+        # client looping bodies that are refused would take most of it. Its refusal comes after
         # REFUSAL_WAIT times what its body cost (a second at most), and a client sends one
         # request at a time per connection (whose number per address is capped), so such
         # clients take a bounded share of the loop.
@@ -84,6 +84,7 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
         return error(web, status, message)
 
     async def translate(request):
+        began = time.perf_counter()  # what reading, parsing and counting the body cost
         if request.headers.get("Content-Encoding", "identity").lower() != "identity":
             # Nothing is decompressed: a small compressed body can expand to gigabytes.
             return error(web, 415, "compressed request bodies are not accepted: send plain JSON")
@@ -97,7 +98,6 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             response = error(web, 408, f"the body did not arrive within {config.read_timeout:g} s")
             response.force_close()
             return response
-        began = time.perf_counter()
         try:
             asked = parse(
                 body, config, translator.config.decode, translator.tags, translator.engine, translator.max_src
