@@ -134,6 +134,10 @@ class Trainer:
             said = self.init.start(self.model, self.model_config, self.optimizer, self.state, loaded=adapting)
             self.reporter.say(said)
             saving.set_optimizer_options(self.optimizer, self.config)
+            if (
+                self.ema is not None
+            ):  # the average starts from the model it fine-tunes, not the draws it replaced
+                self.ema.load(self.model.state_dict())
 
     # -- metrics
     def log(self, kind: str, metrics: dict, step: int | None = None, epoch: int | None = None) -> None:
