@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import one_error_line, prepared_multi30k
 
-from nmt_cli import bpe
+from nmt_cli import bpe, vocab
 from nmt_cli.files import file_stats
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard
@@ -86,7 +86,7 @@ def test_lowercase_bpe_folds_case_in_training_translation_and_scoring(run_copy, 
     run_ok(["bpe", "--run-dir", run_copy, "--vocab-size", 1000, "--lowercase"])
     assert json.loads(run.config_path("bpe").read_text())["lowercase"] is True
     sp = bpe.load(run)
-    assert bpe.folds_case(run.vocabularies().target)
+    assert vocab.folds_case(run.vocabularies().target)
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_byte(i)]
     assert not [p for p in pieces if p != p.lower() and not p.startswith("<")]
     assert sp.decode(sp.encode("Die STRASSE, die Straße.")) == "die strasse, die straße."
