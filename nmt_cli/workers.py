@@ -14,6 +14,8 @@ import dataclasses
 import multiprocessing
 import signal
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
@@ -128,16 +130,38 @@ def stream(
         queue.put(device)
     counts = Counts()
     worker_config = dataclasses.replace(config, threads=threads)
-    with context.Pool(workers, _start, (spread, worker_config, queue)) as pool:
+    # concurrent.futures' pool, not multiprocessing's: a worker that dies (killed, out of
+    # memory, a crash) breaks it and every share waiting on it raises, where multiprocessing's
+    # would start another worker and wait for the lost share for ever
+    pool = ProcessPoolExecutor(workers, context, _start, (spread, worker_config, queue))
+    with pool:
         # A chunk's shares are all answered before more input is read: on a pipe, the input
         # may not come before its answers have gone out.
         for request in requests(source, config.chunk, counts, prefixes, constraints):
-            waiting = [(pool.apply_async(_translate, (s,)), len(s.lines)) for s in shares(request, workers)]
-            for result, lines in waiting:
-                out, truncated = result.get()
+            waiting = [(pool.submit(_translate, s), s) for s in shares(request, workers)]
+            for result, share in waiting:
+                try:
+                    out, truncated = result.result()
+                except BrokenProcessPool:
+                    raise NmtError(
+                        f"{_died(pool)} while translating lines {share.first + 1}-"
+                        f"{share.first + len(share.lines)}: lines {share.first + 1} onward were not "
+                        "translated (out of memory? see the kernel's log)"
+                    ) from None
                 for text in out:
                     sink.write(text + "\n")
                 sink.flush()
                 counts.truncated += truncated
-                advance(lines)
+                advance(len(share.lines))
     return counts
+
+
+def _died(pool: ProcessPoolExecutor) -> str:
+    """Which worker of the broken `pool` died, and how, as far as the pool still knows."""
+    processes = getattr(pool, "_processes", None) or {}  # private: only to name the worker
+    for pid, process in processes.items():
+        code = process.exitcode
+        if code is not None and code != 0:
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            return f"a worker process died (pid {pid}, {how})"
+    return "a worker process died"

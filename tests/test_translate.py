@@ -2,10 +2,15 @@
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
-from conftest import one_error_line
+from conftest import DEADLINE, children, nmt_command, one_error_line, read_line
 
 from nmt_cli.errors import NmtError
 from nmt_cli.rundir import RunDir
@@ -315,6 +320,54 @@ def test_shares_of_small_chunks_come_back_in_order_with_their_counts(trained, tm
     with pytest.raises(NmtError, match="nmt train"):
         nowhere = workers.Spread(tmp_path, [], None, procs=2)
         workers.stream(nowhere, config, io.BytesIO(b"A dog.\n"), io.StringIO(), advanced.append)
+
+
+def test_a_worker_that_dies_ends_the_command_with_one_line_naming_it_never_a_hang(trained):
+    """`--procs 2` on an open pipe: a worker killed while it translates its share (SIGKILL, as
+    the kernel's out-of-memory killer sends) ends the command with one error line naming the
+    worker and the lines not translated; the pool does not wait for the lost share for ever."""
+    lines = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)
+    proc = subprocess.Popen(
+        nmt_command("translate", "--run-dir", trained, "--procs", "2", "--beam", "8"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(lines[0])
+        proc.stdin.flush()
+        assert read_line(proc.stdout, time.monotonic() + DEADLINE)  # a worker is up
+        proc.stdin.write(b"".join(lines * 3))  # two shares of 1,500 lines: seconds each
+        proc.stdin.flush()
+        deadline = time.monotonic() + DEADLINE
+        while len(spawned := _workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # both decoding their shares
+        os.kill(spawned[-1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=DEADLINE)  # closes the input
+    finally:
+        proc.kill()
+    said = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in said, said
+    errors = [line for line in said.splitlines() if line.startswith("nmt: error:")]
+    assert len(errors) == 1, said
+    died = (
+        f"nmt: error: a worker process died (pid {spawned[-1]}, killed by signal 9) while translating lines "
+    )
+    assert errors[0].startswith(died) and "onward were not translated" in errors[0], said
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The worker processes multiprocessing spawned for `pid` (not its resource tracker)."""
+    found = []
+    for child in children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def test_worker_options_that_cannot_be_had_are_one_line(trained, nmt):
