@@ -4,7 +4,6 @@ ranks, clipping and Adam, queued on the device without waiting for it."""
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, cast
 
 import torch
@@ -103,7 +102,10 @@ def train_step(
         divide = 1.0 / (per_token * clip)
     else:
         torch._foreach_mul_(grads, per_token)
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_norm or math.inf)
+        if clip_norm:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        else:  # the norm for the figures and the skip: clip_grad_norm_ would multiply all by 1
+            norm = torch.nn.utils.get_total_norm(grads)
     skipped = (~(torch.isfinite(norm) & torch.isfinite(totals[0]))).float()
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr

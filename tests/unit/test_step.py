@@ -108,3 +108,39 @@ def test_the_folded_scaling_and_clipping_step_as_the_passes_do(clip):
             if name.endswith("attn.kv.bias"):  # the key bias's gradient is rounding noise, which
                 a, b = a[len(a) // 2 :], b[len(b) // 2 :]  # Adam scales up to steps of lr
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3])
+def test_no_clipping_makes_no_pass_over_the_gradients(clip):
+    """--clip-norm 0: the norm is taken (for the figures and the skip), and the gradients are
+    multiplied once, by the per-token scale; clipping multiplies them a second time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.muls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.muls += func.overloadpacket in (torch.ops.aten._foreach_mul_,)
+            return func(*args, **(kwargs or {}))
+
+    model = small_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, fused=True)
+    counted = Count()
+    optimizer_step = optimizer.step
+    optimizer.step = lambda *a, **k: None  # Adam's own passes are not the clipping's
+    with counted:
+        figures = train_step(
+            model,
+            Objective(model, 0.1),
+            optimizer,
+            torch.amp.GradScaler("cpu", enabled=False),
+            BATCHES,
+            clip_norm=clip,
+            lr=1e-3,
+            autocast=contextlib.nullcontext,
+            group=distributed.Group(),
+        )
+    optimizer.step = optimizer_step
+    assert counted.muls == (2 if clip else 1) and figures[3] > 0
