@@ -196,6 +196,22 @@ class Translator:
         self.check_tag(options.tag)
         return cast(Any, self.backend).running(options)
 
+    def cuda_graphs(self) -> str | None:
+        """Whether nmt's engine on a GPU replays its decoding steps as CUDA graphs: "on", or "off:"
+        and why (--no-cuda-graphs, a shortlist, or a recording that failed in this process, after
+        which no step is recorded again); None elsewhere."""
+        if not self._nmt_on_gpu():
+            return None
+        from nmt_cli.engine import graphed
+
+        if graphed._failed is not None:
+            return f"off: recording failed ({graphed._failed})"
+        return "on" if getattr(self.backend, "graphs", None) is not False else "off: not asked for"
+
+    def _nmt_on_gpu(self) -> bool:
+        device = getattr(self.backend, "device", None)
+        return self.engine == "nmt" and getattr(device, "type", None) == "cuda"
+
     def slots(self) -> int:
         """How many searches step at once at most: a server's batches take turns at so many
         (backend_nmt spreads a call's batches over its CPU threads; a GPU one at a time)."""

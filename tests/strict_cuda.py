@@ -4,15 +4,19 @@ handling runs on a CPU and its mistakes fail a test here rather than decode wron
 The recorders keep CUDA's rules: each thread has a current GPU (GPU 0 when it starts) and, per
 GPU, a current stream; a stream, a graph's capture, a pool or an event taken without naming a
 GPU is on the thread's current one; a kernel of tensors on GPU k runs on GPU k's current stream,
-so a capture begun on another GPU or stream records nothing of it. Where torch would only warn
-(an empty graph) or pick GPU 0 silently (`cuda` without an index), a recorder raises Mistake.
+so a capture begun on another GPU or stream records nothing of it. A graph pool lives while a
+graph recorded into it does: torch releases it with the last and refuses a capture into it after
+(create_or_incref_pool's use_count assert), as the recorders do. Where torch would only warn (an
+empty graph) or pick GPU 0 silently (`cuda` without an index), a recorder raises Mistake.
 The code under test stands for its kernels with `launch(device)`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
+import weakref
 
 import torch
 
@@ -41,6 +45,13 @@ class Graph:
         self.cuda, self.nodes, self.replays = cuda, 0, 0
         self.device: int | None = None
         self.stream: Stream | None = None
+        self.pool = None
+
+    def __del__(self) -> None:  # its pool is released with the last graph recorded into it
+        if self.pool is not None:
+            self.cuda.pools[self.pool] -= 1
+            if not self.cuda.pools[self.pool]:
+                self.cuda.released.add(self.pool)
 
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         cuda = self.cuda
@@ -50,6 +61,11 @@ class Graph:
             raise Mistake("a capture on the default stream (torch refuses it)")
         if pool is not None and pool[0] != self.device:
             raise Mistake(f"a capture on cuda:{self.device} into cuda:{pool[0]}'s memory pool")
+        if pool in cuda.released:
+            raise Mistake("a capture into a pool whose graphs were all freed (torch refuses it)")
+        if pool is not None:
+            cuda.pools[pool] = cuda.pools.get(pool, 0) + 1
+            self.pool = pool
         if getattr(cuda.local, "capture", None) is not None:
             raise Mistake("a capture inside a capture")
         cuda.local.capture = self
@@ -85,7 +101,10 @@ class StrictCuda:
     def __init__(self, count: int = 2):
         self.count = count
         self.local = threading.local()
-        self.graphs: list[Graph] = []
+        self.recorded: list[weakref.ref[Graph]] = []  # the graphs made, alive or freed
+        self.pools: dict[tuple[int, int], int] = {}  # each pool's graphs alive
+        self.released: set[tuple[int, int]] = set()
+        self.handles = itertools.count()
         self.kernels: list[tuple[int, int]] = []  # (GPU, the thread's current GPU) of each launch
 
     # -- the thread's current GPU and streams
@@ -144,13 +163,18 @@ class StrictCuda:
     def Stream(self, device=None, priority: int = 0) -> Stream:  # noqa: N802 - torch's name
         return Stream(self, self.index(device, "Stream"))
 
+    @property
+    def graphs(self) -> list[Graph]:
+        """The graphs made that are still alive."""
+        return [g for ref in self.recorded if (g := ref()) is not None]
+
     def CUDAGraph(self) -> Graph:  # noqa: N802 - torch's name
         graph = Graph(self)
-        self.graphs.append(graph)
+        self.recorded.append(weakref.ref(graph))
         return graph
 
     def graph_pool_handle(self) -> tuple[int, int]:
-        return (self.current(), len(self.graphs))
+        return (self.current(), next(self.handles))
 
     def Event(self, **kwargs) -> Event:  # noqa: N802 - torch's name
         return Event(self)

@@ -62,6 +62,9 @@ class StandIn:
     def slots(self):
         return 1
 
+    def cuda_graphs(self):
+        return None
+
     def steps_in_turn(self):
         return self.engine == "nmt"
 

@@ -137,8 +137,9 @@ def _search(
         forced = forced.repeat_interleave(o.nbest, 0) if forced is not None else None
     k = 1 if o.sample else o.beam
     rules = NextToken(o, max_lens, k, src.device, forced, alphas)
+    pool = graphed.Pool()  # this search's graphs', given back with them
     decoders = [
-        _decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits, graphs, among) for m in models
+        _decoder(m, src, k, max(max_lens) + 1, use_cache, rules.logits, graphs, among, pool) for m in models
     ]
     step, reorder = _together(decoders)
     if gone is not None:
@@ -311,10 +312,11 @@ def _decoder(
     shape: Callable[[Tensor], Tensor] = _as_they_are,
     graphs: bool = False,
     among: Tensor | None = None,
+    pool: graphed.Pool | None = None,
 ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], None]]:
     """`step` and `reorder` of one model for `search`, over `k` rows per sentence of `src`;
     `shape` changes the logits before their softmax (NextToken.logits); `graphs` and `among`:
-    translate's (the steps take and score positions in `among`)."""
+    translate's (the steps take and score positions in `among`); `pool`: the search's graphs'."""
     model.eval()
     memory, src_mask = model.encode(src)
     ids: Callable[[Tensor], Tensor] = _as_they_are
@@ -328,7 +330,7 @@ def _decoder(
             h = model.decode(fixed.tokens, fixed.memory_kv, fixed.src_mask, fixed)
             return model.logits(h[:, -1])
 
-        run = graphed.Replayed(body, src.device)
+        run = graphed.Replayed(body, src.device, pool)
 
         def step_fixed(tokens: Tensor) -> Tensor:
             fixed.put(tokens)

@@ -9,7 +9,13 @@ torch.cuda.graphs asks; the next ones are recorded (one graph for each of the ca
 tensors under beam search, one otherwise), then replayed. Off a GPU the step just runs.
 
 torch.cuda.graph would also synchronise and empty the allocator's cache before each recording;
-a translation records a graph per batch, so this records with the graph's own calls instead."""
+a translation records a graph per batch, so this records with the graph's own calls instead.
+
+A search's graphs (both parities, every model of an ensemble) record into one memory pool of
+their own (`Pool`), given back when they are freed. Not one pool per GPU for the process: torch
+releases a pool once every graph recorded into it is freed, and refuses a later capture into it
+(an internal assert in create_or_incref_pool), so such a pool served the first batch only and
+every later one fell back to eager steps."""
 
 from __future__ import annotations
 
@@ -21,7 +27,21 @@ import torch
 from torch import Tensor
 
 _failed: str | None = None  # why recording failed in this process: the steps run as they are
-_pools: dict[int | None, Any] = {}  # each GPU's memory pool for the graphs recorded on it
+
+
+class Pool:
+    """The memory pool of one search's graphs, on each GPU they are recorded on: taken at the
+    first recording there, released by torch with the last of its graphs."""
+
+    def __init__(self) -> None:
+        self.handles: dict[int | None, Any] = {}
+
+    def on(self, device: torch.device) -> Any:
+        """The pool's handle on `device`."""
+        if device.index not in self.handles:
+            with torch.cuda.device(device):  # a handle is the current GPU's
+                self.handles[device.index] = torch.cuda.graph_pool_handle()
+        return self.handles[device.index]
 
 
 class Replayed:
@@ -35,8 +55,8 @@ class Replayed:
     capture taken from "the current GPU" (GPU 0 in a worker or a server's thread) records none of
     the step's kernels on another GPU, and replaying that empty graph returns stale logits."""
 
-    def __init__(self, body: Callable[[], Tensor], device: torch.device):
-        self.body, self.device = body, device
+    def __init__(self, body: Callable[[], Tensor], device: torch.device, pool: Pool | None = None):
+        self.body, self.device, self.pool = body, device, pool or Pool()
         self.record = device.type == "cuda" and _failed is None
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.stream: torch.cuda.Stream | None = None
@@ -75,14 +95,10 @@ class Replayed:
     def _recorded(self, key: Hashable) -> Tensor:
         with torch.cuda.device(self.device):  # as in __call__: each function names its GPU
             graph = torch.cuda.CUDAGraph()
-            # thread_local: a training run's collation thread may copy batches meanwhile. One
-            # memory pool per GPU for every batch's graph (each would otherwise keep a private
-            # pool of its own, and a server's reserved memory would grow with the batches it
-            # decodes): safe as the graphs that share it are replayed in the order they were
-            # recorded, on one stream (an ensemble's members, step by step), never at once.
-            if self.device.index not in _pools:
-                _pools[self.device.index] = torch.cuda.graph_pool_handle()
-            graph.capture_begin(pool=_pools[self.device.index], capture_error_mode="thread_local")
+            # thread_local: a training run's collation thread may copy batches meanwhile. The
+            # search's pool: its graphs share it safely, as they are replayed in the order they
+            # were recorded, on one stream (an ensemble's members, step by step), never at once
+            graph.capture_begin(pool=self.pool.on(self.device), capture_error_mode="thread_local")
             try:
                 out = self.body()
             finally:

@@ -190,8 +190,11 @@ def make_app(
 
     translate = _translate_route(web, translator, config, batcher_key)
 
+    graphs = translator.cuda_graphs  # nmt's engine on a GPU: whether its steps are graphs
+
     async def health(request):
         alive = not request.app[loop_key].done()
+        shown = graphs()
         return web.json_response(
             {
                 "status": "ok" if alive else "the decoding loop has stopped",
@@ -202,6 +205,7 @@ def make_app(
                 # how long the oldest request with no sentence decoding has been queued
                 "oldest_wait_s": round(request.app[batcher_key].oldest_wait(), 3),
                 "held_bytes": request.app[batcher_key].held,  # what the searches may hold (--max-memory)
+                **({"cuda_graphs": shown} if shown is not None else {}),
             },
             status=200 if alive else 503,
         )

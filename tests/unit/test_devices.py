@@ -25,7 +25,6 @@ from nmt_cli.errors import NmtError
 @pytest.fixture
 def cuda(monkeypatch) -> StrictCuda:
     monkeypatch.setattr(graphed, "_failed", None)
-    monkeypatch.setattr(graphed, "_pools", {}, raising=False)
     return StrictCuda(count=2).install(monkeypatch)
 
 
@@ -77,20 +76,58 @@ def test_beam_search_steps_replay_one_graph_per_tensor_of_the_cache(cuda):
     assert [g.replays for g in cuda.graphs] == [3, 2]  # parity 1 recorded first (step 2)
 
 
-def test_each_gpu_records_into_its_own_memory_pool_shared_by_its_graphs(cuda):
-    """Graphs of later batches reuse their GPU's pool (none grows a pool per batch)."""
+def test_each_search_records_into_a_pool_of_its_own_given_back_with_its_graphs(cuda):
+    """Searches one after another on two GPUs: each records both parities into one pool of its
+    own, freed with its graphs, and the next records into a new one (torch refuses a capture into
+    a pool whose graphs are all gone: one pool per GPU for the process recorded the first search
+    only, then every later one fell back to eager steps)."""
     pools = []
 
     def recorded(gpu: torch.device) -> None:
         step = graphed.Replayed(lambda: cuda.launch(gpu) or torch.zeros(1), gpu)
-        for _ in range(3):
-            step()
+        for parity in (0, 1, 0, 1):
+            step(parity)
+        assert [g.replays for g in cuda.graphs] == [2, 1] and len({g.pool for g in cuda.graphs}) == 1
+        pools.append((cuda.graphs[0].pool, cuda.graphs[0].device))
 
-    for index in (1, 0, 1):
+    for index in (1, 0, 1, 1):
         recorded(torch.device("cuda", index))
-        pools.append(dict(graphed._pools))
-    assert set(pools[-1]) == {0, 1} and pools[0][1] == pools[-1][1]
-    assert [g.device for g in cuda.graphs] == [1, 0, 1]
+        assert not cuda.graphs  # freed with their search
+    assert graphed._failed is None
+    assert len({pool for pool, _ in pools}) == 4 and [device for _, device in pools] == [1, 0, 1, 1]
+    assert set(cuda.released) == {pool for pool, _ in pools}
+
+
+def test_the_graphs_of_an_ensemble_share_their_searchs_pool(cuda):
+    gpu = torch.device("cuda", 0)
+    pool = graphed.Pool()
+    steps = [graphed.Replayed(lambda: cuda.launch(gpu) or torch.zeros(1), gpu, pool) for _ in range(2)]
+    for parity in (0, 1, 0):
+        for step in steps:
+            step(parity)
+    assert len(cuda.graphs) == 4 and {g.pool for g in cuda.graphs} == {pool.handles[0]}
+
+
+def test_the_server_says_whether_its_steps_are_graphs_and_why_not(cuda):
+    """/health's cuda_graphs (Translator.cuda_graphs): on a GPU "on", or "off:" and why (a
+    recording that failed in this process, after which none is tried again); nothing elsewhere."""
+    from types import SimpleNamespace
+
+    from nmt_cli.translator import Translator
+
+    translator = Translator.__new__(Translator)  # its engine and backend are all this reads
+    translator.engine = "nmt"
+    translator.backend = SimpleNamespace(device=torch.device("cpu"), graphs=None)  # type: ignore[assignment]
+    assert translator.cuda_graphs() is None  # a CPU
+    translator.backend.device = torch.device("cuda", 0)
+    assert translator.cuda_graphs() == "on"
+    graphed._failed = "operation not permitted when stream is capturing"
+    assert translator.cuda_graphs() == f"off: recording failed ({graphed._failed})"
+    step = graphed.Replayed(lambda: torch.ones(1), torch.device("cuda", 0))
+    assert [step().item() for _ in range(3)] == [1.0, 1.0, 1.0] and not cuda.graphs  # never recorded
+    translator.backend.graphs = False
+    graphed._failed = None
+    assert translator.cuda_graphs() == "off: not asked for"
 
 
 def test_a_cpu_step_is_never_recorded(cuda):
