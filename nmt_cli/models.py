@@ -80,6 +80,11 @@ class Model:
         return self.load_weights()
 
     @property
+    def max_src(self) -> int:
+        """The most source pieces it reads: room for the EOS in every model of it."""
+        return min(m.config.max_positions for m in self.parts) - 1
+
+    @property
     def parts(self) -> tuple[Model, ...]:
         """The models a translation runs: an ensemble's members, or this one."""
         return self.members or (self,)
@@ -152,12 +157,52 @@ def ensemble(models: list[Model]) -> Model:
     )
 
 
-def from_run(
-    run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict] | None = None, adapted: bool = True
-) -> Model:
-    """The run's model: --checkpoint, else the averaged model, else the latest checkpoint.
-    `loaded`: that checkpoint's tensors and record, when the caller has read them already;
-    `adapted`: whether a checkpoint of adapters may be it (not as another's base)."""
+def described(run_dir: Path, paths: list[Path] | None, checkpoint: str | None) -> Model:
+    """The model `load` finds, without its weights: its settings, vocabularies and languages,
+    for a process that hands the decoding to workers which load it themselves (a parent that
+    loaded it would hold a copy, and on a GPU a context on GPU 0). A package is checked as
+    `load` checks it; a run's checkpoint by its record."""
+    if paths:
+        if checkpoint:
+            raise NmtError("--model and --checkpoint name two models: give --model for each")
+        return ensemble([_described(Path(p)) for p in paths])
+    return _described_run(RunDir(run_dir), checkpoint)
+
+
+def _described(where: Path) -> Model:
+    """`locate`'s model of `where`, without its weights where it is a run's."""
+    path = Path(where)
+    if path.is_file():
+        return _described_run(_run_of(path), str(path))
+    if RunDir(path).manifest_path.is_file() and not os.path.lexists(path / SETTINGS):
+        return _described_run(RunDir(path), None)
+    return locate(path)  # a package or export (no weights loaded), or its one error line
+
+
+def _described_run(run: RunDir, checkpoint_path: str | None) -> Model:
+    path = _found(run, checkpoint_path)
+    if path.is_dir():
+        return from_dir(path)
+    record_path, meta = _record(path)
+
+    def refuse() -> dict[str, torch.Tensor]:
+        raise NmtError(f"{path}'s weights are for the processes that decode to load")
+
+    return Model(
+        where=path,
+        config=_declared(meta.get("model"), record_path),
+        vocabs=run.vocabularies(),
+        src=language(meta.get("src", "en"), f"{record_path}: its src"),
+        tgt=language(meta.get("tgt", "de"), f"{record_path}: its tgt"),
+        sha256=str(meta.get("sha256", "")),
+        load_weights=refuse,
+        shortlist=_if_there(run.spm_folder / shortlist.NAME),
+    )
+
+
+def _found(run: RunDir, checkpoint_path: str | None) -> Path:
+    """The file (or package) of the run's model: --checkpoint, else the averaged model, else the
+    latest checkpoint."""
     from nmt_cli.engine import checkpoint
 
     if checkpoint_path:
@@ -169,16 +214,36 @@ def from_run(
         if not found:
             raise NmtError(f"no model in {run.root}: run `nmt train` (and `nmt average`) first")
         path = found[-1]
-    if path.is_dir():
-        return from_dir(path)
-    if not path.exists():
+    if not path.is_dir() and not path.exists():
         raise NmtError(f"{path} not found")
+    return path
+
+
+def _record(path: Path) -> tuple[Path, dict]:
+    """A checkpoint file's record and its path."""
     record_path = path.with_suffix(".json")
     if not record_path.exists():
         raise NmtError(
             f"{path} is not an nmt model (expected a .pt file with its .json record, "
             "or a directory from `nmt export`)"
         )
+    return record_path, read_json(record_path, 1 << 20)
+
+
+def from_run(
+    run: RunDir, checkpoint_path: str | None, loaded: tuple[dict, dict] | None = None, adapted: bool = True
+) -> Model:
+    """The run's model: --checkpoint, else the averaged model, else the latest checkpoint.
+    `loaded`: that checkpoint's tensors and record, when the caller has read them already;
+    `adapted`: whether a checkpoint of adapters may be it (not as another's base)."""
+    from nmt_cli.engine import checkpoint
+
+    path = _found(run, checkpoint_path)
+    if path.is_dir():
+        return from_dir(path)
+    record_path = path.with_suffix(".json")
+    if not loaded:
+        _record(path)  # its error line if it has none
     if not adapted and (loaded[1] if loaded else read_json(record_path, 1 << 20)).get("adapters"):
         # one level of adapters is merged: a base that is itself adapted could name its own
         # checkpoint as its base, and be read again at every level
@@ -230,8 +295,7 @@ def locate(where: Path, loaded: tuple[dict, dict] | None = None, adapted: bool =
     `adapted` as in `from_run`)."""
     path = Path(where)
     if path.is_file():
-        root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        return from_run(RunDir(root), str(path), loaded, adapted)
+        return from_run(_run_of(path), str(path), loaded, adapted)
     if os.path.lexists(path / SETTINGS):
         return from_dir(path)
     if RunDir(path).manifest_path.is_file():
@@ -241,6 +305,12 @@ def locate(where: Path, loaded: tuple[dict, dict] | None = None, adapted: bool =
         if path.exists()
         else f"{where} not found"
     )
+
+
+def _run_of(checkpoint_file: Path) -> RunDir:
+    """The run a checkpoint file lies in: in its checkpoints/, or averaged.pt at its top."""
+    path = Path(checkpoint_file)
+    return RunDir(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
 
 
 def from_dir(path: Path) -> Model:

@@ -54,20 +54,32 @@ def stream(
     lines: int | None = None,
     prefixes: Path | None = None,
     constraints: Path | None = None,
-    spread: workers.Spread | None = None,
 ) -> None:
     """`translator.stream` with a progress bar, then a warning for each kind of line it had
-    to change; `prefixes` and `constraints`: files aligned with the input; `spread`: worker
-    processes to decode in."""
+    to change; `prefixes` and `constraints`: files aligned with the input."""
     with contextlib.ExitStack() as files, ui.progress() as bar:
         starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
         task = bar.add_task(what, total=lines)
-        advance = lambda n: bar.advance(task, n)  # noqa: E731
-        if spread is not None and spread.workers:
-            counts = workers.stream(spread, translator.config, source, sink, advance, starts, phrases)
-        else:
-            counts = translator.stream(source, sink, advance, starts, phrases)
+        counts = translator.stream(source, sink, lambda n: bar.advance(task, n), starts, phrases)
     report_counts(counts, translator.max_src)
+
+
+def spread_stream(
+    model: Model,
+    config: TranslateConfig,
+    spread: workers.Spread,
+    source: BinaryIO,
+    sink: TextIO,
+    prefixes: Path | None = None,
+    constraints: Path | None = None,
+) -> None:
+    """`stream` over the worker processes of `spread`, which load `model` themselves (this
+    process holds its description only: models.described)."""
+    with contextlib.ExitStack() as files, ui.progress() as bar:
+        starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
+        task = bar.add_task("translate", total=None)
+        counts = workers.stream(spread, config, source, sink, lambda n: bar.advance(task, n), starts, phrases)
+    report_counts(counts, model.max_src)
 
 
 def report_counts(counts: Counts, max_src: int) -> None:

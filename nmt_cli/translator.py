@@ -62,6 +62,14 @@ class PairScore:
         return self.total / self.tokens if self.tokens else 0.0
 
 
+def check_constraints(engine: str, options: DecodeOptions) -> None:
+    """One line where --constraints cannot be met by `engine` with `options`."""
+    if engine == "ctranslate2":
+        raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
+    if options.sample:
+        raise NmtError("--constraints are met by beam search: drop --sample")
+
+
 class Translator:
     """A loaded model with its sentencepiece models, translating lists of raw lines."""
 
@@ -100,7 +108,7 @@ class Translator:
         self.where, self.tags = model.where, model.tags
         self.check_tag(config.decode.tag)
         # room for the EOS in every model; a target also has its BOS before it
-        self.max_src = min(m.config.max_positions for m in model.parts) - 1
+        self.max_src = model.max_src
         self.max_tgt = self.max_src - 1
         # what a search holds per sentence, by costs(): float32 caches, whatever the precision
         self.parts = [
@@ -334,10 +342,7 @@ class Translator:
         return out
 
     def check_constraints(self, options: DecodeOptions) -> None:
-        if self.engine == "ctranslate2":
-            raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
-        if options.sample:
-            raise NmtError("--constraints are met by beam search: drop --sample")
+        check_constraints(self.engine, options)
 
     def align(self, ids: list[list[int]], hyps: list[list[Hypothesis]], tag: str) -> None:
         """Set each hypothesis's word alignment (of the source `ids`)."""

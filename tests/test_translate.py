@@ -322,6 +322,24 @@ def test_shares_of_small_chunks_come_back_in_order_with_their_counts(trained, tm
         workers.stream(nowhere, config, io.BytesIO(b"A dog.\n"), io.StringIO(), advanced.append)
 
 
+def test_the_parent_of_workers_loads_no_model(trained, nmt, monkeypatch):
+    """`--procs 2`: the workers load the model; the parent, which reads and writes the lines,
+    reads the model's settings only (a copy of the weights, and with --gpus a CUDA context on
+    GPU 0, would be its own). Its output is the workers'."""
+    from nmt_cli import backend_nmt
+    from nmt_cli.engine import checkpoint
+
+    text = RunDir(trained).text("test", "en", raw=True).read_bytes().splitlines(keepends=True)[:12]
+    expected = nmt("translate", "--run-dir", trained, *FAST, stdin=b"".join(text))
+    loaded: list = []
+    for where, name in ((backend_nmt, "load_model"), (checkpoint, "load_tensors")):
+        real = getattr(where, name)
+        monkeypatch.setattr(where, name, lambda *a, real=real, **k: loaded.append(a) or real(*a, **k))
+    spread = nmt("translate", "--run-dir", trained, *FAST, "--procs", "2", stdin=b"".join(text))
+    assert spread.code == 0 and spread.out == expected.out, spread.err
+    assert loaded == []
+
+
 def test_a_worker_that_dies_ends_the_command_with_one_line_naming_it_never_a_hang(trained):
     """`--procs 2` on an open pipe: a worker killed while it translates its share (SIGKILL, as
     the kernel's out-of-memory killer sends) ends the command with one error line naming the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -74,29 +75,38 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli.translate import stream
-    from nmt_cli.translator import Translator
+    from nmt_cli.backend import engine_of
+    from nmt_cli.translate import spread_stream, stream
+    from nmt_cli.translator import Translator, check_constraints
 
     config = config_of(TranslateConfig, ctx)
     if print_config:
         print_settings(ctx, config, run_dir=run_dir, model=[str(m) for m in model or []])
         return
     workers.check(procs, gpus, config)
-    translator = Translator(models.load(run_dir, model, config.checkpoint), config, gpus)
-    if translator.engine == "ctranslate2":
+    spread = workers.Spread(run_dir, list(model or []), config.checkpoint, procs, gpus)
+    # with workers, they load the model: this process reads and writes the lines only
+    found = (models.described if spread.workers else models.load)(run_dir, model, config.checkpoint)
+    engine = engine_of(found, config)
+    if engine == "ctranslate2":
         if procs > 1:
             raise NmtError(
                 "--procs is for nmt's engine: CTranslate2 decodes several batches at once itself, "
                 "one per --threads"
             )
-        gpus = 0  # its replicas share the batches in this process
+        if spread.workers:  # its replicas share the batches in this process
+            spread = dataclasses.replace(spread, gpus=0)
+            found = models.load(run_dir, model, config.checkpoint)
     for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
         if path is not None and not path.is_file():
             raise NmtError(f"{name} {path} not found")
     if constraints is not None:
-        translator.check_constraints(config.decode)
-    spread = workers.Spread(run_dir, list(model or []), config.checkpoint, procs, gpus)
-    stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints, spread)
+        check_constraints(engine, config.decode)
+    if spread.workers:
+        spread_stream(found, config, spread, sys.stdin.buffer, sys.stdout, prefix, constraints)
+        return
+    translator = Translator(found, config, gpus)
+    stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints)
 
 
 @app.command()
