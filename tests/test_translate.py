@@ -364,7 +364,9 @@ def test_a_worker_that_dies_ends_the_command_with_one_line_naming_it_never_a_han
         time.sleep(1.0)  # both decoding their shares
         os.kill(spawned[-1], signal.SIGKILL)
         _, err = proc.communicate(timeout=DEADLINE)  # closes the input
-    finally:
+    finally:  # on a failure, no worker left behind either
+        for pid in _workers_of(proc.pid):
+            os.kill(pid, signal.SIGKILL)
         proc.kill()
     said = err.decode()
     assert proc.returncode == 1 and "Traceback" not in said, said

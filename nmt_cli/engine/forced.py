@@ -3,6 +3,7 @@ and which source token each of their tokens attends to most (--alignments)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -44,9 +45,13 @@ def aligned(
     tgt_in, _ = pad_targets(tgt)
     tgt_in_t = torch.from_numpy(tgt_in).to(src.device)
     weights = torch.stack([m.cross_attention(src, tgt_in_t).float() for m in models]).mean(0)
-    lengths = ((src != PAD).sum(1) - 1).tolist()  # without the EOS
+    lengths = (src != PAD).sum(1) - 1  # without the EOS
+    # each row's best source position among its own, all rows at once: one read of the whole
+    # batch from the device (the rows' lengths first), not one per sentence
+    beyond = torch.arange(weights.shape[-1], device=src.device) >= lengths[:, None, None]
+    best = weights.masked_fill(beyond, -math.inf).argmax(-1)
+    read = torch.cat([lengths[:, None], best], 1).tolist()
     out = []
-    for row, (y, n) in enumerate(zip(tgt, lengths)):
-        best = weights[row, : len(y), :n].argmax(-1).tolist() if n and y else []
-        out.append([(i, j) for j, i in enumerate(best)])
+    for y, (n, *found) in zip(tgt, read):
+        out.append([(i, j) for j, i in enumerate(found[: len(y)])] if n and y else [])
     return out

@@ -396,3 +396,30 @@ def test_a_narrow_residual_stream_moves_the_loss_no_more_than_bf16_does(post_nor
     assert narrow_loss != bf16_loss  # the stream was narrowed
     assert abs(narrow_loss - loss) < 1e-3 * loss
     assert (narrow - grad).norm() < 1.5 * (bf16 - grad).norm() + 1e-3 * grad.norm()
+
+
+def test_alignments_are_each_targets_most_attended_source_token_read_once_a_batch():
+    """forced.aligned: each target token's source position of the highest averaged cross-attention
+    among its own sentence's tokens (never a padding or the EOS), for every sentence, the whole
+    batch read from the device once (not once a sentence)."""
+    from conftest import host_reads
+    from updates import small_model
+
+    from nmt_cli.engine import forced
+    from nmt_cli.engine.batches import pad_sources, pad_targets
+
+    model = small_model().eval()
+    sources = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], []]
+    targets = [[4, 5, 6], [7, 8, 9, 10], [], [11]]
+    src = torch.from_numpy(pad_sources(sources))
+    with host_reads() as reads:
+        found = forced.aligned(model, src, targets)
+    assert reads["n"] == 1
+    tgt_in = torch.from_numpy(pad_targets(targets)[0])
+    with torch.no_grad():
+        weights = model.cross_attention(src, tgt_in).float()
+    expected = [
+        [(int(weights[row, j, : len(x)].argmax()), j) for j in range(len(y))] if x and y else []
+        for row, (x, y) in enumerate(zip(sources, targets))
+    ]
+    assert found == expected and [len(f) for f in found] == [3, 4, 0, 0]
