@@ -60,7 +60,7 @@ def test_a_row_of_a_running_batch_is_counted_at_its_lanes_width(trained):
     caches are padded to the longest source and output): /health's held bytes say so."""
     translator = Translator.load(trained, threads=1)  # one lane
     long_line = " ".join(["a dog runs on the grass ."] * 20)
-    options = {"min_len": 300, "max_len_b": 300, "max_len_a": 0.0}
+    options = {"min_len": 600, "max_len_b": 600, "max_len_a": 0.0}
     decode = dataclasses.replace(translator.config.decode, **options)
     _, (long_size, short_size) = translator.costs([long_line, "a cat ."], decode)
     assert short_size < long_size
