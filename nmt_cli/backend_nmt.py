@@ -44,6 +44,13 @@ class Backend:
         # (a Python program that translates goes on with its own)
         self.threads = config.threads or torch.get_num_threads()
         self.device = resolve_device(config.device)
+        if config.shortlist and self.device.type == "cuda":
+            # its steps score a batch's own ids, which no CUDA graph holds: eager steps there,
+            # which no GPU has measured against the graphed steps over the whole vocabulary
+            raise NmtError(
+                "--shortlist is for decoding on a CPU (on a GPU it would turn the CUDA graphs off, "
+                "unmeasured): drop it, or give --device cpu"
+            )
         precision = resolve_precision(config.precision, self.device.type, decoding=True)
         self.models = [load_model(m, self.device, precision) for m in model.parts]
         self.graphs = None if config.cuda_graphs else False  # None: decoding's default

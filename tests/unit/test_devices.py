@@ -130,6 +130,19 @@ def test_the_server_says_whether_its_steps_are_graphs_and_why_not(cuda):
     assert translator.cuda_graphs() == "off: not asked for"
 
 
+def test_a_shortlist_on_a_gpu_is_one_line_before_any_model_is_loaded(cuda):
+    """--shortlist turns the graphed steps off (they score a batch's own ids): refused on a GPU
+    until a GPU has measured it, before anything is loaded."""
+    from types import SimpleNamespace
+
+    from nmt_cli.backend_nmt import Backend
+    from nmt_cli.config import TranslateConfig
+
+    nothing = SimpleNamespace(parts=())  # nothing of the model is read before the refusal
+    with pytest.raises(NmtError, match="--shortlist is for decoding on a CPU"):
+        Backend(nothing, TranslateConfig(device="cuda:1", shortlist=True))  # type: ignore[arg-type]
+
+
 def test_a_cpu_step_is_never_recorded(cuda):
     step = graphed.Replayed(lambda: torch.ones(1), torch.device("cpu"))
     assert [step().item() for _ in range(3)] == [1.0, 1.0, 1.0] and not cuda.graphs
