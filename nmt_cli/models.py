@@ -241,10 +241,8 @@ def from_run(
     path = _found(run, checkpoint_path)
     if path.is_dir():
         return from_dir(path)
-    record_path = path.with_suffix(".json")
-    if not loaded:
-        _record(path)  # its error line if it has none
-    if not adapted and (loaded[1] if loaded else read_json(record_path, 1 << 20)).get("adapters"):
+    record_path, said = (path.with_suffix(".json"), loaded[1]) if loaded else _record(path)
+    if not adapted and said.get("adapters"):
         # one level of adapters is merged: a base that is itself adapted could name its own
         # checkpoint as its base, and be read again at every level
         raise NmtError(f"{path} holds adapters too: the base of adapters must be a plain model")
