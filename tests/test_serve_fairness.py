@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 from conftest import DEADLINE
-from test_serve_queue import StandIn, _in_process
+from test_serve_queue import Costly, StandIn, _in_process
 
 from nmt_cli.translator import Translator
 
@@ -132,18 +132,7 @@ def test_a_batch_that_may_run_hundreds_of_steps_takes_the_spare_worker_at_any_be
     """CTranslate2 cannot stop a batch: one sentence at beam 1 whose output may run 1,000 steps
     (a min_len of 1,000: little work, many steps) goes to the spare worker, and a request behind
     it is answered beside it; without the spare it waits for it."""
-    from types import SimpleNamespace
-
-    class Lengthy(StandIn):
-        engine, backend = "ctranslate2", SimpleNamespace(workers=1, spare=spare)
-
-        def work_of(self, lengths, options, forced=None, phrases=None):
-            return [options.rows * n for n in lengths]
-
-        def work(self, sentences, options, prefixes=None, constraints=None):
-            return [options.rows * (1000 if s == "stubborn" else len(s.split())) for s in sentences]
-
-    decoder = Lengthy()
+    decoder = Costly(spare, stubborn=1000)
 
     async def scenario(post, get):
         held = asyncio.ensure_future(post({"text": ["stubborn"], "beam": 1}))

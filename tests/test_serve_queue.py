@@ -69,6 +69,25 @@ class StandIn:
         return self.engine == "nmt"
 
 
+class Costly(StandIn):
+    """CTranslate2 with one worker (and `spare` spare ones), whose "stubborn" sentence is
+    `stubborn` tokens of work at each hypothesis, the others a token a word."""
+
+    engine = "ctranslate2"
+
+    def __init__(self, spare: int, stubborn: int):
+        from types import SimpleNamespace
+
+        super().__init__()
+        self.backend, self.stubborn = SimpleNamespace(workers=1, spare=spare), stubborn
+
+    def work_of(self, lengths, options, forced=None, phrases=None):
+        return [options.rows * n for n in lengths]
+
+    def work(self, sentences, options, prefixes=None, constraints=None):
+        return [options.rows * (self.stubborn if s == "stubborn" else len(s.split())) for s in sentences]
+
+
 class Stepping(StandIn):
     """A stand-in that takes its steps as nmt's engine does: "slow" asks `gone` (where a step
     waits for its turn) every 10 ms while it is held."""
@@ -560,18 +579,8 @@ def test_a_long_batch_that_cannot_stop_takes_the_spare_worker_and_holds_no_reque
     batch at a time, while the other requests keep the workers they had. Without the spare,
     the one worker holds the request that arrives behind it."""
     import asyncio
-    from types import SimpleNamespace
 
-    class Costly(StandIn):
-        engine, backend = "ctranslate2", SimpleNamespace(workers=1, spare=spare)
-
-        def work_of(self, lengths, options, forced=None, phrases=None):
-            return [options.rows * n for n in lengths]
-
-        def work(self, sentences, options, prefixes=None, constraints=None):
-            return [options.rows * (5000 if s == "stubborn" else len(s.split())) for s in sentences]
-
-    decoder = Costly()
+    decoder = Costly(spare, stubborn=5000)
 
     async def scenario(post, get):
         held = asyncio.ensure_future(post(["stubborn"]))
