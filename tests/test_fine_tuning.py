@@ -229,14 +229,16 @@ def test_fine_tuning_warms_up_briefly_unless_a_schedule_is_asked_for(trained_lon
     assert re.search(r"schedule\W+linear", shown.out) and re.search(r"warmup\W+300\b", shown.out), shown.out
 
 
-def test_the_moving_average_starts_from_the_model_it_fine_tunes(trained_longer, tmp_path, nmt):
+@pytest.mark.parametrize("ranks", [[], ["--procs", "2", "--device", "cpu"]], ids=["one", "two-gloo-ranks"])
+def test_the_moving_average_starts_from_the_model_it_fine_tunes(trained_longer, tmp_path, nmt, ranks):
     """--ema with --init-from and another --seed: two updates later the average is about where
     the model is, near the model it started from (it held the random weights the start replaced,
     which no later update would wash out at a decay of 0.9999)."""
     run = tmp_path / "run"
     shutil.copytree(trained_longer, run, ignore=UNTRAINED)
     steps = ["--max-steps", "2", "--save-every", "2", "--eval-every", "100", "--seed", "7"]
-    result = nmt("train", "--run-dir", run, *LONGER, *steps, "--init-from", trained_longer, "--ema", "0.9999")
+    init = ["--init-from", trained_longer, "--ema", "0.9999"]
+    result = nmt("train", "--run-dir", run, *LONGER, *steps, *init, *ranks)
     assert result.code == 0, result.err
     tensors, _ = final_weights(run)
     start = locate(trained_longer).weights()  # what --init-from read
