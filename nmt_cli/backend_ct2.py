@@ -39,7 +39,12 @@ class Backend:
         elif config.precision == "auto" and model.ct2_dir is not None:
             compute_type = "default"  # the export's own type
         else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
-            compute_type = COMPUTE_TYPES[resolve_precision(config.precision, kind, decoding=True)]
+            precision = resolve_precision(config.precision, kind, decoding=True)
+            if precision not in COMPUTE_TYPES:
+                raise NmtError(
+                    f"--precision {precision} is for nmt's engine; CTranslate2 has fp32, bf16, fp16, int8"
+                )
+            compute_type = COMPUTE_TYPES[precision]
         threads = config.threads or cpus()
         self.shortlist = config.shortlist
         if config.shortlist:  # CTranslate2 reads the file itself, as its vmap.txt

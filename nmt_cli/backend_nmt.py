@@ -12,7 +12,7 @@ from nmt_cli import shortlist
 from nmt_cli.config import DecodeOptions, TranslateConfig, resolve_precision
 from nmt_cli.engine import decoding, forced
 from nmt_cli.engine.batches import pad_sources
-from nmt_cli.engine.device import on, resolve_device
+from nmt_cli.engine.device import matmuls, on, resolve_device
 from nmt_cli.engine.hypothesis import Hypothesis, Source
 from nmt_cli.engine.model import Transformer, undrawn
 from nmt_cli.engine.packing import pack_for_cpu
@@ -51,8 +51,8 @@ class Backend:
                 "--shortlist is for decoding on a CPU (on a GPU it would turn the CUDA graphs off, "
                 "unmeasured): drop it, or give --device cpu"
             )
-        precision = resolve_precision(config.precision, self.device.type, decoding=True)
-        self.models = [load_model(m, self.device, precision) for m in model.parts]
+        self.precision = resolve_precision(config.precision, self.device.type, decoding=True)
+        self.models = [load_model(m, self.device, self.precision) for m in model.parts]
         self.graphs = None if config.cuda_graphs else False  # None: decoding's default
         self.shortlist = shortlist.of(model) if config.shortlist else None
         if self.shortlist is not None:  # its steps project onto a batch's own ids: not graphed
@@ -138,7 +138,7 @@ class Backend:
         server's decoding thread) or process (a --gpus worker) calls."""
 
         def one(*args):
-            with on(self.device):
+            with on(self.device), matmuls(self.precision):
                 return work(*args)
 
         # caller_threads (a server whose searches step in turn): every batch in the calling

@@ -491,3 +491,15 @@ def test_the_launchers_workers_share_the_cores_unless_a_thread_count_was_chosen(
     with launcher._worker_threads(2):
         assert os.environ["OMP_NUM_THREADS"] == "7"
     assert os.environ["OMP_NUM_THREADS"] == "7"
+
+
+def test_batched_grad_copy_reaches_ddp_only_when_asked(monkeypatch):
+    """--batched-grad-copy: DDP told to copy a bucket's gradients at once; off by default."""
+    for name, value in _in_one_process_group().items():
+        monkeypatch.setenv(name, value)
+    group, device = distributed.setup(torch.device("cpu"))
+    try:
+        assert group.wrap(torch.nn.Linear(4, 4), device, batched_grad_copy=True).batched_grad_copy is True
+        assert group.wrap(torch.nn.Linear(4, 4), device).batched_grad_copy is False
+    finally:
+        group.close()

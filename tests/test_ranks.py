@@ -442,3 +442,11 @@ def test_only_rank_zero_writes_the_best_models(run_copy, tmp_path):
     assert [code for code, _ in done] == [0, 0], done
     assert len(list((run_copy / "checkpoints" / "best").glob("*.pt"))) == 2
     assert not (node1 / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_batched_grad_copy_on_two_ranks_ends_bit_identical(run_copy, uninterrupted):
+    """The same update: DDP's batched gradient copy changes how, not what, is copied."""
+    done = subprocess.run(_cmd(run_copy, "--batched-grad-copy"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert _equal(_final(run_copy), uninterrupted)

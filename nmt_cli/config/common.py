@@ -18,7 +18,7 @@ def knob(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16", "fp16")
 LANGUAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 
 
@@ -67,6 +67,10 @@ def resolve_precision(
         return "bf16" if cpu_bf16 else "fp32"
     if precision == "fp16" and device_type != "cuda":
         raise NmtError("--precision fp16 needs a GPU; on the CPU use bf16 or fp32")
+    if precision == "tf32" and device_type != "cuda":
+        raise NmtError(
+            "--precision tf32 (fp32 on a GPU's TensorFloat-32 cores) needs a GPU; on the CPU use fp32"
+        )
     return precision
 
 

@@ -186,7 +186,9 @@ class TrainConfig:
     max_epochs: int = knob(0, "Stop after this many epochs (0: no limit).")
     max_time: float = knob(0.0, "Stop after this many minutes (0: no limit).")
     precision: str = knob(
-        "auto", "auto (bf16 on a GPU and on a CPU with bf16 arithmetic, else fp32), fp32, bf16, fp16 (GPU)."
+        "auto",
+        "auto (bf16 on a GPU and on a CPU with bf16 arithmetic, else fp32), fp32, tf32 (GPU: fp32 "
+        "with TensorFloat-32 matrix products), bf16, fp16 (GPU).",
     )
     eval_every: int = knob(1000, "Validate every N updates.")
     eval_bleu: bool = knob(False, "Also log greedy BLEU on the validation set.")
@@ -244,6 +246,11 @@ class TrainConfig:
         False,
         "Under bf16/fp16 the residual stream between sub-layers in that dtype, not float32: half "
         "its memory traffic, each sum rounded.",
+    )
+    batched_grad_copy: bool = knob(
+        False,
+        "Across ranks, DDP copies a bucket's gradients into it in one operation, not one per "
+        "weight (torch 2.13; the same update).",
     )
     threads: int = knob(0, "CPU threads (0: torch's default).")
     max_bad_steps: int = knob(20, "Stop after this many non-finite updates in a row.")

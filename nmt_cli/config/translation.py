@@ -209,7 +209,9 @@ class TranslateConfig:
     )
     chunk: int = 10_000  # lines read (and held) at a time
     device: str = knob("auto", "auto, cpu, cuda or cuda:N.")
-    precision: str = knob("auto", "auto (fp32), fp32, bf16, fp16 (GPU).")
+    precision: str = knob(
+        "auto", "auto (fp32), fp32, tf32 (GPU: fp32 with TensorFloat-32 matrix products), bf16, fp16 (GPU)."
+    )
     int8: bool = knob(False, "int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
     engine: str = knob(
         "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."

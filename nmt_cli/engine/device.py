@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -51,8 +53,36 @@ def prefer_attention_kernels(device: torch.device) -> None:
 
 
 def dtype_of(precision: str) -> torch.dtype | None:
-    """The autocast dtype of a precision; None for fp32."""
+    """The autocast dtype of a precision; None for fp32 and tf32."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+_tf32 = threading.Lock()
+_tf32_users = [0, "none"]  # the searches under matmuls("tf32") now, the setting before the first
+
+
+@contextlib.contextmanager
+def matmuls(precision: str) -> Iterator[None]:
+    """fp32 matrix products on the GPU's TensorFloat-32 cores while inside, for --precision tf32
+    (nothing for the others). torch's switch is the process's, so it is on while any search
+    that asked for it runs: a process decodes in one precision at a time. torch's newer switch
+    alone: reading the older one after setting the newer raises."""
+    if precision != "tf32":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    with _tf32:
+        if _tf32_users[0] == 0:
+            _tf32_users[1] = matmul.fp32_precision
+            matmul.fp32_precision = "tf32"
+        _tf32_users[0] += 1
+    try:
+        yield
+    finally:
+        with _tf32:
+            _tf32_users[0] -= 1
+            if _tf32_users[0] == 0:
+                matmul.fp32_precision = _tf32_users[1]
 
 
 # oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) below bf16 arithmetic, and torch's own

@@ -88,7 +88,12 @@ class Group:
         return out
 
     def wrap(
-        self, model: torch.nn.Module, device: torch.device, compile: bool = False, dynamic: bool = True
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        compile: bool = False,
+        dynamic: bool = True,
+        batched_grad_copy: bool = False,
     ) -> torch.nn.Module:
         """The model as training calls it: DDP across ranks, then torch.compile. That order is
         torch's own advice: compiling the DDP module lets it split the graph at gradient
@@ -98,7 +103,8 @@ class Group:
         size its own symbol: lengths on a grid are often equal on both sides, and a graph that
         took them for one size would be compiled again at the first batch where they differ.
         Not `dynamic`: batches come in a few fixed shapes, each compiled for its own (as many
-        recompilations allowed as there are lengths on the grid)."""
+        recompilations allowed as there are lengths on the grid). `batched_grad_copy`: DDP copies
+        and divides a bucket's gradients in one operation, not one per parameter (torch 2.13)."""
         if self.active:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -119,6 +125,12 @@ class Group:
             settings: dict[str, Any] = {"gradient_as_bucket_view": True, no_sync: False}
             if compile:
                 settings["bucket_cap_mb"] = compiled_bucket_mb(model)
+            if batched_grad_copy:
+                if "batched_grad_copy" not in options:
+                    raise NmtError(
+                        f"--batched-grad-copy needs torch 2.13 or later (this is {torch.__version__})"
+                    )
+                settings["batched_grad_copy"] = True
             model = DistributedDataParallel(model, device_ids=ids, **settings)
         if not compile:
             return model

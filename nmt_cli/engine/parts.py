@@ -66,6 +66,8 @@ def build(config: TrainConfig, data: Data, reporter: Reporter, like: ModelConfig
     precision = resolve_precision(config.precision, device.type, cpu_has_bf16())
     if config.precision == "auto" and device.type == "cpu" and precision == "bf16" and dist.is_main:
         reporter.say("training in bf16 autocast: this CPU has bf16 arithmetic (or --precision fp32)")
+    if precision == "tf32":  # the process trains in one precision: its switch stays on
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
     model_config = config.model_config(data.vocab_size, data.src_vocab_size, like=like)
     torch.manual_seed(config.seed)
     model = Transformer(model_config).to(device)
@@ -82,7 +84,13 @@ def build(config: TrainConfig, data: Data, reporter: Reporter, like: ModelConfig
     if dist.world > 1:  # same initial weights everywhere, different dropout per rank
         torch.manual_seed(config.seed + 7919 * dist.rank)
     objective = Objective(model, config.label_smoothing)
-    forward = dist.wrap(objective, device, config.compile, dynamic=not config.fixed_shapes)
+    forward = dist.wrap(
+        objective,
+        device,
+        config.compile,
+        dynamic=not config.fixed_shapes,
+        batched_grad_copy=config.batched_grad_copy,
+    )
     return Setup(
         dist,
         device,

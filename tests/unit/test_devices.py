@@ -342,3 +342,29 @@ def test_bf16_arithmetic_is_what_the_kernels_may_use_not_only_what_the_cpu_has(m
     assert cpu_has_bf16()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert not cpu_has_bf16()
+
+
+def test_tf32_is_on_while_a_tf32_search_runs_and_put_back_after(cuda):
+    """--precision tf32: the process's TensorFloat-32 switch is on inside each search (every
+    batch, in whichever thread) while any such search runs, and as it was once none does; fp32
+    searches leave it alone. On the CPU it is one line."""
+    from nmt_cli.backend_nmt import Backend
+    from nmt_cli.config import TranslateConfig
+    from nmt_cli.engine.device import matmuls
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    backend = Backend.__new__(Backend)  # what _each reads
+    backend.device, backend.threads, backend.caller_threads = torch.device("cuda", 1), 1, 0
+    for precision, inside in (("tf32", "tf32"), ("fp32", before)):
+        backend.precision = precision
+        seen = list(backend._each(lambda _: matmul.fp32_precision, [1, 2]))
+        assert seen == [inside, inside] and matmul.fp32_precision == before
+    with matmuls("tf32"):  # two searches that overlap: on until the last one ends
+        with matmuls("tf32"):
+            assert matmul.fp32_precision == "tf32"
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == before
+    nothing = SimpleNamespace(parts=())
+    with pytest.raises(NmtError, match="--precision tf32 .* needs a GPU; on the CPU use fp32"):
+        Backend(nothing, TranslateConfig(device="cpu", precision="tf32"))  # type: ignore[arg-type]
