@@ -450,3 +450,31 @@ def test_batched_grad_copy_on_two_ranks_ends_bit_identical(run_copy, uninterrupt
     done = subprocess.run(_cmd(run_copy, "--batched-grad-copy"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert _equal(_final(run_copy), uninterrupted)
+
+
+SLOW_FIRST_WRITE = """
+import os, sys, time
+if os.environ.get("RANK") == "0":
+    from nmt_cli.engine import checkpoint
+    save = checkpoint.save_tensors
+    def slow(*args, _slowed=[], **kwargs):
+        if not _slowed:
+            _slowed.append(1)
+            print("rank 0's first checkpoint write stalls", file=sys.stderr, flush=True)
+            time.sleep(12)
+        return save(*args, **kwargs)
+    checkpoint.save_tensors = slow
+"""
+
+
+@pytest.mark.slow
+def test_a_stalled_checkpoint_write_on_rank_zero_times_no_rank_out(run_copy, uninterrupted, tmp_path):
+    """Rank 0 writes the checkpoints alone: the others wait for it as long as a write may take,
+    not the group's timeout (5 s here, for a write that stalls 12 s), and the run ends as one
+    that nothing slowed."""
+    env = hooked_env(tmp_path / "hook", SLOW_FIRST_WRITE)
+    cmd = _cmd(run_copy, "--dist-timeout", "5")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0's first checkpoint write stalls" in done.stderr
+    assert _equal(_final(run_copy), uninterrupted)

@@ -253,6 +253,11 @@ class TrainConfig:
         "weight (torch 2.13; the same update).",
     )
     threads: int = knob(0, "CPU threads (0: torch's default).")
+    dist_timeout: float = knob(
+        300.0,
+        "Seconds a rank waits for the others in a collective before the run stops with an error "
+        "(a rank that died or hangs; rank 0's checkpoint writes have a wait of their own).",
+    )
     max_bad_steps: int = knob(20, "Stop after this many non-finite updates in a row.")
 
     def __post_init__(self) -> None:
@@ -280,6 +285,8 @@ class TrainConfig:
                 raise NmtError(f"--{name.replace('_', '-')} must be in [0, 1)")
         if not self.lr_scale > 0 or not 0 <= self.lr < 1 or not 0 <= self.min_lr < 1:
             raise NmtError("--lr-scale must be positive, --lr and --min-lr in [0, 1)")
+        if not self.dist_timeout > 0:
+            raise NmtError("--dist-timeout must be positive (seconds)")
         if self.schedule not in SCHEDULES:
             raise NmtError(f"unknown --schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.schedule in ("linear", "cosine") and not self.max_steps > self.warmup:

@@ -230,3 +230,16 @@ def average(
     for v in total.values():
         v /= len(paths)
     return total, first_meta
+
+
+# A rank 0 write may take this long before the other ranks give up on it: ten minutes, and the
+# checkpoint's bytes at the pace of a slow network disk (a write that stalls longer is lost).
+WRITE_FLOOR_S = 600.0
+SLOW_DISK_BYTES_S = 10e6
+
+
+def write_seconds(model: torch.nn.Module, copies: int) -> float:
+    """How long the other ranks wait for rank 0 to write a checkpoint of `copies` of `model`'s
+    weights (the weights, Adam's two moments, the moving average)."""
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return WRITE_FLOOR_S + copies * size / SLOW_DISK_BYTES_S

@@ -39,6 +39,7 @@ class Group:
     rank: int = 0
     world: int = 1
     host: Any = None  # the gloo group for CPU tensors; None: the default group is gloo
+    writes: Any = None  # the gloo group that waits for rank 0's writes (allow_writes)
 
     @property
     def is_main(self) -> bool:
@@ -151,6 +152,21 @@ class Group:
     def barrier(self) -> None:
         if self.active:
             torch.distributed.barrier(group=self.host)
+
+    def allow_writes(self, seconds: float) -> None:
+        """Let wait_for_main wait `seconds` (every rank calls this together, once)."""
+        if self.active:
+            self.writes = torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=seconds)
+            )
+
+    def wait_for_main(self) -> None:
+        """Every rank waits here for rank 0, as long as allow_writes said rather than the group's
+        timeout: after what rank 0 alone does (writing a checkpoint), whose time grows with the
+        model and the disk, the other ranks would otherwise wait in their next collective and
+        time out. A group of its own: gloo bounds every wait of a group by its timeout."""
+        if self.active:
+            torch.distributed.barrier(group=self.writes if self.writes is not None else self.host)
 
     def close(self) -> None:
         if self.active:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from nmt_cli.config import ModelConfig, TrainConfig, resolve_precision
-from nmt_cli.engine import adapters, distributed
+from nmt_cli.engine import adapters, checkpoint, distributed
 from nmt_cli.engine.device import cpu_has_bf16, keep_large_blocks_in_heap, resolve_device, widen_onednn_cache
 from nmt_cli.engine.ema import Average
 from nmt_cli.engine.model import Transformer
@@ -57,7 +57,7 @@ def build(config: TrainConfig, data: Data, reporter: Reporter, like: ModelConfig
     compiled wrapping, optimizer, loss scaler and moving average of `config`."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    dist, device = distributed.setup(resolve_device(config.device))
+    dist, device = distributed.setup(resolve_device(config.device), config.dist_timeout)
     if device.type == "cpu":
         keep_large_blocks_in_heap()
         widen_onednn_cache()
@@ -83,6 +83,7 @@ def build(config: TrainConfig, data: Data, reporter: Reporter, like: ModelConfig
             reporter.say(f"--freeze {config.freeze}: {frozen:,} of {total:,} weights stay as they are")
     if dist.world > 1:  # same initial weights everywhere, different dropout per rank
         torch.manual_seed(config.seed + 7919 * dist.rank)
+    dist.allow_writes(checkpoint.write_seconds(model, 4 if config.ema else 3))  # weights, Adam, EMA
     objective = Objective(model, config.label_smoothing)
     forward = dist.wrap(
         objective,

@@ -70,8 +70,11 @@ class Checkpoints:
         `state.seconds`: the time trained so far, by this process and those before it (--max-time
         budgets the whole run, however many times it was interrupted and resumed)."""
         rng = gather_rng(self.group, self.device)
-        if not self.group.is_main:
-            return
+        if self.group.is_main:
+            self._write(parts, state, rng)
+        self.group.wait_for_main()
+
+    def _write(self, parts: Parts, state: State, rng: dict) -> None:
         weights = parts.model.state_dict()
         tensors = {
             "model": adapters.own(weights) if self.adapted else weights,

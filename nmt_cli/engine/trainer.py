@@ -281,6 +281,8 @@ class Trainer:
             if self.config.adapters:  # the best models are plain ones
                 weights = adapters.merged(weights, adapters.own(weights))
             self.checkpoints.keep_if_best(weights, self.state.step, score, metrics)
+        if self.config.keep_best:
+            self.dist.wait_for_main()
         self.log("valid", metrics)
         self.reporter.progress(self.state, self.config.max_steps or None, metrics)
 
