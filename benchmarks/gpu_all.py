@@ -328,7 +328,7 @@ def probe(device_name: str, logs: str) -> dict:
         def capture(pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
             side = torch.cuda.Stream(device)  # its own: a capture that failed may leave one capturing
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
+            with torch.cuda.device(device), torch.cuda.stream(side):
                 (x * 2 + 1).sum()  # warm: the kernels loaded before a capture
                 graph = Counted()
                 graph.capture_begin(pool=pool)
@@ -341,7 +341,8 @@ def probe(device_name: str, logs: str) -> dict:
 
         def replayed_right(graph, y) -> bool:
             y.zero_()
-            graph.replay()
+            with torch.cuda.device(device):
+                graph.replay()
             torch.cuda.synchronize(device)
             return bool(torch.equal(y, x * 2 + 1))
 
