@@ -34,7 +34,7 @@ def _last(run_dir):
     return checkpoint.load_tensors(checkpoint.listed(run_dir / "checkpoints")[-1])
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32", "tf32"])
 def test_train_save_and_resume(run_copy, nmt, precision):
     common = [
         *TINY,
@@ -195,7 +195,7 @@ def trained_on_cpu(tmp_path_factory, multi30k_bpe):
     return run_dir
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "tf32"])
 def test_translate_on_cuda(trained_on_cpu, nmt, multi30k_dir, precision):
     import gzip
 
