@@ -137,3 +137,28 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
         return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
 
     return bleu
+
+
+def compare_means(system: list[float], baseline: list[float], samples: int = 1000) -> dict:
+    """sacreBLEU's paired bootstrap test for a metric whose corpus score is the mean of its
+    segments' (COMET): the same resampled indices, statistic, confidence interval and p-value."""
+    import os
+
+    import numpy as np
+
+    seed = os.environ.get("SACREBLEU_SEED", "12345")
+    rng = np.random.default_rng(None if seed.lower() == "none" else int(seed))
+    ours, theirs = np.array(system, dtype=np.float64), np.array(baseline, dtype=np.float64)
+    indices = rng.choice(len(ours), size=(samples, len(ours)), replace=True)
+    resampled, resampled_base = ours[indices].mean(1), theirs[indices].mean(1)
+    spread = np.abs(resampled - resampled_base)
+    beyond = int(np.sum(spread - spread.mean() > abs(ours.mean() - theirs.mean())))
+    ordered = np.sort(resampled)
+    low = samples // 40
+    return {
+        "baseline": float(theirs.mean()),
+        "system": float(ours.mean()),
+        "p_value": (beyond + 1) / (samples + 1),
+        "system_mean": float(resampled.mean()),
+        "system_ci": float(0.5 * (ordered[samples - low - 1] - ordered[low])),
+    }

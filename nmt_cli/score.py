@@ -8,16 +8,19 @@ import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
+from nmt_cli import comet, translate, ui, vocab
 from nmt_cli import metrics as measure
-from nmt_cli import translate, ui, vocab
 from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import decode_line, read_lines
 from nmt_cli.translator import Translator
+
+if TYPE_CHECKING:
+    from nmt_cli.comet import Comet
 
 
 def parse_metrics(values: list[str] | None) -> list[str]:
@@ -49,7 +52,7 @@ def run(
     def given(path: str | None) -> Path | None:
         return Path(path) if path is not None else None
 
-    hyps, refs, names, found = inputs(
+    hyps, refs, names, found, sources = inputs(
         run,
         config.split,
         translating,
@@ -66,6 +69,13 @@ def run(
     by_run = run if config.ref is None else None
     lowercase = config.lowercase or writes_lowercase(found, by_run, config.moses_lc)
     compare = given(config.compare)
+    if config.source is not None:
+        if config.src is not None or config.ref is None:
+            raise NmtError(
+                "--source gives the sources of --hyp (with --ref); --src and the run's split bring their own"
+            )
+        sources = list(read_lines(Path(config.source)))
+    neural = neural_metrics(config, sources)
     out = report(
         hyps,
         refs,
@@ -76,6 +86,8 @@ def run(
         moses_lc_lang=lang if config.moses_lc else None,
         compound_split_lang=lang if config.compound_split else None,
         baseline=(str(compare), list(read_lines(compare))) if compare is not None else None,
+        neural=neural,
+        sources=sources,
     )
     if config.ref is None and not model:
         atomic_write_json(run.scores(config.split), out)
@@ -86,8 +98,9 @@ def run(
         print(f"{r['text']}\t{r['signature']}")
     for m, c in out.get("compare", {}).items():
         if m != "baseline":
+            places = 4 if m in ("comet", "kiwi") else 2  # COMET's scale: around 0 to 1
             print(
-                f"{m}: system {c['system']:.2f} vs baseline {c['baseline']:.2f}, "
+                f"{m}: system {c['system']:.{places}f} vs baseline {c['baseline']:.{places}f}, "
                 f"p = {c['p_value']:.4f} (paired bootstrap)"
             )
 
@@ -103,10 +116,10 @@ def inputs(
     hyp: Path | None,
     ref: Path | None,
     stdin: Callable[[], list[str]],
-) -> tuple[list[str], list[str], tuple[str, str], Model | None]:
+) -> tuple[list[str], list[str], tuple[str, str], Model | None, list[str] | None]:
     """What `nmt score` scores, with the names of where it came from: `src` translated by the
     model (`load`), the run's `split` translated, or `hyp` (else stdin) as given; each against its
-    references. Also the model, where one was loaded."""
+    references. Also the model, where one was loaded, and the source lines, where known."""
     if src is not None:
         if ref is None or hyp is not None:
             raise NmtError("--src needs --ref, and not --hyp")
@@ -116,15 +129,24 @@ def inputs(
             list(read_lines(ref)),
             (f"{src} translated", str(ref)),
             model,
+            list(read_lines(src)),
         )
     if ref is None:
         if hyp is not None:
             raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
         model = load() if model_given else None
         hyp_path, ref_path = translate.translate_split(run, split, config, model)
-        return list(read_lines(hyp_path)), list(read_lines(ref_path)), (str(hyp_path), str(ref_path)), model
+        src_path = run.text(split, run.load_manifest()["prep"]["src"], raw=True)
+        names = (str(hyp_path), str(ref_path))
+        return (
+            list(read_lines(hyp_path)),
+            list(read_lines(ref_path)),
+            names,
+            model,
+            list(read_lines(src_path)),
+        )
     hyps = list(read_lines(hyp)) if hyp is not None else stdin()
-    return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None
+    return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None, None
 
 
 def target_language(run: RunDir, model: Model | None) -> str:
@@ -163,16 +185,20 @@ def report(
     moses_lc_lang: str | None = None,
     compound_split_lang: str | None = None,
     baseline: tuple[str, list[str]] | None = None,
+    neural: list[tuple[str, Comet]] | None = None,
+    sources: list[str] | None = None,
 ) -> dict:
     """The scores of `hyps` (and the comparison with a baseline's lines) as `nmt score` reports
     them. `names` are the hypotheses' and references' sources; `moses_lc_lang` lowercases and
     Moses-tokenizes both sides in that language first, `compound_split_lang` Moses-tokenizes
-    and splits compounds (and BLEU then tokenizes nothing)."""
+    and splits compounds (and BLEU then tokenizes nothing). `neural`: COMET models, each scoring
+    the text as it is, with `sources`."""
     measure.check_lengths(hyps, refs, *names)
     other = None
     if baseline is not None:
         other = baseline[1]
         measure.check_lengths(other, refs, baseline[0], names[1])
+    as_is = (hyps, refs, other)
     if moses_lc_lang is not None:
         hyps, refs = measure.moses_lc(hyps, moses_lc_lang), measure.moses_lc(refs, moses_lc_lang)
         other = measure.moses_lc(other, moses_lc_lang) if other is not None else None
@@ -196,7 +222,50 @@ def report(
             "baseline": baseline[0],
             **measure.compare(hyps, other, refs, metrics, tokenize, lowercase),
         }
+    for name, model in neural or []:
+        hyps, refs, other = as_is
+        if sources is not None:
+            measure.check_lengths(sources, hyps, "the sources", names[0])
+        segments = _neural_scores(model, hyps, sources, refs, f"{name} {names[0]}")
+        system = comet.system_score(segments)
+        shown = {"comet": "COMET", "kiwi": "CometKiwi"}[name]
+        row = measure.Score(name, system, model.signature(), f"{shown} = {system:.4f}")
+        out["scores"].append({**row.as_dict(), "segments": segments})
+        if other is not None:
+            theirs = _neural_scores(model, other, sources, refs, f"{name} {baseline[0]}")
+            out["compare"][name] = measure.compare_means(segments, theirs)
     return out
+
+
+def neural_metrics(config: ScoreConfig, sources: list[str] | None) -> list[tuple[str, Comet]]:
+    """--comet and --kiwi's models, loaded; one line where they cannot score here."""
+    wanted = [(name, path) for name, path in (("comet", config.comet), ("kiwi", config.kiwi)) if path]
+    if wanted and sources is None:
+        raise NmtError(
+            "--comet and --kiwi score a translation with its source: give --source FILE (the lines --hyp "
+            "translates), or --src, or score the run's split"
+        )
+    loaded = []
+    for name, path in wanted:
+        model = comet.load(path)
+        if model.hparams.needs_reference != (name == "comet"):
+            given = {
+                "comet": "reference-free model: give it as --kiwi",
+                "kiwi": "reference-based model: give it as --comet",
+            }
+            raise NmtError(f"{path} is a {given[name]}")
+        loaded.append((name, model))
+    return loaded
+
+
+def _neural_scores(
+    model: Comet, hyps: list[str], sources: list[str] | None, refs: list[str], what: str
+) -> list[float]:
+    with ui.progress() as bar:
+        task = bar.add_task(what, total=len(hyps))
+        return model.score(
+            hyps, sources, refs if model.hparams.takes_reference else None, lambda n: bar.advance(task, n)
+        )
 
 
 def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO) -> None:

@@ -271,6 +271,15 @@ class ScoreConfig:
     )
     lang: str | None = knob(None, "Target language for --moses-lc or --compound-split (default: the run's).")
     compare: str | None = knob(None, "Another system's translations: paired bootstrap test against it.")
+    comet: str | None = knob(
+        None,
+        "A COMET model folder (e.g. Unbabel/wmt22-comet-da, its encoder inside): its score too "
+        "(pip install 'nmt-cli[comet]').",
+    )
+    kiwi: str | None = knob(
+        None, "A CometKiwi model folder (e.g. Unbabel/wmt22-cometkiwi-da): its reference-free score too."
+    )
+    source: str | None = knob(None, "The source lines of --hyp, for --comet and --kiwi.")
     json: bool = knob(False, "Print JSON.")
 
     def __post_init__(self) -> None:

@@ -1,0 +1,441 @@
+"""COMET and CometKiwi (Rei et al. 2020, 2022): neural metrics read from the checkpoints Unbabel
+publishes, computed as unbabel-comet 2.2 computes them, on transformers' XLM-R encoder.
+
+A model is a folder as the Hugging Face hub holds it: `checkpoints/model.ckpt` (a PyTorch
+Lightning checkpoint) and `hparams.yaml`, plus its encoder's config and tokenizer (the folder
+that hparams' `pretrained_model` names, e.g. `xlm-roberta-large`, inside the model's folder or
+beside it). nmt never reaches a hub, and never unpickles an object it does not know: the
+checkpoint is read as weights, with Lightning's attribute dictionary as the one class allowed.
+
+unbabel-comet itself cannot be installed beside nmt (it pins numpy<2, protobuf<5 and
+transformers<5); benchmarks/peers/comet_score.py runs it in a venv of its own, and the tests hold
+nmt's scores to what it computed (tests/data/comet_expected.json).
+
+Three estimators, by hparams' `class_identifier`:
+- `regression_metric` (COMET-22): source, translation and reference each encoded alone, pooled
+  into one vector each, and a feed-forward head over [t; r; t*r; |t-r|; t*s; |t-s|];
+- `referenceless_regression_metric` (COMET-QE): the same without the reference, [t; s; t*s; |t-s|];
+- `unified_metric` (CometKiwi): translation and source (and reference, where the model takes
+  one) encoded together as one sequence, the head over its first position.
+The encoder's layers are mixed by learnt weights (softmax or sparsemax), each layer optionally
+normalised per sentence first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from nmt_cli.errors import NmtError
+
+ESTIMATORS = ("regression_metric", "referenceless_regression_metric", "unified_metric")
+LIGHTNING_DICTS = (  # where Lightning has kept its hyperparameter dictionary over the years
+    "pytorch_lightning.utilities.parsing.AttributeDict",
+    "lightning_fabric.utilities.data.AttributeDict",
+    "lightning.fabric.utilities.data.AttributeDict",
+)
+MAX_TOKENS = 8192  # padded tokens a batch holds: sentences sorted by length, batched by size
+
+
+@dataclass(frozen=True)
+class Hparams:
+    """What of hparams.yaml (or the checkpoint's own copy) shapes the computation."""
+
+    estimator: str
+    pretrained_model: str
+    layer: str | int  # "mix", or one layer's index
+    layer_transformation: str  # softmax or sparsemax
+    layer_norm: bool
+    pool: str  # avg, max, cls, default (regression metrics; unified takes the first position)
+    hidden_sizes: tuple[int, ...]
+    activations: str
+    final_activation: str | None
+    input_segments: tuple[str, ...]
+
+    @classmethod
+    def of(cls, raw: dict, where: Path) -> Hparams:
+        estimator = raw.get("class_identifier")
+        if estimator not in ESTIMATORS:
+            raise NmtError(
+                f"{where}: a COMET model of class {estimator!r}, which nmt does not compute "
+                f"(it computes {', '.join(ESTIMATORS)})"
+            )
+        if raw.get("encoder_model", "XLM-RoBERTa") != "XLM-RoBERTa":
+            raise NmtError(f"{where}: encoder {raw.get('encoder_model')!r}; nmt computes XLM-RoBERTa's")
+        unified = estimator == "unified_metric"
+        layer = raw.get("sent_layer" if unified else "layer", "mix")
+        transformation = raw.get("layer_transformation", "softmax")
+        if transformation == "sparsemax_patch":  # unbabel-comet >= 2.2.4 reads it as softmax
+            transformation = "softmax"
+        if transformation not in ("softmax", "sparsemax"):
+            raise NmtError(f"{where}: layer_transformation {transformation!r} (softmax or sparsemax)")
+        pool = raw.get("pool", "avg")
+        if pool not in ("avg", "max", "cls", "default"):
+            raise NmtError(f"{where}: pool {pool!r} (avg, max, cls or default)")
+        if raw.get("word_level_training"):
+            raise NmtError(f"{where}: a word-level model (XCOMET's error spans), which nmt does not compute")
+        segments = tuple(raw.get("input_segments") or (("mt", "src") if unified else ()))
+        return cls(
+            estimator=estimator,
+            pretrained_model=str(raw.get("pretrained_model", "xlm-roberta-large")),
+            layer=layer if layer == "mix" else int(layer),
+            layer_transformation=transformation,
+            layer_norm=bool(raw.get("layer_norm", True)),
+            pool=pool,
+            hidden_sizes=tuple(int(x) for x in raw.get("hidden_sizes", (3072, 1024))),
+            activations=str(raw.get("activations", "Tanh")),
+            final_activation=raw.get("final_activation"),
+            input_segments=segments,
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        if self.estimator == "unified_metric":
+            return "src" not in self.input_segments
+        return self.estimator == "regression_metric"
+
+    @property
+    def takes_reference(self) -> bool:
+        return self.estimator == "regression_metric" or "ref" in self.input_segments
+
+
+def sparsemax(z: Tensor) -> Tensor:
+    """The Euclidean projection of `z` (one dimension) onto the probability simplex (Martins
+    and Astudillo 2016): entmax's sparsemax, which COMET mixes the layers with."""
+    ordered, _ = torch.sort(z, descending=True)
+    k = torch.arange(1, len(z) + 1, dtype=z.dtype, device=z.device)
+    cumulative = ordered.cumsum(0)
+    support = int((1 + k * ordered > cumulative).sum())
+    tau = (cumulative[support - 1] - 1) / support
+    return torch.clamp(z - tau, min=0)
+
+
+class LayerMix(nn.Module):
+    """gamma * sum_k w_k * layer_k, w = softmax or sparsemax of learnt scalars, each layer first
+    normalised per sentence over its unmasked positions where `layer_norm`."""
+
+    def __init__(self, layers: int, transformation: str, layer_norm: bool):
+        super().__init__()
+        self.scalar_parameters = nn.ParameterList([nn.Parameter(torch.zeros(1)) for _ in range(layers)])
+        self.gamma = nn.Parameter(torch.ones(1))
+        self.transformation, self.layer_norm = transformation, layer_norm
+
+    def forward(self, layers: Sequence[Tensor], mask: Tensor) -> Tensor:
+        weights = torch.cat(list(self.scalar_parameters))
+        normed = sparsemax(weights) if self.transformation == "sparsemax" else torch.softmax(weights, dim=0)
+        if self.layer_norm:
+            layers = [_normed(x, mask.float()) for x in layers]
+        # in COMET's order: a sum from 0, one weighted layer at a time
+        return self.gamma * sum(w * x for w, x in zip(torch.split(normed, 1), layers))
+
+
+def _normed(x: Tensor, mask: Tensor) -> Tensor:
+    broadcast = mask.unsqueeze(-1)
+    batch, _, width = x.size()
+    count = mask.sum(1) * width
+    mean = ((x * broadcast).view(batch, -1).sum(1) / count).view(batch, 1, 1)
+    variance = (((x * broadcast - mean) * broadcast) ** 2).view(batch, -1).sum(1) / count
+    return (x - mean) / torch.sqrt(variance + 1e-12).view(batch, 1, 1)
+
+
+class Head(nn.Module):
+    """COMET's feed-forward estimator: Linear, activation, (dropout) per hidden size, then one
+    output; named as COMET's state dict names it (`ff.0`, `ff.3`, ...)."""
+
+    def __init__(self, width: int, hidden: Sequence[int], activation: str, final: str | None):
+        super().__init__()
+        modules: list[nn.Module] = []
+        for size in hidden:
+            modules += [nn.Linear(width, size), _activation(activation), nn.Dropout(0.0)]
+            width = size
+        modules.append(nn.Linear(width, 1))
+        if final is not None:
+            modules.append(_activation(final))
+        self.ff = nn.Sequential(*modules)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ff(x).view(-1)
+
+
+def _activation(name: str) -> nn.Module:
+    if not hasattr(nn, name.title()):
+        raise NmtError(f"a COMET head with activation {name!r}, which torch does not have")
+    return getattr(nn, name.title())()
+
+
+class Comet(nn.Module):
+    """A COMET model, ready to score: `score(translations, sources, references)`."""
+
+    def __init__(self, hparams: Hparams, encoder_dir: Path, where: Path):
+        super().__init__()
+        from transformers import AutoTokenizer, XLMRobertaConfig, XLMRobertaModel
+
+        self.hparams, self.where = hparams, where
+        self.sha256 = ""  # the checkpoint's, set by load()
+        config = XLMRobertaConfig.from_pretrained(str(encoder_dir), local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir), local_files_only=True)
+        self.encoder = XLMRobertaModel(config, add_pooling_layer=False)
+        self.layers = config.num_hidden_layers + 1
+        self.max_positions = config.max_position_embeddings - 2
+        self.layerwise_attention = (
+            LayerMix(self.layers, hparams.layer_transformation, hparams.layer_norm)
+            if hparams.layer == "mix"
+            else None
+        )
+        inputs = {"regression_metric": 6, "referenceless_regression_metric": 4, "unified_metric": 1}
+        width = config.hidden_size * inputs[hparams.estimator]
+        self.estimator = Head(width, hparams.hidden_sizes, hparams.activations, hparams.final_activation)
+        self.eval()
+
+    @property
+    def name(self) -> str:
+        return self.where.name
+
+    # -- encoding
+    def _tokens(self, lines: list[str]) -> list[list[int]]:
+        out = self.tokenizer(lines, truncation=True, max_length=self.max_positions - 2)
+        return [list(x) for x in out["input_ids"]]
+
+    def _mixed(self, layers: Sequence[Tensor], mask: Tensor) -> Tensor:
+        if self.layerwise_attention is not None:
+            return self.layerwise_attention(layers, mask)
+        if not 0 <= int(self.hparams.layer) < self.layers:
+            raise NmtError(f"{self.where}: layer {self.hparams.layer} of an encoder of {self.layers}")
+        return layers[int(self.hparams.layer)]
+
+    def _layers(self, ids: Tensor, mask: Tensor) -> Sequence[Tensor]:
+        """The embeddings and every layer's output."""
+        return self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+
+    def _pooled(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """Sentence embeddings (regression metrics), as COMET's compute_sentence_embedding."""
+        layers = self._layers(ids, mask)
+        mixed = self._mixed(layers, mask)
+        pool = self.hparams.pool
+        if pool == "default":  # the last layer's first position, unmixed
+            return layers[-1][:, 0]
+        if pool == "cls":
+            return mixed[:, 0]
+        padding = ids.eq(self.tokenizer.pad_token_id).unsqueeze(-1)
+        if pool == "max":
+            return mixed.float().masked_fill(padding, float("-inf")).type_as(mixed).max(dim=1)[0]
+        summed = mixed.float().masked_fill(padding, 0.0).type_as(mixed).sum(1)
+        return summed / mask.unsqueeze(-1).expand(mixed.size()).float().sum(1)
+
+    def embed(self, lines: list[str], progress: Callable[[int], None] | None = None) -> Tensor:
+        """One pooled vector per line (regression metrics), batched by length."""
+        ids = self._tokens(lines)
+        out: list[Tensor | None] = [None] * len(lines)
+        for batch in _by_length([len(x) for x in ids]):
+            padded, mask = self._padded([ids[i] for i in batch])
+            with torch.inference_mode():
+                vectors = self._pooled(padded, mask)
+            for i, v in zip(batch, vectors):
+                out[i] = v
+            if progress is not None:
+                progress(len(batch))
+        return torch.stack(out) if out else torch.zeros(0)  # type: ignore[arg-type]
+
+    def _padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        for n, r in enumerate(rows):
+            ids[n, : len(r)] = torch.tensor(r)
+        return ids, (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+
+    # -- scores
+    def head(self, mt: Tensor, src: Tensor | None, ref: Tensor | None) -> Tensor:
+        """The regression head over pooled embeddings (rows alike in number, or broadcast)."""
+        if self.hparams.estimator == "regression_metric":
+            assert src is not None and ref is not None
+            parts = (mt, ref, mt * ref, torch.abs(mt - ref), mt * src, torch.abs(mt - src))
+        else:
+            assert src is not None
+            parts = (mt, src, mt * src, torch.abs(mt - src))
+        with torch.inference_mode():
+            return self.estimator(torch.cat(parts, dim=1))
+
+    def score(
+        self,
+        mt: list[str],
+        src: list[str] | None = None,
+        ref: list[str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[float]:
+        """Each translation's score, as unbabel-comet's `predict` gives it."""
+        h = self.hparams
+        if h.needs_reference and ref is None:
+            raise NmtError(f"{self.name} scores against references: give them")
+        if not h.needs_reference and h.estimator != "unified_metric" and src is None:
+            raise NmtError(f"{self.name} scores against the sources: give them")
+        for other, what in ((src, "sources"), (ref, "references")):
+            if other is not None and len(other) != len(mt):
+                raise NmtError(f"{len(mt)} translations but {len(other)} {what}: they must be line-aligned")
+        if h.estimator == "unified_metric":
+            return self._unified(mt, src if "src" in h.input_segments else None,
+                                 ref if h.takes_reference else None, progress)  # fmt: skip
+        step = (lambda n: progress(n / 3)) if progress is not None else None  # noqa: E731
+        t = self.embed(mt, step)
+        s = self.embed(src, step) if src is not None else None
+        r = self.embed(ref, step) if ref is not None and h.estimator == "regression_metric" else None
+        return self.head(t, s, r).tolist()
+
+    def _unified(
+        self,
+        mt: list[str],
+        src: list[str] | None,
+        ref: list[str] | None,
+        progress: Callable[[int], None] | None,
+    ) -> list[float]:
+        """CometKiwi and its kin: the translation and the other segments as one sequence each
+        (`<s> mt </s></s> src </s>`), the head over the mixed first position; with both source
+        and reference, the mean of the three sequences COMET makes (mt+src, mt+ref, all)."""
+        segments = [self._tokens(mt)]
+        segments += [self._tokens(x) for x in (src, ref) if x is not None]
+        if len(segments) == 1:
+            raise NmtError(f"{self.name} scores a translation with its source: give the sources")
+        combos = [segments] if len(segments) == 2 else [segments[:2], [segments[0], segments[2]], segments]
+        totals = torch.zeros(len(mt))
+        for combo in combos:
+            joined = [self._joined([part[i] for part in combo]) for i in range(len(mt))]
+            for batch in _by_length([len(x) for x in joined]):
+                ids, mask = self._padded([joined[i] for i in batch])
+                with torch.inference_mode():
+                    scores = self.estimator(self._mixed(self._layers(ids, mask), mask)[:, 0])
+                totals[batch] += scores.float()
+                if progress is not None:
+                    progress(len(batch) / len(combos))
+        return (totals / len(combos)).tolist()
+
+    def _joined(self, parts: list[list[int]]) -> list[int]:
+        """COMET's concat_sequences for one row: each part without its own <s> and </s>, joined
+        by the tokenizer's pair markers, cut at the encoder's positions when too long."""
+        cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        sequence = parts[0]
+        for part in parts[1:]:  # XLM-R's pair: <s> A </s></s> B </s>
+            sequence = [cls, *sequence[1:-1], sep, sep, *part[1:-1], sep]
+        special = 1 + len(parts) * 2  # <s> and a separator of two per part
+        if sum(len(p) - 2 for p in parts) > self.max_positions - special:
+            sequence = sequence[: self.max_positions]
+        return sequence
+
+    def signature(self) -> str:
+        """What a COMET figure was computed with, as sacreBLEU signs its own."""
+        from nmt_cli import __version__
+
+        h = self.hparams
+        return (
+            f"nmt:{__version__}|comet:{self.name}|sha256:{self.sha256[:12]}|estimator:{h.estimator}"
+            f"|batch:{MAX_TOKENS}tok|as:unbabel-comet-2.2.7"
+        )
+
+
+def _by_length(lengths: list[int]) -> Iterator[list[int]]:
+    """Indices in batches of similar length, no batch over MAX_TOKENS padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) + 1) * lengths[i] > MAX_TOKENS:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+# -- reading a model folder ---------------------------------------------------------------------
+
+
+def load(folder: str | Path) -> Comet:
+    """The COMET model in `folder` (as the hub holds it), on the CPU, in fp32."""
+    import yaml
+
+    folder = Path(folder)
+    try:
+        import transformers  # noqa: F401 - COMET's encoder and tokenizer
+    except ImportError:
+        raise NmtError("COMET models need transformers: pip install 'nmt-cli[comet]'") from None
+    ckpt = folder / "checkpoints" / "model.ckpt"
+    if not ckpt.is_file():
+        raise NmtError(f"{folder} is not a COMET model folder: no checkpoints/model.ckpt in it")
+    state, raw = _read_checkpoint(ckpt)
+    if not raw:
+        try:
+            raw = yaml.safe_load((folder / "hparams.yaml").read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise NmtError(f"{folder}/hparams.yaml could not be read ({type(e).__name__})") from None
+    hparams = Hparams.of(dict(raw), folder)
+    model = Comet(hparams, _encoder_dir(folder, hparams.pretrained_model), folder)
+    weights = {_our_name(k): v for k, v in state.items() if not k.endswith("position_ids")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        names = (missing or unexpected)[:3]
+        raise NmtError(
+            f"{ckpt} does not fit the model its hparams describe ({'missing' if missing else 'unexpected'}: "
+            f"{', '.join(names)})"
+        )
+    model.sha256 = _sha256(ckpt)
+    return model
+
+
+def _our_name(key: str) -> str:
+    """COMET's state-dict name as this module's: its encoder wraps transformers' model."""
+    return "encoder." + key[len("encoder.model.") :] if key.startswith("encoder.model.") else key
+
+
+def _read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
+    """The weights and the hyperparameters of a Lightning checkpoint, unpickling nothing but
+    tensors, containers, numbers, strings and Lightning's attribute dictionary."""
+    from nmt_cli.files import check_torch_zip
+
+    with path.open("rb") as f:
+        check_torch_zip(f, path)
+        allowed = [(dict, name) for name in LIGHTNING_DICTS]  # read as the plain dict it is
+        try:
+            with torch.serialization.safe_globals(allowed):
+                data = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is the file's
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "Unsupported global" in str(e):
+                first = next((x.strip() for x in str(e).splitlines() if "Unsupported global" in x), first)
+            raise NmtError(f"{path} could not be read as weights only ({first[:200]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("state_dict"), dict):
+        raise NmtError(f"{path} is not a COMET checkpoint: it holds no state_dict")
+    state = data["state_dict"]
+    if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise NmtError(f"{path}: its state_dict holds something other than named tensors")
+    hyper = data.get("hyper_parameters") or {}
+    return state, dict(hyper) if isinstance(hyper, dict) else {}
+
+
+def _encoder_dir(folder: Path, pretrained: str) -> Path:
+    """Where the encoder's config and tokenizer are: hparams' `pretrained_model` as a path, or
+    its last part inside the model folder or beside it, or the model folder itself."""
+    name = pretrained.rstrip("/").split("/")[-1]
+    for candidate in (Path(pretrained), folder / pretrained, folder / name, folder.parent / name, folder):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise NmtError(
+        f"{folder}: its encoder {pretrained!r} is not here: put the encoder's config.json and tokenizer "
+        f"files in {folder / name} (e.g. `hf download {pretrained} config.json tokenizer.json "
+        f"sentencepiece.bpe.model --local-dir {folder / name}`)"
+    )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def system_score(scores: list[float]) -> float:
+    """COMET's system score: the mean of the segments'."""
+    return math.fsum(scores) / len(scores) if scores else float("nan")

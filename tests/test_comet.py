@@ -1,0 +1,144 @@
+"""COMET and CometKiwi as unbabel-comet computes them: nmt's scores of tiny random COMET models
+(tests/comet_model.py) equal those unbabel-comet 2.2.7 gave in its own venv
+(benchmarks/peers/comet_score.py wrote tests/data/comet_expected.json), for each estimator; the
+checkpoint is read as weights only; `nmt score --comet/--kiwi` reports them with a signature and
+the paired bootstrap."""
+
+import json
+import pickle
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from comet_model import SEGMENTS, build
+
+from nmt_cli import comet
+from nmt_cli.errors import NmtError
+
+EXPECTED = json.loads((Path(__file__).parent / "data" / "comet_expected.json").read_text())["models"]
+ESTIMATORS = ("regression_metric", "referenceless_regression_metric", "unified_metric")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("comet")
+    return {e: build(root / e, e) for e in ESTIMATORS}
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("texts")
+    src, mt, ref = map(list, zip(*SEGMENTS))
+    files = {"src": src, "mt": mt, "ref": ref, "other": list(reversed(mt))}
+    for name, lines in files.items():
+        (root / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {name: root / name for name in files}
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_scores_equal_unbabel_comets(models, estimator):
+    model = comet.load(models[estimator])
+    src, mt, ref = map(list, zip(*SEGMENTS))
+    scores = model.score(mt, src, ref if estimator == "regression_metric" else None)
+    expected = EXPECTED[estimator]
+    assert len(scores) == len(expected["segments"])
+    for ours, theirs in zip(scores, expected["segments"]):
+        assert ours == pytest.approx(theirs, abs=1e-3)
+    assert comet.system_score(scores) == pytest.approx(expected["system"], abs=1e-4)
+
+
+def test_sparsemax_projects_onto_the_simplex():
+    weights = comet.sparsemax(torch.tensor([1.5, 0.2, -3.0, 1.1]))
+    assert weights.sum().item() == pytest.approx(1.0) and weights[2] == 0 and weights[0] > weights[1]
+    assert torch.allclose(comet.sparsemax(torch.zeros(4)), torch.full((4,), 0.25))
+
+
+def _resave(folder: Path, change) -> None:
+    path = folder / "checkpoints" / "model.ckpt"
+    data = torch.load(path, weights_only=True)
+    change(data)
+    torch.save(data, path)
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_a_checkpoint_holding_an_object_is_refused_in_one_line(models, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(models["regression_metric"], folder)
+    _resave(folder, lambda d: d.__setitem__("callbacks", {"x": Payload()}))
+    with pytest.raises(NmtError, match="could not be read as weights only .*Unsupported global") as e:
+        comet.load(folder)
+    assert "\n" not in str(e.value) and "unpickled" not in capsys.readouterr().out
+
+
+def test_lightnings_attribute_dictionary_is_read_as_the_hyperparameters(models, tmp_path, monkeypatch):
+    """Lightning 1 pickled hyperparameters as its AttributeDict: allowed, read as a dict."""
+    import shutil
+
+    module = types.ModuleType("pytorch_lightning.utilities.parsing")
+
+    class AttributeDict(dict):
+        pass
+
+    AttributeDict.__module__, AttributeDict.__qualname__ = module.__name__, "AttributeDict"
+    module.AttributeDict = AttributeDict
+    for parent in ("pytorch_lightning", "pytorch_lightning.utilities"):  # pickle imports the path
+        monkeypatch.setitem(sys.modules, parent, sys.modules.get(parent) or types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    folder = tmp_path / "m"
+    shutil.copytree(models["unified_metric"], folder)
+    (folder / "hparams.yaml").write_text("class_identifier: something_else\n")  # the checkpoint's own win
+    _resave(folder, lambda d: d.__setitem__("hyper_parameters", AttributeDict(d["hyper_parameters"])))
+    assert b"AttributeDict" in pickle.dumps(AttributeDict())
+    model = comet.load(folder)
+    assert model.hparams.estimator == "unified_metric"
+
+
+def test_score_reports_comet_and_kiwi_with_signatures_and_the_bootstrap(models, texts, nmt):
+    result = nmt(
+        "score", "--hyp", texts["mt"], "--ref", texts["ref"], "--source", texts["src"],
+        "--comet", models["regression_metric"], "--kiwi", models["unified_metric"],
+        "--compare", texts["other"], "--json", "--metrics", "bleu",
+    )  # fmt: skip
+    assert result.code == 0, result.err
+    out = json.loads(result.out)
+    rows = {r["metric"]: r for r in out["scores"]}
+    for name, estimator in (("comet", "regression_metric"), ("kiwi", "unified_metric")):
+        assert rows[name]["score"] == pytest.approx(EXPECTED[estimator]["system"], abs=1e-4)
+        assert f"estimator:{estimator}" in rows[name]["signature"] and len(rows[name]["segments"]) == len(
+            SEGMENTS
+        )
+        assert 0 < out["compare"][name]["p_value"] <= 1
+    text = nmt(
+        "score", "--hyp", texts["mt"], "--ref", texts["ref"], "--source", texts["src"],
+        "--comet", models["regression_metric"], "--metrics", "bleu",
+    )  # fmt: skip
+    assert text.code == 0 and "COMET = " in text.out and "|comet:regression_metric|" in text.out
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--comet", "{regression_metric}"], "--comet and --kiwi score a translation with its source"),
+        (
+            ["--source", "{src}", "--comet", "{unified_metric}"],
+            "is a reference-free model: give it as --kiwi",
+        ),
+        (
+            ["--source", "{src}", "--kiwi", "{regression_metric}"],
+            "is a reference-based model: give it as --comet",
+        ),
+        (["--source", "{src}", "--comet", "{src}"], "is not a COMET model folder"),
+    ],
+)
+def test_what_cannot_be_scored_is_one_line(models, texts, nmt, args, line):
+    names = {**{k: str(v) for k, v in models.items()}, "src": str(texts["src"])}
+    result = nmt("score", "--hyp", texts["mt"], "--ref", texts["ref"], *[a.format(**names) for a in args])
+    assert result.code != 0 and line in result.err and "Traceback" not in result.err, result.err
