@@ -261,6 +261,23 @@ class Comet(nn.Module):
         with torch.inference_mode():
             return self.estimator(torch.cat(parts, dim=1))
 
+    def mbr_utilities(self, sources: list[str], candidates: list[list[str]]) -> list[Tensor]:
+        """For each source, the (K, K) utilities of its K candidates: candidate i scored as the
+        translation with candidate j as the reference, exactly as score() would score the pair,
+        from one encoding of each candidate and each source (K + 1 encodings, not K^2)."""
+        if self.hparams.estimator != "regression_metric":
+            raise NmtError(f"{self.name} is not a reference-based COMET model: MBR scores against references")
+        pooled = self.embed([c for cs in candidates for c in cs])
+        sources_pooled = self.embed(sources)
+        out, start = [], 0
+        for n, cs in enumerate(candidates):
+            k = len(cs)
+            mine = pooled[start : start + k]
+            start += k
+            hyp, ref = mine.repeat_interleave(k, 0), mine.repeat(k, 1)
+            out.append(self.head(hyp, sources_pooled[n].expand(k * k, -1), ref).view(k, k))
+        return out
+
     def score(
         self,
         mt: list[str],

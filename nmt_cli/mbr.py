@@ -30,16 +30,22 @@ _tokenize = Tokenizer13a()
 
 
 def ranked(
-    texts: Sequence[str], metric: str, weights: Sequence[float] | None = None
+    texts: Sequence[str], metric: str, weights: Sequence[float] | None = None, table: np.ndarray | None = None
 ) -> list[tuple[int, float]]:
     """The candidates `texts` (each counted `weights` times as a pseudo-reference: how often it
-    was drawn; default once) as (index, expected utility), best first; a tie keeps the earlier."""
+    was drawn; default once) as (index, expected utility), best first; a tie keeps the earlier.
+    `table`: the utilities, where the caller computed them (COMET's)."""
     if not texts:
         return []
     w = np.ones(len(texts)) if weights is None else np.asarray(weights, dtype=np.float64)
-    expected = utilities(texts, metric) @ w / w.sum()
-    order = sorted(range(len(texts)), key=lambda i: -expected[i])
-    return [(i, float(expected[i])) for i in order]
+    table = utilities(texts, metric) if table is None else np.asarray(table, dtype=np.float64)
+    return best_first(table @ w / w.sum())
+
+
+def best_first(values: np.ndarray) -> list[tuple[int, float]]:
+    """(index, value), the highest first; a tie keeps the earlier."""
+    order = sorted(range(len(values)), key=lambda i: -values[i])
+    return [(i, float(values[i])) for i in order]
 
 
 def utilities(texts: Sequence[str], metric: str) -> np.ndarray:

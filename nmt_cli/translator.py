@@ -17,7 +17,9 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO, cast
+
+import numpy as np
 
 from nmt_cli import mbr
 from nmt_cli.backend import Backend, engine_of
@@ -27,6 +29,9 @@ from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
 from nmt_cli.textio import Counts, requests
+
+if TYPE_CHECKING:
+    from nmt_cli.comet import Comet
 
 # Characters of a source line kept per position the model reads: sentencepiece's pieces hold 16
 # characters at most (its max_sentencepiece_length), so the cut never changes what the model
@@ -115,6 +120,7 @@ class Translator:
             (m.config.num_decoder_layers * m.config.d_model * 4, m.config.vocab_size) for m in model.parts
         ]
         self.counts = Counts()
+        self._metrics: dict[str, Comet] = {}  # --comet's and --kiwi's models, once asked for
         narrow = all(m.config.d_model <= NARROW for m in model.parts)
         self.batch_size = config.batch_size or (NARROW_BATCH if narrow and self._nmt_on_cpu() else BATCH)
 
@@ -279,7 +285,7 @@ class Translator:
         self.check_tag(options.tag)
         if options.epsilon and self.engine == "ctranslate2":
             raise NmtError("CTranslate2 has no --epsilon sampling: use --topp, or nmt's engine")
-        if options.mbr:
+        if options.chooses:
             return self.by_mbr(lines, each, keys, prefixes, constraints, gone)
         if constraints is not None and any(constraints):
             self.check_constraints(options)
@@ -325,21 +331,57 @@ class Translator:
         constraints: list[list[str]] | None,
         gone: Callable[[], list[bool]] | None,
     ) -> list[list[Hypothesis]]:
-        """hypotheses() under --mbr: each line's candidates searched as DecodeOptions.for_candidates
-        asks, told apart by their text, ranked by their expected utility (mbr.ranked, a drawn
-        text weighing as often as it was drawn), the `nbest` best (the last repeated where fewer
-        differ), each scored with its expected utility."""
+        """hypotheses() under --mbr or --rerank: each line's candidates searched as
+        DecodeOptions.for_candidates asks, told apart by their text, ranked by their expected
+        utility (mbr.ranked, a drawn text weighing as often as it was drawn; COMET's utilities
+        from one encoding of each candidate) or by CometKiwi's score with the source, the
+        `nbest` best (the last repeated where fewer differ), each scored with that figure."""
         options = each[0]
+        judge = (
+            self.metric("kiwi" if options.rerank else "comet")
+            if options.rerank or options.mbr == "comet"
+            else None
+        )
         found = self.hypotheses(lines, [o.for_candidates() for o in each], keys, prefixes, constraints, gone)
+        texts = self.texts(found)
+        firsts = [mbr.deduplicated(t) for t in texts]
+        unique = [[t[i] for i in first] for t, (first, _) in zip(texts, firsts)]
+        if options.rerank:
+            assert judge is not None
+            qe = judge.score(
+                [c for cs in unique for c in cs], [line for line, cs in zip(lines, unique) for _ in cs]
+            )
+            starts = np.cumsum([0, *map(len, unique)])
+            rankings = [mbr.best_first(np.array(qe[a:b])) for a, b in zip(starts, starts[1:])]
+        else:
+            tables = judge.mbr_utilities(lines, unique) if judge is not None else None
+            rankings = [
+                mbr.ranked(u, options.mbr, times, tables[n] if tables is not None else None)
+                for n, (u, (_, times)) in enumerate(zip(unique, firsts))
+            ]
         out = []
-        for hyps, texts in zip(found, self.texts(found)):
-            first, times = mbr.deduplicated(texts)
-            best = mbr.ranked([texts[i] for i in first], options.mbr, times)[: options.nbest]
-            chosen = [dataclasses.replace(hyps[first[k]], score=u) for k, u in best]
+        for hyps, (first, _), ranking in zip(found, firsts, rankings):
+            chosen = [dataclasses.replace(hyps[first[k]], score=u) for k, u in ranking[: options.nbest]]
             out.append(chosen + chosen[-1:] * (options.nbest - len(chosen)))
         if options.alignments:
             self.align(self.encode(lines, options.tag), out, options.tag)
         return out
+
+    def metric(self, kind: str) -> Comet:
+        """The COMET model of --comet ("comet", reference-based) or --kiwi ("kiwi"), loaded once."""
+        if kind not in self._metrics:
+            path = self.config.comet if kind == "comet" else self.config.kiwi
+            name = "a reference-based COMET" if kind == "comet" else "a CometKiwi"
+            flag = "--mbr comet needs --comet DIR" if kind == "comet" else "--rerank kiwi needs --kiwi DIR"
+            if not path:
+                raise NmtError(f"{flag} ({name} model folder)")
+            from nmt_cli import comet
+
+            model = comet.load(path)
+            if model.hparams.needs_reference != (kind == "comet"):
+                raise NmtError(f"{path} is not {name} model: {flag}")
+            self._metrics[kind] = model
+        return self._metrics[kind]
 
     def check_constraints(self, options: DecodeOptions) -> None:
         check_constraints(self.engine, options)

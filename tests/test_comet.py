@@ -4,6 +4,7 @@
 checkpoint is read as weights only; `nmt score --comet/--kiwi` reports them with a signature and
 the paired bootstrap."""
 
+import dataclasses
 import json
 import pickle
 import sys
@@ -142,3 +143,100 @@ def test_what_cannot_be_scored_is_one_line(models, texts, nmt, args, line):
     names = {**{k: str(v) for k, v in models.items()}, "src": str(texts["src"])}
     result = nmt("score", "--hyp", texts["mt"], "--ref", texts["ref"], *[a.format(**names) for a in args])
     assert result.code != 0 and line in result.err and "Traceback" not in result.err, result.err
+
+
+# -- choosing among a search's candidates: --mbr comet, --rerank kiwi, in both engines
+
+
+def _choosing(model, engine: str, **options):
+    from nmt_cli.config import DecodeOptions, TranslateConfig
+    from nmt_cli.translator import Translator
+
+    config = TranslateConfig(engine=engine, comet=options.pop("comet", None), kiwi=options.pop("kiwi", None))
+    return Translator(model, dataclasses.replace(config, decode=DecodeOptions(**options)))
+
+
+def _weighted(texts: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in texts:
+        counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def lines(trained_longer) -> list[str]:
+    from nmt_cli.rundir import RunDir
+
+    return RunDir(trained_longer).text("valid", "en", raw=True).read_text().splitlines()[:20]
+
+
+@pytest.mark.parametrize("engine", ["nmt", "ctranslate2"])
+def test_mbr_comet_chooses_the_highest_mean_utility_of_the_naive_pairs(
+    models, lines, package, exported, engine
+):
+    """--mbr comet from one encoding of each candidate chooses, on 20 lines, what scoring every
+    (candidate, pseudo-reference) pair with COMET one by one chooses, with that mean as its score."""
+    from nmt_cli.models import from_dir
+
+    model = from_dir(package if engine == "nmt" else exported["float32"])
+    chooser = _choosing(model, engine, mbr="comet", candidates=6, comet=str(models["regression_metric"]))
+    chosen = chooser.hypotheses(lines)
+    pools = _choosing(model, engine, **dataclasses.asdict(chooser.config.decode.for_candidates()))
+    pools = pools.texts(pools.hypotheses(lines))
+    metric = comet.load(models["regression_metric"])
+    chose_otherwise = 0
+    for line, pool, (best,) in zip(lines, pools, chooser.texts(chosen)):
+        counts = _weighted(pool)
+        pairs = [(h, r) for h in counts for r in counts]
+        scores = metric.score([h for h, _ in pairs], [line] * len(pairs), [r for _, r in pairs])
+        by_hand = {h: 0.0 for h in counts}
+        for (h, r), s in zip(pairs, scores):
+            by_hand[h] += s * counts[r] / len(pool)
+        assert by_hand[best] == pytest.approx(max(by_hand.values()), abs=1e-5)
+        chose_otherwise += best != pool[0]
+    assert [h[0].score for h in chosen] == pytest.approx(
+        [max(v for v in _mean_table(metric, line, pool).values()) for line, pool in zip(lines, pools)],
+        abs=1e-5,
+    )
+    assert chose_otherwise > 0  # not the search's own best on every line
+
+
+def _mean_table(metric, line: str, pool: list[str]) -> dict[str, float]:
+    counts = _weighted(pool)
+    table = metric.mbr_utilities([line], [list(counts)])[0]
+    weights = torch.tensor([counts[c] for c in counts], dtype=table.dtype)
+    return dict(zip(counts, (table @ weights / weights.sum()).tolist()))
+
+
+@pytest.mark.parametrize("engine", ["nmt", "ctranslate2"])
+def test_rerank_kiwi_chooses_the_candidate_cometkiwi_scores_highest(models, lines, package, exported, engine):
+    from nmt_cli.models import from_dir
+
+    model = from_dir(package if engine == "nmt" else exported["float32"])
+    chooser = _choosing(
+        model, engine, rerank="kiwi", candidates=6, nbest=2, kiwi=str(models["unified_metric"])
+    )
+    chosen = chooser.hypotheses(lines)
+    pools = _choosing(model, engine, **dataclasses.asdict(chooser.config.decode.for_candidates()))
+    pools = pools.texts(pools.hypotheses(lines))
+    metric = comet.load(models["unified_metric"])
+    for line, pool, hyps, got in zip(lines, pools, chosen, chooser.texts(chosen)):
+        unique = list(dict.fromkeys(pool))
+        scores = dict(zip(unique, metric.score(unique, [line] * len(unique))))
+        best = sorted(unique, key=lambda c: -scores[c])[:2]
+        assert [scores[t] for t in got] == pytest.approx([scores[t] for t in best], abs=1e-5)
+        assert [h.score for h in hyps] == pytest.approx([scores[t] for t in got], abs=1e-5)
+
+
+def test_choosing_by_comet_refuses_in_one_line(models, lines, trained_longer, nmt):
+    stdin = ("\n".join(lines[:3]) + "\n").encode()
+    for args, line in (
+        (["--mbr", "comet"], "--mbr comet needs --comet DIR"),
+        (["--rerank", "kiwi", "--kiwi", str(models["regression_metric"])], "is not a CometKiwi model"),
+        (["--mbr", "chrf", "--rerank", "kiwi"], "--mbr and --rerank each choose among the candidates"),
+    ):
+        result = nmt("translate", "--run-dir", trained_longer, *args, stdin=stdin)
+        assert result.code != 0 and line in result.err and "Traceback" not in result.err, result.err
+    kiwi = ["--rerank", "kiwi", "--kiwi", models["unified_metric"], "--candidates", "4"]
+    done = nmt("translate", "--run-dir", trained_longer, *kiwi, stdin=stdin)
+    assert done.code == 0 and len(done.out.splitlines()) == 3, done.err

@@ -185,6 +185,9 @@ def test_the_server_decodes_mbr_as_translate_does(package, exported, sources):
         assert [a["score"] for a in answer["translations"]] == [round(h.score, 4) for h in expected]
         status, answer, _ = server.post({"text": ["a dog"], "mbr": "chrf", "candidates": 32})
         assert status == 400 and '"candidates" must be at most 16' in answer["error"], answer
+        for choice in ({"mbr": "comet"}, {"rerank": "kiwi"}):  # a second model: translate's alone
+            status, answer, _ = server.post({"text": ["a dog"], **choice})
+            assert status == 400 and "which the server does not load" in answer["error"], answer
     finally:
         assert server.stop() == 0
     server = Server(exported["int8"])

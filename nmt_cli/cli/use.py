@@ -34,7 +34,9 @@ LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads", "cu
 @app.command()
 @decoding_options()
 @options_of(
-    TranslateConfig, only=(*LOADING, "max_tokens", "batch_size", "shortlist"), switches=("int8", "shortlist")
+    TranslateConfig,
+    only=(*LOADING, "max_tokens", "batch_size", "shortlist", "comet", "kiwi"),
+    switches=("int8", "shortlist"),
 )
 def translate(
     ctx: typer.Context,

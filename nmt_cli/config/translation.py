@@ -34,8 +34,11 @@ RANGES: dict[str, tuple[float, float]] = {
     "epsilon": (0.0, 0.5),
 }
 
-# What --mbr compares candidates with: sacreBLEU's sentence-level chrF or BLEU (mbr.py).
-MBR_METRICS = ("chrf", "bleu")
+# What --mbr compares candidates with: sacreBLEU's sentence-level chrF or BLEU (mbr.py), or a
+# COMET model (comet.py, TranslateConfig.comet).
+MBR_METRICS = ("chrf", "bleu", "comet")
+# What --rerank chooses among candidates by, with no reference: CometKiwi (TranslateConfig.kiwi).
+RERANKERS = ("kiwi",)
 # --mbr's candidates when --candidates is 0: chosen on Multi30k validation (docs/benchmarks.md).
 MBR_CANDIDATES = 16
 
@@ -102,9 +105,14 @@ class DecodeOptions:
     mbr: str = knob(
         "",
         "Minimum-Bayes-risk decoding with this utility, chrf or bleu (sacreBLEU's sentence "
-        "scores): of each line's candidates (--candidates: the beam's n-best, or --sample's "
-        "draws), the one whose mean score against them all is highest; --scores gives that mean "
-        "(off: the search's best).",
+        "scores) or comet (the model of --comet DIR): of each line's candidates (--candidates: the "
+        "beam's n-best, or --sample's draws), the one whose mean score against them all is "
+        "highest; --scores gives that mean (off: the search's best).",
+    )
+    rerank: str = knob(
+        "",
+        "kiwi: of each line's candidates (as --mbr takes them), the one CometKiwi (--kiwi DIR) "
+        "scores highest with its source; --scores gives that score (off: the search's best).",
     )
     candidates: int = knob(
         0,
@@ -121,9 +129,14 @@ class DecodeOptions:
     )
 
     @property
+    def chooses(self) -> bool:
+        """Whether the translation is chosen among candidates (--mbr, --rerank)."""
+        return bool(self.mbr or self.rerank)
+
+    @property
     def rows(self) -> int:
         """Hypotheses a sentence keeps alive at once: the work it asks for."""
-        if self.mbr:
+        if self.chooses:
             return self.for_candidates().rows
         return self.nbest if self.sample else self.beam
 
@@ -138,6 +151,7 @@ class DecodeOptions:
         return dataclasses.replace(
             self,
             mbr="",
+            rerank="",
             candidates=0,
             nbest=self.pool,
             beam=self.beam if self.sample else max(self.beam, self.pool),
@@ -165,11 +179,15 @@ class DecodeOptions:
             raise NmtError(f"--topp must be in (0, 1], not {self.topp!r}")
         if self.mbr not in ("", *MBR_METRICS):
             raise NmtError(f"unknown --mbr {self.mbr!r}: choose one of {', '.join(MBR_METRICS)}")
-        if self.candidates and not self.mbr:
-            raise NmtError("--candidates are --mbr's: add --mbr chrf (or bleu)")
-        if self.mbr and self.nbest > self.pool:
+        if self.rerank not in ("", *RERANKERS):
+            raise NmtError(f"unknown --rerank {self.rerank!r}: choose one of {', '.join(RERANKERS)}")
+        if self.mbr and self.rerank:
+            raise NmtError("--mbr and --rerank each choose among the candidates: give one")
+        if self.candidates and not self.chooses:
+            raise NmtError("--candidates are --mbr's and --rerank's: add --mbr chrf (or bleu, comet)")
+        if self.chooses and self.nbest > self.pool:
             raise NmtError(f"--nbest {self.nbest} exceeds --candidates {self.pool}: raise --candidates")
-        if self.nbest > self.beam and not self.sample and not self.mbr:
+        if self.nbest > self.beam and not self.sample and not self.chooses:
             raise NmtError(f"--nbest {self.nbest} exceeds --beam {self.beam}: raise --beam")
         if self.sample and self.coverage_penalty:
             raise NmtError("--coverage-penalty ranks a search's translations: drop it with --sample")
@@ -213,6 +231,10 @@ class TranslateConfig:
         "auto", "auto (fp32), fp32, tf32 (GPU: fp32 with TensorFloat-32 matrix products), bf16, fp16 (GPU)."
     )
     int8: bool = knob(False, "int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
+    comet: str | None = knob(
+        None, "A COMET model folder (e.g. wmt22-comet-da, its encoder inside), for --mbr comet."
+    )
+    kiwi: str | None = knob(None, "A CometKiwi model folder (e.g. wmt22-cometkiwi-da), for --rerank kiwi.")
     engine: str = knob(
         "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
     )

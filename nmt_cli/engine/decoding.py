@@ -184,7 +184,7 @@ class Running:
     @staticmethod
     def takes(options: DecodeOptions) -> bool:
         o = options
-        return not (o.sample or o.mbr or o.no_repeat_ngram or o.coverage_penalty)
+        return not (o.sample or o.chooses or o.no_repeat_ngram or o.coverage_penalty)
 
     @property
     def live(self) -> int:

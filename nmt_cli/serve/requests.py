@@ -62,6 +62,11 @@ def parse(
             raise ValueError(f'"{name}" must be at most {cap} on this server (--max-output-len)')
     if config.max_output_len:
         options = dataclasses.replace(options, max_len=options.max_len or config.max_output_len)
+    if options.mbr == "comet" or options.rerank:  # a second model of its own, and its memory
+        raise ValueError(
+            f'"{"mbr" if options.mbr else "rerank"}": "{options.mbr or options.rerank}" needs a COMET model, '
+            "which the server does not load: use `nmt translate --comet/--kiwi`"
+        )
     if options.rows > config.max_beam:
         raise ValueError(
             f'"{_widest(options)}" must be at most {config.max_beam} on this server (--max-beam)'
@@ -175,6 +180,6 @@ def _described(annotation: str) -> str:
 
 def _widest(options: DecodeOptions) -> str:
     """The field of `options` that sets its rows (DecodeOptions.rows), as a request spells it."""
-    if options.mbr and (options.sample or options.pool >= options.beam):
+    if options.chooses and (options.sample or options.pool >= options.beam):
         return "candidates"
     return "nbest" if options.sample else "beam"
