@@ -162,3 +162,37 @@ def compare_means(system: list[float], baseline: list[float], samples: int = 100
         "system_mean": float(resampled.mean()),
         "system_ci": float(0.5 * (ordered[samples - low - 1] - ordered[low])),
     }
+
+
+def comet_of_ids(run, folder: str, lines: int) -> Callable[[list[list[int]]], float]:
+    """What `nmt train --comet` hands the trainer: the COMET of translations given as token ids
+    of the validation set, on its first `lines` lines, with their sources and references as
+    released. The model is read at the first call (rank 0's alone)."""
+    from pathlib import Path
+
+    from nmt_cli import comet
+    from nmt_cli.vocab import processor
+
+    if not (Path(folder) / "checkpoints" / "model.ckpt").is_file():
+        raise NmtError(f"--comet {folder} is not a COMET model folder: no checkpoints/model.ckpt in it")
+    prep = run.load_manifest()["prep"]
+    sides = []
+    for lang in (prep["src"], prep["tgt"]):
+        path = run.text("valid", lang, raw=True)
+        sides.append(
+            (path if path.exists() else run.text("valid", lang)).read_text(encoding="utf-8").splitlines()
+        )
+    sources, refs = (side[:lines] for side in sides)
+    sp = processor(run.vocabularies().target)
+    model: list = []
+
+    def score(ids: list[list[int]]) -> float:
+        if not model:
+            model.append(comet.load(folder))
+            if not model[0].hparams.needs_reference:
+                raise NmtError(
+                    f"--comet {folder} is a reference-free model: give a reference-based COMET model"
+                )
+        return comet.system_score(model[0].score(sp.decode(ids[: len(refs)]), sources, refs))
+
+    return score

@@ -16,7 +16,7 @@ from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.rundir import RunDir
-from nmt_cli.textio import decode_line, read_lines
+from nmt_cli.textio import Counts, decode_line, read_lines
 from nmt_cli.translator import Translator
 
 if TYPE_CHECKING:
@@ -293,3 +293,24 @@ def _count_lines(path: Path) -> int:
             return sum(1 for _ in f)
     except OSError as e:
         raise NmtError(f"cannot read {path}: {e.strerror}") from None
+
+
+def kiwi_pairs(folder: str, src: Path, tgt: Path, sink: TextIO, chunk: int = 10_000) -> None:
+    """`nmt score-pairs --kiwi`: CometKiwi's score of each pair, one line each, `chunk` pairs
+    at a time (each chunk's sentences batched by length)."""
+    model = comet.load(folder)
+    if model.hparams.needs_reference:
+        raise NmtError(f"{folder} is a reference-based model: --kiwi takes a CometKiwi model")
+    lines = [_count_lines(path) for path in (src, tgt)]
+    if lines[0] != lines[1]:
+        raise NmtError(f"{src} has {lines[0]} lines and {tgt} {lines[1]}: give line-aligned files")
+    damage = Counts().damage
+    with open(src, "rb") as a, open(tgt, "rb") as b, ui.progress() as bar:
+        task = bar.add_task("score-pairs --kiwi", total=lines[0])
+        pairs = enumerate(zip(a, b), 1)
+        while part := list(itertools.islice(pairs, chunk)):
+            sources = [decode_line(x, n, damage) for n, (x, _) in part]
+            targets = [decode_line(y, n, damage) for n, (_, y) in part]
+            for value in model.score(targets, sources, progress=lambda n: bar.advance(task, n)):
+                sink.write(f"{value:.4f}\n")
+            sink.flush()

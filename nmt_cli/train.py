@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 
 from nmt_cli import ui
 from nmt_cli.config import PRESETS, LaunchConfig, TrainConfig, from_json
@@ -136,11 +137,7 @@ def worker(run_dir: str) -> int:
 
 
 def _train(run: RunDir, config: TrainConfig) -> dict:
-    bleu_of = None
-    if config.eval_bleu:
-        from nmt_cli.metrics import bleu_of_ids
-
-        bleu_of = bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+    scores_of = validation_scores(run, config)
     init = initial_model(run, config) if config.init_from else None
     if init is not None and config.share_embeddings is None:  # a fine-tuned model keeps its tying
         config = dataclasses.replace(config, share_embeddings=not init.config.src_vocab_size)
@@ -153,7 +150,28 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
             reporter = stack.enter_context(TensorBoard(display, run.tensorboard))
         if config.compile:
             stack.enter_context(compile_cache(run))
-        return build_trainer(config, run, reporter, bleu_of, init, resample).train()
+        return build_trainer(config, run, reporter, scores_of, init, resample).train()
+
+
+def validation_scores(run: RunDir, config: TrainConfig) -> Callable[[list[list[int]]], dict] | None:
+    """What the validation's greedy translations are scored with (--eval-bleu, --comet), as
+    token ids: the trainer's figures by name; None where neither is asked for."""
+    from nmt_cli import metrics
+
+    scorers = {}
+    if config.eval_bleu:
+        scorers["valid_bleu"] = metrics.bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
+    if config.comet:
+        scorers["valid_comet"] = metrics.comet_of_ids(run, config.comet, config.comet_lines)
+        if os.environ.get("RANK", "0") == "0":
+            kept = run.load_manifest()["prep"]["splits"].get("valid", {}).get("kept", "?")
+            ui.say(
+                f"validation COMET: greedy translations of the first {config.comet_lines} of {kept} "
+                "validation lines (--comet-lines)"
+            )
+    if not scorers:
+        return None
+    return lambda ids: {name: scorer(ids) for name, scorer in scorers.items()}
 
 
 @contextlib.contextmanager
@@ -211,7 +229,7 @@ def build_trainer(
     config: TrainConfig,
     run: RunDir,
     reporter: state.Reporter,
-    bleu_of=None,
+    scores_of=None,
     init: state.Initial | None = None,
     resample=None,
 ) -> trainer.Trainer:
@@ -219,7 +237,7 @@ def build_trainer(
     handed the parts `config` asks for."""
     data = data_of(run)
     setup = parts.build(config, data, reporter, init.config if init is not None else None)
-    return trainer.Trainer(config, data, run, reporter, setup, bleu_of, init, resample)
+    return trainer.Trainer(config, data, run, reporter, setup, scores_of, init, resample)
 
 
 def _resample(run: RunDir, config: TrainConfig):

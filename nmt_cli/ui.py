@@ -146,6 +146,7 @@ class TrainDisplay:
                 f"step {state.step}: valid nll {metrics['valid_nll']:.3f}, "
                 f"ppl {metrics['valid_ppl']:.2f}"
                 + (f", BLEU {metrics['valid_bleu']:.2f}" if "valid_bleu" in metrics else "")
+                + (f", COMET {metrics['valid_comet']:.4f}" if "valid_comet" in metrics else "")
             )
             return
         info = (

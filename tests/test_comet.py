@@ -240,3 +240,47 @@ def test_choosing_by_comet_refuses_in_one_line(models, lines, trained_longer, nm
     kiwi = ["--rerank", "kiwi", "--kiwi", models["unified_metric"], "--candidates", "4"]
     done = nmt("translate", "--run-dir", trained_longer, *kiwi, stdin=stdin)
     assert done.code == 0 and len(done.out.splitlines()) == 3, done.err
+
+
+# -- training: --best-metric comet
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_best_metric_comet_keeps_the_checkpoint_comet_prefers(models, run_copy, nmt, ranks):
+    """Validation COMET (rank 0 scores the first --comet-lines lines' greedy translations; every
+    rank shares the figure) chooses the kept best model, on one process and on 2 gloo ranks."""
+    from conftest import TINY
+
+    from nmt_cli.engine import checkpoint
+
+    launch = ["--procs", "2", "--device", "cpu"] if ranks > 1 else []
+    result = nmt(
+        "train", "--run-dir", run_copy, *TINY, "--max-steps", "40", "--eval-every", "10",
+        "--save-every", "10", "--warmup", "10", "--lr-scale", "4", "--keep-best", "1",
+        "--best-metric", "comet",
+        "--comet", models["regression_metric"], "--comet-lines", "40", *launch,
+    )  # fmt: skip
+    assert result.code == 0, result.err
+    assert "validation COMET: greedy translations of the first 40 of" in result.err
+    rows = [json.loads(x) for x in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    valid = {r["step"]: r["valid_comet"] for r in rows if r["kind"] == "valid"}
+    assert sorted(valid) == [10, 20, 30, 40] and len(set(valid.values())) > 1
+    (score, path), *_ = checkpoint.best_listed(run_copy / "checkpoints" / "best")
+    best_step = max(valid, key=lambda s: valid[s])
+    assert path.name == f"best_{best_step:08d}.pt" and score == pytest.approx(-valid[best_step])
+
+
+def test_score_pairs_kiwi_prints_cometkiwis_score_of_each_pair(models, texts, nmt):
+    """Quality estimation of a corpus's pairs, no translation model read: `sort -rn` on the
+    scores keeps the pairs CometKiwi prefers."""
+    result = nmt(
+        "score-pairs", "--src", texts["src"], "--tgt", texts["mt"], "--kiwi", models["unified_metric"]
+    )
+    assert result.code == 0, result.err
+    scores = [float(x) for x in result.out.split()]
+    assert scores == pytest.approx(EXPECTED["unified_metric"]["segments"], abs=1e-4)
+    refused = nmt(
+        "score-pairs", "--src", texts["src"], "--tgt", texts["mt"], "--kiwi", models["regression_metric"]
+    )
+    assert refused.code != 0 and "reference-based model: --kiwi takes a CometKiwi model" in refused.err

@@ -132,16 +132,24 @@ def score_pairs(
     tgt: Annotated[Path, typer.Option(help="Their translations to score, line-aligned with --src.")],
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
+    kiwi: Annotated[
+        Optional[Path],
+        typer.Option(help="Score each pair with this CometKiwi model folder instead (quality estimation)."),
+    ] = None,
 ) -> None:
     """Score given translations (forced decoding): how likely the model finds each --tgt line
     as the translation of its --src line, for filtering a noisy corpus or reranking.
 
     Prints one line per pair: the log-probability (its EOS counted), the same per token, and the
-    score a search gives it (divided by the length penalty of --alpha), tab-separated."""
+    score a search gives it (divided by the length penalty of --alpha), tab-separated. With
+    --kiwi, CometKiwi's score of the pair alone (no translation model is read)."""
     from nmt_cli import score
     from nmt_cli.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
+    if kiwi is not None:
+        score.kiwi_pairs(str(kiwi), src, tgt, sys.stdout)
+        return
     translator = Translator(models.load(run_dir, model, config.checkpoint), config)
     score.score_pairs(translator, src, tgt, sys.stdout)
 

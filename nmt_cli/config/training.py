@@ -220,7 +220,15 @@ class TrainConfig:
         "only, merged into the weights by `nmt average`, `translate` and `export` (0: off).",
     )
     keep_best: int = knob(0, "Also keep the N best models by --best-metric, in checkpoints/best (0: none).")
-    best_metric: str = knob("nll", "nll, or bleu (with --eval-bleu): what --keep-best and --patience watch.")
+    best_metric: str = knob(
+        "nll", "nll, bleu (with --eval-bleu) or comet (with --comet): what --keep-best and --patience watch."
+    )
+    comet: str | None = knob(
+        None,
+        "A COMET model folder (e.g. wmt22-comet-da, its encoder inside): also log the validation "
+        "COMET of greedy translations, on rank 0 ('.[comet]').",
+    )
+    comet_lines: int = knob(500, "Validation COMET scores the first N lines of the validation set.")
     seed: int = knob(1, "Seed of initialisation, dropout and batch order.")
     tensorboard: bool = knob(
         False, "Also write the figures as TensorBoard events in RUN/tensorboard ('.[tensorboard]')."
@@ -319,10 +327,14 @@ class TrainConfig:
         for name in ("ema", "fused_qkv", "init_optimizer"):
             if self.adapters and getattr(self, name):
                 raise NmtError(f"--adapters cannot be combined with --{name.replace('_', '-')}")
-        if self.best_metric not in ("nll", "bleu"):
-            raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll or bleu")
+        if self.best_metric not in ("nll", "bleu", "comet"):
+            raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll, bleu or comet")
         if self.best_metric == "bleu" and not self.eval_bleu:
             raise NmtError("--best-metric bleu needs --eval-bleu (validation BLEU)")
+        if self.best_metric == "comet" and not self.comet:
+            raise NmtError("--best-metric comet needs --comet DIR (a COMET model folder)")
+        if self.comet_lines < 1:
+            raise NmtError("--comet-lines must be at least 1")
         if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):
             raise NmtError(f"unknown --device {self.device!r}: use auto, cpu, cuda or cuda:N")
         self.model_config(vocab_size=1)  # the shape, checked before any work starts

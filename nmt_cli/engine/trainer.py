@@ -55,17 +55,18 @@ class Trainer:
         out: Outputs,
         reporter: Reporter,
         setup: Setup,
-        bleu_of: Callable[[list[list[int]]], float] | None = None,
+        scores_of: Callable[[list[list[int]]], dict[str, float]] | None = None,
         init: Initial | None = None,
         resample: Callable[[int], tuple[Shard, Shard]] | None = None,
     ):
         """`setup`: the parts to train and where (`build(config, data, reporter)`).
-        `bleu_of` scores greedy translations of the validation set, given as token ids (for
-        --eval-bleu; metrics.bleu_of_ids makes one). `resample(epoch)` gives the training pairs
-        of an epoch encoded anew (for --bpe-dropout; bpe.dropout_encoding makes them).
+        `scores_of` scores greedy translations of the validation set, given as token ids, by
+        figure name (--eval-bleu's valid_bleu, --comet's valid_comet: train.validation_scores).
+        `resample(epoch)` gives the training pairs of an epoch encoded anew (for --bpe-dropout;
+        bpe.dropout_encoding makes them).
         nmt_cli.train.build_trainer hands a run directory's data and outputs to it."""
         self.config, self.out, self.reporter = config, out, reporter
-        self.bleu_of, self.init = bleu_of, init
+        self.scores_of, self.init = scores_of, init
         self.dist, self.device, self.precision = setup.dist, setup.device, setup.precision
         if not self.dist.is_main:  # rank 0 alone talks, logs and writes
             self.reporter = reporter = Quiet()
@@ -260,18 +261,19 @@ class Trainer:
         self.model.eval()
         nll = validation.nll(self.model, data, self.config.max_tokens, self.dist, self.device, self.autocast)
         metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
-        if self.config.eval_bleu and self.bleu_of is not None:
+        if self.scores_of is not None:
             ids = validation.greedy_ids(self.model, data, self.dist, self.device, self.autocast)
-            # Rank 0 scores; every rank needs the figure (--best-metric bleu, --patience).
-            metrics["valid_bleu"] = self.dist.from_main(self.bleu_of(ids) if ids is not None else None)
+            # Rank 0 scores; every rank needs the figures (--best-metric, --patience).
+            metrics |= self.dist.from_main(self.scores_of(ids) if ids is not None else None)
         return metrics
 
     def evaluate(self) -> None:
         metrics = self.validate()
         if metrics is None:
             return
-        # Lower is better: the NLL, or BLEU negated.
-        score = metrics["valid_nll"] if self.config.best_metric == "nll" else -metrics["valid_bleu"]
+        # Lower is better: the NLL, or BLEU or COMET negated.
+        best = self.config.best_metric
+        score = metrics["valid_nll"] if best == "nll" else -metrics[f"valid_{best}"]
         if score < self.state.best_valid:
             self.state.best_valid, self.state.bad_evals = score, 0
         else:
@@ -316,7 +318,7 @@ class Trainer:
         if time_up:
             return f"reached --max-time {c.max_time:g} minutes"
         if patience:
-            what = "loss" if c.best_metric == "nll" else "BLEU"
+            what = {"nll": "loss", "bleu": "BLEU", "comet": "COMET"}[c.best_metric]
             return f"validation {what} did not improve in {c.patience} evaluations (--patience)"
         return None
 
