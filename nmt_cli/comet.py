@@ -40,7 +40,9 @@ LIGHTNING_DICTS = (  # where Lightning has kept its hyperparameter dictionary ov
     "lightning_fabric.utilities.data.AttributeDict",
     "lightning.fabric.utilities.data.AttributeDict",
 )
-MAX_TOKENS = 8192  # padded tokens a batch holds: sentences sorted by length, batched by size
+# Padded tokens a batch holds (sentences sorted by length): on a CPU small batches of XLM-R
+# large ran faster than large ones, whose activations leave the caches (benchmarks/comet_speed.py)
+MAX_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,7 @@ class Comet(nn.Module):
 
         self.hparams, self.where = hparams, where
         self.sha256 = ""  # the checkpoint's, set by load()
+        self.precision = "fp32"  # or bf16: the encoder's matrix products under bf16 autocast
         config = XLMRobertaConfig.from_pretrained(str(encoder_dir), local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir), local_files_only=True)
         self.encoder = XLMRobertaModel(config, add_pooling_layer=False)
@@ -210,8 +213,11 @@ class Comet(nn.Module):
         return layers[int(self.hparams.layer)]
 
     def _layers(self, ids: Tensor, mask: Tensor) -> Sequence[Tensor]:
-        """The embeddings and every layer's output."""
-        return self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        """The embeddings and every layer's output (in fp32: under bf16 the encoder's products
+        are bf16, what follows them is not)."""
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        return [x.float() for x in out]
 
     def _pooled(self, ids: Tensor, mask: Tensor) -> Tensor:
         """Sentence embeddings (regression metrics), as COMET's compute_sentence_embedding."""
@@ -349,7 +355,7 @@ class Comet(nn.Module):
         h = self.hparams
         return (
             f"nmt:{__version__}|comet:{self.name}|sha256:{self.sha256[:12]}|estimator:{h.estimator}"
-            f"|batch:{MAX_TOKENS}tok|as:unbabel-comet-2.2.7"
+            f"|batch:{MAX_TOKENS}tok|{self.precision}|as:unbabel-comet-2.2.7"
         )
 
 
@@ -369,8 +375,10 @@ def _by_length(lengths: list[int]) -> Iterator[list[int]]:
 # -- reading a model folder ---------------------------------------------------------------------
 
 
-def load(folder: str | Path) -> Comet:
-    """The COMET model in `folder` (as the hub holds it), on the CPU, in fp32."""
+def load(folder: str | Path, precision: str = "fp32") -> Comet:
+    """The COMET model in `folder` (as the hub holds it), on the CPU; `precision` fp32 (as
+    unbabel-comet computes) or bf16 (the encoder's products in bf16: faster where the CPU has
+    bf16 arithmetic, the scores a little off)."""
     import yaml
 
     folder = Path(folder)
@@ -398,6 +406,9 @@ def load(folder: str | Path) -> Comet:
             f"{', '.join(names)})"
         )
     model.sha256 = _sha256(ckpt)
+    if precision not in ("fp32", "bf16"):
+        raise NmtError(f"COMET precision {precision!r}: fp32 or bf16")
+    model.precision = precision
     return model
 
 

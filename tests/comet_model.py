@@ -1,8 +1,9 @@
 """A tiny random COMET model, built the same way in nmt's venv and in unbabel-comet's: a 2-layer
 XLM-R encoder (d 32) with a sentencepiece vocabulary of its own, random weights from a seeded
 generator, a random layer mix and head, saved as COMET's Lightning checkpoint and hparams.yaml.
+`large` is the same at XLM-R large's shape, for benchmarks/comet_speed.py.
 
-    python tests/comet_model.py DIR [regression_metric|unified_metric|referenceless_regression_metric]
+    python tests/comet_model.py DIR [ESTIMATOR [tiny|large]]   # ESTIMATOR: regression_metric, ...
 
 It needs torch, transformers, sentencepiece and PyYAML only (no nmt), so that
 benchmarks/peers/comet_score.py can score the very folder the tests score.
@@ -18,7 +19,6 @@ from pathlib import Path
 import torch
 
 ENCODER = "tiny-xlmr"  # the encoder's folder, inside the model's (hparams' pretrained_model)
-HIDDEN = 32
 # Segments the tests and the peer score: (source, translation, reference)
 SEGMENTS = [
     ("Ein Mann fährt Fahrrad.", "A man rides a bicycle.", "A man is riding a bike."),
@@ -44,7 +44,12 @@ def corpus(n: int = 400) -> list[str]:
     return lines
 
 
-def build(folder: Path, estimator: str = "regression_metric", seed: int = 0) -> Path:
+# (hidden size, layers, heads, feed-forward width, vocabulary rows, head's hidden sizes); "large"
+# is XLM-R large's shape (wmt22-comet-da's encoder), its vocabulary rows unused past the first
+SHAPES = {"tiny": (32, 2, 4, 64, 258, (16, 8)), "large": (1024, 24, 16, 4096, 250002, (3072, 1024))}
+
+
+def build(folder: Path, estimator: str = "regression_metric", seed: int = 0, shape: str = "tiny") -> Path:
     import sentencepiece as spm
     import yaml
     from transformers import XLMRobertaConfig, XLMRobertaModel
@@ -61,9 +66,11 @@ def build(folder: Path, estimator: str = "regression_metric", seed: int = 0) -> 
     )  # fmt: skip
     text.unlink()
     (encoder / "sentencepiece.bpe.vocab").unlink()
+    hidden, layers, heads, ffn, rows, sizes = SHAPES[shape]
     config = {
-        "architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta", "vocab_size": 258,
-        "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+        "architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta", "vocab_size": rows,
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "intermediate_size": ffn,
         "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
         "max_position_embeddings": 514, "type_vocab_size": 1, "initializer_range": 0.02,
         "layer_norm_eps": 1e-05, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
@@ -81,21 +88,18 @@ def build(folder: Path, estimator: str = "regression_metric", seed: int = 0) -> 
             continue
         noise = torch.randn(value.shape, generator=generator) * 0.2
         state["encoder.model." + name] = (1 + noise) if name.endswith("LayerNorm.weight") else noise
-    layers = config["num_hidden_layers"] + 1
-    for i in range(layers):
+    for i in range(layers + 1):
         state[f"layerwise_attention.scalar_parameters.{i}"] = torch.randn(1, generator=generator)
     state["layerwise_attention.gamma"] = 1 + 0.1 * torch.randn(1, generator=generator)
-    width = (
-        HIDDEN
-        * {"regression_metric": 6, "referenceless_regression_metric": 4, "unified_metric": 1}[estimator]
-    )
-    for index, (n_in, n_out) in zip((0, 3, 6), ((width, 16), (16, 8), (8, 1))):
+    inputs = {"regression_metric": 6, "referenceless_regression_metric": 4, "unified_metric": 1}
+    widths = (hidden * inputs[estimator], *sizes, 1)
+    for index, (n_in, n_out) in zip((0, 3, 6), zip(widths, widths[1:])):
         state[f"estimator.ff.{index}.weight"] = torch.randn(n_out, n_in, generator=generator) / n_in**0.5
         state[f"estimator.ff.{index}.bias"] = 0.1 * torch.randn(n_out, generator=generator)
     hparams = {
         "class_identifier": estimator, "encoder_model": "XLM-RoBERTa", "pretrained_model": ENCODER,
         "layer": "mix", "sent_layer": "mix", "layer_transformation": "sparsemax",
-        "layer_norm": estimator != "regression_metric", "pool": "avg", "hidden_sizes": [16, 8],
+        "layer_norm": estimator != "regression_metric", "pool": "avg", "hidden_sizes": list(sizes),
         "activations": "Tanh", "final_activation": None, "dropout": 0.1, "batch_size": 4,
         "load_pretrained_weights": False, "keep_embeddings_frozen": True, "nr_frozen_epochs": 0.3,
         "optimizer": "AdamW", "encoder_learning_rate": 1e-06, "learning_rate": 1.5e-05,
@@ -113,4 +117,4 @@ def build(folder: Path, estimator: str = "regression_metric", seed: int = 0) -> 
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]), *(sys.argv[2:3] or ["regression_metric"]))
+    build(Path(sys.argv[1]), *(sys.argv[2:3] or ["regression_metric"]), shape=(sys.argv[3:4] or ["tiny"])[0])

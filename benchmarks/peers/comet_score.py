@@ -4,8 +4,9 @@ the figures nmt's COMET must equal (tests/test_comet.py). Run in unbabel-comet's
 
     comet-venv/bin/python benchmarks/peers/comet_score.py > tests/data/comet_expected.json
 
-With --model DIR [--src F --mt F --ref F] it scores files with a model folder instead (a
-published one, e.g. Unbabel/wmt22-comet-da with its encoder inside), one JSON object out.
+With --model DIR --src F --mt F [--ref F] it scores files with a model folder instead (a
+published one, e.g. Unbabel/wmt22-comet-da with its encoder inside): one JSON object out, with
+the seconds it took to load and to score and its peak resident memory (benchmarks/comet_speed.py).
 """
 
 import argparse
@@ -19,17 +20,36 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def predict(folder: Path, rows: list[dict]) -> dict:
+def peak_rss_gib() -> float:
+    """The peak resident memory since this process's exec (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def predict(folder: Path, rows: list[dict], batch_size: int = 4) -> dict:
+    import time
+
     import comet
 
     here = os.getcwd()
     os.chdir(folder)  # hparams' pretrained_model is the encoder's folder, relative to the model's
     try:
+        start = time.perf_counter()
         model = comet.load_from_checkpoint(str(folder / "checkpoints" / "model.ckpt"), local_files_only=True)
-        out = model.predict(rows, batch_size=4, gpus=0, progress_bar=False, num_workers=1)
+        loaded = time.perf_counter()
+        out = model.predict(rows, batch_size=batch_size, gpus=0, progress_bar=False, num_workers=1)
+        done = time.perf_counter()
     finally:
         os.chdir(here)
-    return {"segments": [float(x) for x in out.scores], "system": float(out.system_score)}
+    return {
+        "segments": [float(x) for x in out.scores],
+        "system": float(out.system_score),
+        "load_s": loaded - start,
+        "score_s": done - loaded,
+        "peak_rss_gib": peak_rss_gib(),
+    }
 
 
 def main() -> None:
@@ -40,6 +60,7 @@ def main() -> None:
     ap.add_argument("--src", type=Path)
     ap.add_argument("--mt", type=Path)
     ap.add_argument("--ref", type=Path)
+    ap.add_argument("--batch-size", type=int, default=16, help="with --model: unbabel-comet's batch")
     args = ap.parse_args()
     if args.model is not None:
         read = {
@@ -48,7 +69,7 @@ def main() -> None:
             if getattr(args, k)
         }
         rows = [dict(zip(read, values)) for values in zip(*read.values())]
-        print(json.dumps(predict(args.model.resolve(), rows)))
+        print(json.dumps(predict(args.model.resolve(), rows, args.batch_size)))
         return
     import comet_model
 
