@@ -77,7 +77,7 @@ FILLED = {
     ),
     "score-pairs": (
         [
-            ("TranslateConfig", {}, {"decode", "chunk", "shortlist"}),  # scored over every piece
+            ("TranslateConfig", {}, {"decode", "chunk", "shortlist", "comet"}),  # scored over every piece
             ("DecodeOptions", {}, _DECODING - {"alpha", "tag"}),
         ],
         {"src", "tgt", "run_dir", "model"},
@@ -88,7 +88,17 @@ FILLED = {
             (
                 "TranslateConfig",
                 {},
-                {"checkpoint", "decode", "max_tokens", "batch_size", "chunk", "precision", "int8"},
+                {
+                    "checkpoint",
+                    "decode",
+                    "max_tokens",
+                    "batch_size",
+                    "chunk",
+                    "precision",
+                    "int8",
+                    "comet",
+                    "kiwi",
+                },
             ),
             ("DecodeOptions", {}, set()),
         ],

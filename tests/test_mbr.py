@@ -161,8 +161,8 @@ def test_mbr_on_the_command_line_and_its_errors(trained_longer, sources, nmt, ex
               stdin=stdin).out.splitlines()  # fmt: skip
     assert out == [f"{i // 2}\t{t.score:.4f}\t{t.text}" for i, t in enumerate(x for ts in api for x in ts)]
     for flags, message in (
-        (["--mbr", "comet"], "unknown --mbr 'comet': choose one of chrf, bleu"),
-        (["--candidates", "4"], "--candidates are --mbr's: add --mbr chrf"),
+        (["--mbr", "ter"], "unknown --mbr 'ter': choose one of chrf, bleu, comet"),
+        (["--candidates", "4"], "--candidates are --mbr's and --rerank's: add --mbr chrf"),
         (["--mbr", "chrf", "--nbest", "20"], "--nbest 20 exceeds --candidates 16"),
         (["--epsilon", "0.1"], "add --sample"),
         (["--sample", "--epsilon", "0.9"], "--epsilon must be from 0 to 0.5, not 0.9"),

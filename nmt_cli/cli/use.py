@@ -125,17 +125,13 @@ def score(ctx: typer.Context, model: ModelOption = None, run_dir: RunDirOption =
 
 @app.command("score-pairs")
 @decoding_options(only=("alpha", "tag"))
-@options_of(TranslateConfig, only=(*LOADING, "max_tokens", "batch_size"), switches=("int8",))
+@options_of(TranslateConfig, only=(*LOADING, "max_tokens", "batch_size", "kiwi"), switches=("int8",))
 def score_pairs(
     ctx: typer.Context,
     src: Annotated[Path, typer.Option(help="Source lines.")],
     tgt: Annotated[Path, typer.Option(help="Their translations to score, line-aligned with --src.")],
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
-    kiwi: Annotated[
-        Optional[Path],
-        typer.Option(help="Score each pair with this CometKiwi model folder instead (quality estimation)."),
-    ] = None,
 ) -> None:
     """Score given translations (forced decoding): how likely the model finds each --tgt line
     as the translation of its --src line, for filtering a noisy corpus or reranking.
@@ -147,8 +143,8 @@ def score_pairs(
     from nmt_cli.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
-    if kiwi is not None:
-        score.kiwi_pairs(str(kiwi), src, tgt, sys.stdout)
+    if config.kiwi is not None:  # quality estimation: no translation model is read
+        score.kiwi_pairs(config.kiwi, src, tgt, sys.stdout)
         return
     translator = Translator(models.load(run_dir, model, config.checkpoint), config)
     score.score_pairs(translator, src, tgt, sys.stdout)

@@ -39,6 +39,11 @@ RANGES: dict[str, tuple[float, float]] = {
 MBR_METRICS = ("chrf", "bleu", "comet")
 # What --rerank chooses among candidates by, with no reference: CometKiwi (TranslateConfig.kiwi).
 RERANKERS = ("kiwi",)
+# The COMET models' options, alike wherever they are taken (score, translate)
+COMET_HELP = "A COMET model folder (e.g. wmt22-comet-da, its encoder inside; pip install 'nmt-cli[comet]')."
+KIWI_HELP = (
+    "A CometKiwi model folder (e.g. wmt22-cometkiwi-da, its encoder inside): scores without references."
+)
 # --mbr's candidates when --candidates is 0: chosen on Multi30k validation (docs/benchmarks.md).
 MBR_CANDIDATES = 16
 
@@ -231,10 +236,8 @@ class TranslateConfig:
         "auto", "auto (fp32), fp32, tf32 (GPU: fp32 with TensorFloat-32 matrix products), bf16, fp16 (GPU)."
     )
     int8: bool = knob(False, "int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
-    comet: str | None = knob(
-        None, "A COMET model folder (e.g. wmt22-comet-da, its encoder inside), for --mbr comet."
-    )
-    kiwi: str | None = knob(None, "A CometKiwi model folder (e.g. wmt22-cometkiwi-da), for --rerank kiwi.")
+    comet: str | None = knob(None, COMET_HELP)  # --mbr comet's
+    kiwi: str | None = knob(None, KIWI_HELP)  # --rerank kiwi's
     engine: str = knob(
         "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
     )
@@ -293,14 +296,8 @@ class ScoreConfig:
     )
     lang: str | None = knob(None, "Target language for --moses-lc or --compound-split (default: the run's).")
     compare: str | None = knob(None, "Another system's translations: paired bootstrap test against it.")
-    comet: str | None = knob(
-        None,
-        "A COMET model folder (e.g. Unbabel/wmt22-comet-da, its encoder inside): its score too "
-        "(pip install 'nmt-cli[comet]').",
-    )
-    kiwi: str | None = knob(
-        None, "A CometKiwi model folder (e.g. Unbabel/wmt22-cometkiwi-da): its reference-free score too."
-    )
+    comet: str | None = knob(None, COMET_HELP)
+    kiwi: str | None = knob(None, KIWI_HELP)
     source: str | None = knob(None, "The source lines of --hyp, for --comet and --kiwi.")
     json: bool = knob(False, "Print JSON.")
 
