@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -234,7 +235,7 @@ class Comet(nn.Module):
         summed = mixed.float().masked_fill(padding, 0.0).type_as(mixed).sum(1)
         return summed / mask.unsqueeze(-1).expand(mixed.size()).float().sum(1)
 
-    def embed(self, lines: list[str], progress: Callable[[int], None] | None = None) -> Tensor:
+    def embed(self, lines: list[str], progress: Callable[[float], None] | None = None) -> Tensor:
         """One pooled vector per line (regression metrics), batched by length."""
         ids = self._tokens(lines)
         out: list[Tensor | None] = [None] * len(lines)
@@ -258,6 +259,7 @@ class Comet(nn.Module):
     # -- scores
     def head(self, mt: Tensor, src: Tensor | None, ref: Tensor | None) -> Tensor:
         """The regression head over pooled embeddings (rows alike in number, or broadcast)."""
+        parts: tuple[Tensor, ...]
         if self.hparams.estimator == "regression_metric":
             assert src is not None and ref is not None
             parts = (mt, ref, mt * ref, torch.abs(mt - ref), mt * src, torch.abs(mt - src))
@@ -289,7 +291,7 @@ class Comet(nn.Module):
         mt: list[str],
         src: list[str] | None = None,
         ref: list[str] | None = None,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[float], None] | None = None,
     ) -> list[float]:
         """Each translation's score, as unbabel-comet's `predict` gives it."""
         h = self.hparams
@@ -314,7 +316,7 @@ class Comet(nn.Module):
         mt: list[str],
         src: list[str] | None,
         ref: list[str] | None,
-        progress: Callable[[int], None] | None,
+        progress: Callable[[float], None] | None,
     ) -> list[float]:
         """CometKiwi and its kin: the translation and the other segments as one sequence each
         (`<s> mt </s></s> src </s>`), the head over the mixed first position; with both source
@@ -424,7 +426,7 @@ def _read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
 
     with path.open("rb") as f:
         check_torch_zip(f, path)
-        allowed = [(dict, name) for name in LIGHTNING_DICTS]  # read as the plain dict it is
+        allowed: list[Any] = [(dict, name) for name in LIGHTNING_DICTS]  # read as the plain dict it is
         try:
             with torch.serialization.safe_globals(allowed):
                 data = torch.load(f, map_location="cpu", weights_only=True)

@@ -356,7 +356,7 @@ class Translator:
         else:
             tables = judge.mbr_utilities(lines, unique) if judge is not None else None
             rankings = [
-                mbr.ranked(u, options.mbr, times, tables[n] if tables is not None else None)
+                mbr.ranked(u, options.mbr, times, tables[n].numpy() if tables is not None else None)
                 for n, (u, (_, times)) in enumerate(zip(unique, firsts))
             ]
         out = []

@@ -57,8 +57,12 @@ def dtype_of(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
-_tf32 = threading.Lock()
-_tf32_users = [0, "none"]  # the searches under matmuls("tf32") now, the setting before the first
+class _Tf32:
+    """The searches under matmuls("tf32") now, and torch's setting before the first of them."""
+
+    lock = threading.Lock()
+    users = 0
+    before = "none"
 
 
 @contextlib.contextmanager
@@ -71,18 +75,18 @@ def matmuls(precision: str) -> Iterator[None]:
         yield
         return
     matmul = torch.backends.cuda.matmul
-    with _tf32:
-        if _tf32_users[0] == 0:
-            _tf32_users[1] = matmul.fp32_precision
+    with _Tf32.lock:
+        if _Tf32.users == 0:
+            _Tf32.before = matmul.fp32_precision
             matmul.fp32_precision = "tf32"
-        _tf32_users[0] += 1
+        _Tf32.users += 1
     try:
         yield
     finally:
-        with _tf32:
-            _tf32_users[0] -= 1
-            if _tf32_users[0] == 0:
-                matmul.fp32_precision = _tf32_users[1]
+        with _Tf32.lock:
+            _Tf32.users -= 1
+            if _Tf32.users == 0:
+                matmul.fp32_precision = _Tf32.before
 
 
 # oneDNN's instruction-set caps (ONEDNN_MAX_CPU_ISA) below bf16 arithmetic, and torch's own
