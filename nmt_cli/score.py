@@ -298,12 +298,12 @@ def _count_lines(path: Path) -> int:
 def kiwi_pairs(folder: str, src: Path, tgt: Path, sink: TextIO, chunk: int = 10_000) -> None:
     """`nmt score-pairs --kiwi`: CometKiwi's score of each pair, one line each, `chunk` pairs
     at a time (each chunk's sentences batched by length)."""
-    model = comet.load(folder)
-    if model.hparams.needs_reference:
-        raise NmtError(f"{folder} is a reference-based model: --kiwi takes a CometKiwi model")
     lines = [_count_lines(path) for path in (src, tgt)]
     if lines[0] != lines[1]:
         raise NmtError(f"{src} has {lines[0]} lines and {tgt} {lines[1]}: give line-aligned files")
+    model = comet.load(folder)
+    if model.hparams.needs_reference:
+        raise NmtError(f"{folder} is a reference-based model: --kiwi takes a CometKiwi model")
     damage = Counts().damage
     with open(src, "rb") as a, open(tgt, "rb") as b, ui.progress() as bar:
         task = bar.add_task("score-pairs --kiwi", total=lines[0])
