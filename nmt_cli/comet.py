@@ -11,7 +11,8 @@ unbabel-comet itself cannot be installed beside nmt (it pins numpy<2, protobuf<5
 transformers<5); benchmarks/peers/comet_score.py runs it in a venv of its own, and the tests hold
 nmt's scores to what it computed (tests/data/comet_expected.json).
 
-Three estimators, by hparams' `class_identifier`:
+The model folder's files are read in comet_folder.py. Three estimators, by hparams'
+`class_identifier`:
 - `regression_metric` (COMET-22): source, translation and reference each encoded alone, pooled
   into one vector each, and a feed-forward head over [t; r; t*r; |t-r|; t*s; |t-s|];
 - `referenceless_regression_metric` (COMET-QE): the same without the reference, [t; s; t*s; |t-s|];
@@ -23,89 +24,20 @@ normalised per sentence first.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from nmt_cli import comet_folder
+from nmt_cli.comet_folder import Hparams
 from nmt_cli.errors import NmtError
 
-ESTIMATORS = ("regression_metric", "referenceless_regression_metric", "unified_metric")
-LIGHTNING_DICTS = (  # where Lightning has kept its hyperparameter dictionary over the years
-    "pytorch_lightning.utilities.parsing.AttributeDict",
-    "lightning_fabric.utilities.data.AttributeDict",
-    "lightning.fabric.utilities.data.AttributeDict",
-)
 # Padded tokens a batch holds (sentences sorted by length): on a CPU small batches of XLM-R
 # large ran faster than large ones, whose activations leave the caches (benchmarks/comet_speed.py)
 MAX_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class Hparams:
-    """What of hparams.yaml (or the checkpoint's own copy) shapes the computation."""
-
-    estimator: str
-    pretrained_model: str
-    layer: str | int  # "mix", or one layer's index
-    layer_transformation: str  # softmax or sparsemax
-    layer_norm: bool
-    pool: str  # avg, max, cls, default (regression metrics; unified takes the first position)
-    hidden_sizes: tuple[int, ...]
-    activations: str
-    final_activation: str | None
-    input_segments: tuple[str, ...]
-
-    @classmethod
-    def of(cls, raw: dict, where: Path) -> Hparams:
-        estimator = raw.get("class_identifier")
-        if estimator not in ESTIMATORS:
-            raise NmtError(
-                f"{where}: a COMET model of class {estimator!r}, which nmt does not compute "
-                f"(it computes {', '.join(ESTIMATORS)})"
-            )
-        if raw.get("encoder_model", "XLM-RoBERTa") != "XLM-RoBERTa":
-            raise NmtError(f"{where}: encoder {raw.get('encoder_model')!r}; nmt computes XLM-RoBERTa's")
-        unified = estimator == "unified_metric"
-        layer = raw.get("sent_layer" if unified else "layer", "mix")
-        transformation = raw.get("layer_transformation", "softmax")
-        if transformation == "sparsemax_patch":  # unbabel-comet >= 2.2.4 reads it as softmax
-            transformation = "softmax"
-        if transformation not in ("softmax", "sparsemax"):
-            raise NmtError(f"{where}: layer_transformation {transformation!r} (softmax or sparsemax)")
-        pool = raw.get("pool", "avg")
-        if pool not in ("avg", "max", "cls", "default"):
-            raise NmtError(f"{where}: pool {pool!r} (avg, max, cls or default)")
-        if raw.get("word_level_training"):
-            raise NmtError(f"{where}: a word-level model (XCOMET's error spans), which nmt does not compute")
-        segments = tuple(raw.get("input_segments") or (("mt", "src") if unified else ()))
-        return cls(
-            estimator=estimator,
-            pretrained_model=str(raw.get("pretrained_model", "xlm-roberta-large")),
-            layer=layer if layer == "mix" else int(layer),
-            layer_transformation=transformation,
-            layer_norm=bool(raw.get("layer_norm", True)),
-            pool=pool,
-            hidden_sizes=tuple(int(x) for x in raw.get("hidden_sizes", (3072, 1024))),
-            activations=str(raw.get("activations", "Tanh")),
-            final_activation=raw.get("final_activation"),
-            input_segments=segments,
-        )
-
-    @property
-    def needs_reference(self) -> bool:
-        if self.estimator == "unified_metric":
-            return "src" not in self.input_segments
-        return self.estimator == "regression_metric"
-
-    @property
-    def takes_reference(self) -> bool:
-        return self.estimator == "regression_metric" or "ref" in self.input_segments
 
 
 def sparsemax(z: Tensor) -> Tensor:
@@ -374,16 +306,15 @@ def _by_length(lengths: list[int]) -> Iterator[list[int]]:
         yield batch
 
 
-# -- reading a model folder ---------------------------------------------------------------------
-
-
 def load(folder: str | Path, precision: str = "fp32") -> Comet:
     """The COMET model in `folder` (as the hub holds it), on the CPU; `precision` fp32 (as
     unbabel-comet computes) or bf16 (the encoder's products in bf16: faster where the CPU has
     bf16 arithmetic, the scores a little off)."""
-    import yaml
+    from nmt_cli.files import sha256_file
 
     folder = Path(folder)
+    if precision not in ("fp32", "bf16"):
+        raise NmtError(f"COMET precision {precision!r}: fp32 or bf16")
     try:
         import transformers  # noqa: F401 - COMET's encoder and tokenizer
     except ImportError:
@@ -391,14 +322,11 @@ def load(folder: str | Path, precision: str = "fp32") -> Comet:
     ckpt = folder / "checkpoints" / "model.ckpt"
     if not ckpt.is_file():
         raise NmtError(f"{folder} is not a COMET model folder: no checkpoints/model.ckpt in it")
-    state, raw = _read_checkpoint(ckpt)
-    if not raw:
-        try:
-            raw = yaml.safe_load((folder / "hparams.yaml").read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise NmtError(f"{folder}/hparams.yaml could not be read ({type(e).__name__})") from None
-    hparams = Hparams.of(dict(raw), folder)
-    model = Comet(hparams, _encoder_dir(folder, hparams.pretrained_model), folder)
+    state, raw = comet_folder.read_checkpoint(ckpt)
+    hparams = comet_folder.Hparams.of(raw or comet_folder.read_hparams(folder), folder)
+    encoder = comet_folder.encoder_dir(folder, hparams.pretrained_model)
+    comet_folder.check_encoder(encoder, ckpt)
+    model = Comet(hparams, encoder, folder)
     weights = {_our_name(k): v for k, v in state.items() if not k.endswith("position_ids")}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
@@ -407,9 +335,7 @@ def load(folder: str | Path, precision: str = "fp32") -> Comet:
             f"{ckpt} does not fit the model its hparams describe ({'missing' if missing else 'unexpected'}: "
             f"{', '.join(names)})"
         )
-    model.sha256 = _sha256(ckpt)
-    if precision not in ("fp32", "bf16"):
-        raise NmtError(f"COMET precision {precision!r}: fp32 or bf16")
+    model.sha256 = sha256_file(ckpt)
     model.precision = precision
     return model
 
@@ -417,53 +343,6 @@ def load(folder: str | Path, precision: str = "fp32") -> Comet:
 def _our_name(key: str) -> str:
     """COMET's state-dict name as this module's: its encoder wraps transformers' model."""
     return "encoder." + key[len("encoder.model.") :] if key.startswith("encoder.model.") else key
-
-
-def _read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
-    """The weights and the hyperparameters of a Lightning checkpoint, unpickling nothing but
-    tensors, containers, numbers, strings and Lightning's attribute dictionary."""
-    from nmt_cli.files import check_torch_zip
-
-    with path.open("rb") as f:
-        check_torch_zip(f, path)
-        allowed: list[Any] = [(dict, name) for name in LIGHTNING_DICTS]  # read as the plain dict it is
-        try:
-            with torch.serialization.safe_globals(allowed):
-                data = torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure is the file's
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "Unsupported global" in str(e):
-                first = next((x.strip() for x in str(e).splitlines() if "Unsupported global" in x), first)
-            raise NmtError(f"{path} could not be read as weights only ({first[:200]})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("state_dict"), dict):
-        raise NmtError(f"{path} is not a COMET checkpoint: it holds no state_dict")
-    state = data["state_dict"]
-    if not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
-        raise NmtError(f"{path}: its state_dict holds something other than named tensors")
-    hyper = data.get("hyper_parameters") or {}
-    return state, dict(hyper) if isinstance(hyper, dict) else {}
-
-
-def _encoder_dir(folder: Path, pretrained: str) -> Path:
-    """Where the encoder's config and tokenizer are: hparams' `pretrained_model` as a path, or
-    its last part inside the model folder or beside it, or the model folder itself."""
-    name = pretrained.rstrip("/").split("/")[-1]
-    for candidate in (Path(pretrained), folder / pretrained, folder / name, folder.parent / name, folder):
-        if (candidate / "config.json").is_file():
-            return candidate
-    raise NmtError(
-        f"{folder}: its encoder {pretrained!r} is not here: put the encoder's config.json and tokenizer "
-        f"files in {folder / name} (e.g. `hf download {pretrained} config.json tokenizer.json "
-        f"sentencepiece.bpe.model --local-dir {folder / name}`)"
-    )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def system_score(scores: list[float]) -> float:

@@ -79,6 +79,19 @@ def test_a_checkpoint_holding_an_object_is_refused_in_one_line(models, tmp_path,
     assert "\n" not in str(e.value) and "unpickled" not in capsys.readouterr().out
 
 
+def test_an_encoder_config_larger_than_the_checkpoint_is_refused_before_allocating(models, tmp_path):
+    """A config.json is a few bytes: one declaring a billion-row vocabulary (4 TB of fp32)
+    is refused from its count on the meta device, before any weight is allocated."""
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(models["regression_metric"], folder)
+    config = folder / "tiny-xlmr" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "vocab_size": 10**9}))
+    with pytest.raises(NmtError, match=r"describes 32,\d{3},\d{3},\d{3} weights, more than .* holds"):
+        comet.load(folder)
+
+
 def test_lightnings_attribute_dictionary_is_read_as_the_hyperparameters(models, tmp_path, monkeypatch):
     """Lightning 1 pickled hyperparameters as its AttributeDict: allowed, read as a dict."""
     import shutil
