@@ -346,7 +346,11 @@ def probe(device_name: str, logs: str) -> dict:
             torch.cuda.synchronize(device)
             return bool(torch.equal(y, x * 2 + 1))
 
-        pool = torch.cuda.graph_pool_handle()
+        def new_pool():
+            with torch.cuda.device(device):  # a handle is the current GPU's
+                return torch.cuda.graph_pool_handle()
+
+        pool = new_pool()
         first, y = capture(pool)
         row["first_right"] = replayed_right(first, y)
         row["nodes"] = dot_nodes(first, Path(logs) / "probe_graph.dot")
@@ -360,7 +364,7 @@ def probe(device_name: str, logs: str) -> dict:
         except RuntimeError as e:
             row["same_pool_after_free"] = "refused: " + str(e).splitlines()[0][:160]
         try:
-            fresh, y = capture(torch.cuda.graph_pool_handle())
+            fresh, y = capture(new_pool())
             row["fresh_pool_right"] = replayed_right(fresh, y)
         except RuntimeError as e:
             row["fresh_pool_right"], row["fresh_pool_error"] = False, str(e).splitlines()[0][:160]
