@@ -1,7 +1,7 @@
 """A decoding step recorded once as a CUDA graph and replayed at every later step.
 
 A decoding step is a few hundred small kernels for one token per row, and on a GPU the host
-took longer to launch them than the GPU to run them (docs/benchmarks.md, "GPU speed"). Over a
+took longer to launch them than the GPU to run them (docs/benchmarks.md, "GPU"). Over a
 FixedCache (cache.py) every step launches the same kernels on the same tensors, so the step is
 recorded once and each later step is one launch. The first step runs as it is on a side
 stream, which warms what the recording needs (cuBLAS workspaces, the allocator), as
