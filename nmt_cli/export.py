@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nmt_cli import shortlist
-from nmt_cli.config.training import FOREIGN_DEFAULTS
+from nmt_cli.config.model import FOREIGN_DEFAULTS
 from nmt_cli.ct2_spec import require_ctranslate2, save
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, copy_regular, fsync_dir, new_file_mode, now, sha256_file

@@ -1,8 +1,8 @@
 """One frozen dataclass per command, built once at the CLI boundary and saved in the run directory,
 each option's --help text in its field (`knob`). Gathered here from where each lives:
-`corpus.py` (prep, bpe), `training.py` (the model's shape and presets, train, the launcher),
-`translation.py` (decoding options, translate, serve), `common.py` (knob, the JSON round trip,
-device and precision).
+`corpus.py` (prep, bpe), `model.py` (the model's shape), `training.py` (presets, train, the launcher),
+`translation.py` (decoding options, translate, score), `serving.py` (serve), `common.py` (knob,
+the JSON round trip, device and precision).
 
 `to_json`/`from_json` round-trip a config; unknown keys are rejected so a typo in a saved or
 hand-edited config is an error, not a silently ignored setting.
@@ -18,8 +18,10 @@ from nmt_cli.config.common import (
     to_json,
 )
 from nmt_cli.config.corpus import BpeConfig, PrepConfig
-from nmt_cli.config.training import MULTI30K_CPU, PRESETS, CpuRecipe, LaunchConfig, ModelConfig, TrainConfig
-from nmt_cli.config.translation import ENGINES, DecodeOptions, ScoreConfig, ServeConfig, TranslateConfig
+from nmt_cli.config.model import ModelConfig
+from nmt_cli.config.serving import ServeConfig
+from nmt_cli.config.training import MULTI30K_CPU, PRESETS, CpuRecipe, LaunchConfig, TrainConfig
+from nmt_cli.config.translation import ENGINES, DecodeOptions, ScoreConfig, TranslateConfig
 
 __all__ = [
     "ENGINES",

@@ -1,7 +1,7 @@
 import pytest
 
 from nmt_cli.config import DecodeOptions, resolve_precision
-from nmt_cli.config.training import MODEL_BOUNDS, ModelConfig
+from nmt_cli.config.model import MODEL_BOUNDS, ModelConfig
 from nmt_cli.config.translation import RANGES
 from nmt_cli.errors import NmtError
 
