@@ -120,16 +120,19 @@ def compare(
     return out
 
 
+def valid_lines(run, lang: str) -> list[str]:
+    """The run's validation lines in `lang` as released (as prepared, where it kept no copy)."""
+    path = run.text("valid", lang, raw=True)
+    return (path if path.exists() else run.text("valid", lang)).read_text(encoding="utf-8").splitlines()
+
+
 def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
     token ids of the validation set, against its references as released (case-insensitive
     where the BPE model lowercases)."""
     from nmt_cli.vocab import folds_case, processor
 
-    path = run.text("valid", tgt_lang, raw=True)
-    if not path.exists():
-        path = run.text("valid", tgt_lang)
-    refs = path.read_text(encoding="utf-8").splitlines()
+    refs = valid_lines(run, tgt_lang)
     sp = processor(run.vocabularies().target)
     lowercase = folds_case(run.vocabularies().target)
 
@@ -176,13 +179,7 @@ def comet_of_ids(run, folder: str, lines: int) -> Callable[[list[list[int]]], fl
     if not (Path(folder) / "checkpoints" / "model.ckpt").is_file():
         raise NmtError(f"--comet {folder} is not a COMET model folder: no checkpoints/model.ckpt in it")
     prep = run.load_manifest()["prep"]
-    sides = []
-    for lang in (prep["src"], prep["tgt"]):
-        path = run.text("valid", lang, raw=True)
-        sides.append(
-            (path if path.exists() else run.text("valid", lang)).read_text(encoding="utf-8").splitlines()
-        )
-    sources, refs = (side[:lines] for side in sides)
+    sources, refs = (valid_lines(run, lang)[:lines] for lang in (prep["src"], prep["tgt"]))
     sp = processor(run.vocabularies().target)
     model: list = []
 

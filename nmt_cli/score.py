@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -16,7 +16,7 @@ from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
 from nmt_cli.rundir import RunDir
-from nmt_cli.textio import Counts, decode_line, read_lines
+from nmt_cli.textio import Counts, Damage, decode_line, read_lines
 from nmt_cli.translator import Translator
 
 if TYPE_CHECKING:
@@ -270,21 +270,36 @@ def _neural_scores(
 
 def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO) -> None:
     """`nmt score-pairs`: each pair's scores, one line each, `chunk` pairs at a time."""
+    total = _aligned(src, tgt)
+    chunks = _pairs(src, tgt, total, translator.config.chunk, translator.counts.damage, "score-pairs")
+    for sources, targets, advance in chunks:
+        for p in translator.score_pairs(sources, targets):
+            sink.write(f"{p.total:.4f}\t{p.per_token:.4f}\t{p.score:.4f}\n")
+        sink.flush()
+        advance(len(sources))
+    translate.report_counts(translator.counts, translator.max_src)
+
+
+def _aligned(src: Path, tgt: Path) -> int:
+    """The lines of two files that must be line-aligned; one error line where they are not."""
     lines = [_count_lines(path) for path in (src, tgt)]
     if lines[0] != lines[1]:
         raise NmtError(f"{src} has {lines[0]} lines and {tgt} {lines[1]}: give line-aligned files")
-    damage = translator.counts.damage
+    return lines[0]
+
+
+def _pairs(
+    src: Path, tgt: Path, total: int, chunk: int, damage: Damage, what: str
+) -> Iterator[tuple[list[str], list[str], Callable[[float], None]]]:
+    """The pairs of two line-aligned files, decoded, `chunk` at a time, each chunk with the
+    advance of a progress bar of `total` pairs."""
     with open(src, "rb") as a, open(tgt, "rb") as b, ui.progress() as bar:
-        task = bar.add_task("score-pairs", total=lines[0])
+        task = bar.add_task(what, total=total)
         pairs = enumerate(zip(a, b), 1)
-        while chunk := list(itertools.islice(pairs, translator.config.chunk)):
-            sources = [decode_line(x, n, damage) for n, (x, _) in chunk]
-            targets = [decode_line(y, n, damage) for n, (_, y) in chunk]
-            for p in translator.score_pairs(sources, targets):
-                sink.write(f"{p.total:.4f}\t{p.per_token:.4f}\t{p.score:.4f}\n")
-            sink.flush()
-            bar.advance(task, len(chunk))
-    translate.report_counts(translator.counts, translator.max_src)
+        while part := list(itertools.islice(pairs, chunk)):
+            sources = [decode_line(x, n, damage) for n, (x, _) in part]
+            targets = [decode_line(y, n, damage) for n, (_, y) in part]
+            yield sources, targets, lambda n: bar.advance(task, n)
 
 
 def _count_lines(path: Path) -> int:
@@ -298,19 +313,11 @@ def _count_lines(path: Path) -> int:
 def kiwi_pairs(folder: str, src: Path, tgt: Path, sink: TextIO, chunk: int = 10_000) -> None:
     """`nmt score-pairs --kiwi`: CometKiwi's score of each pair, one line each, `chunk` pairs
     at a time (each chunk's sentences batched by length)."""
-    lines = [_count_lines(path) for path in (src, tgt)]
-    if lines[0] != lines[1]:
-        raise NmtError(f"{src} has {lines[0]} lines and {tgt} {lines[1]}: give line-aligned files")
+    total = _aligned(src, tgt)  # before the model is read
     model = comet.load(folder)
     if model.hparams.needs_reference:
         raise NmtError(f"{folder} is a reference-based model: --kiwi takes a CometKiwi model")
-    damage = Counts().damage
-    with open(src, "rb") as a, open(tgt, "rb") as b, ui.progress() as bar:
-        task = bar.add_task("score-pairs --kiwi", total=lines[0])
-        pairs = enumerate(zip(a, b), 1)
-        while part := list(itertools.islice(pairs, chunk)):
-            sources = [decode_line(x, n, damage) for n, (x, _) in part]
-            targets = [decode_line(y, n, damage) for n, (_, y) in part]
-            for value in model.score(targets, sources, progress=lambda n: bar.advance(task, n)):
-                sink.write(f"{value:.4f}\n")
-            sink.flush()
+    for sources, targets, advance in _pairs(src, tgt, total, chunk, Counts().damage, "score-pairs --kiwi"):
+        for value in model.score(targets, sources, progress=advance):
+            sink.write(f"{value:.4f}\n")
+        sink.flush()
