@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from nmt_cli import comet_folder
 from nmt_cli.comet_folder import Hparams
+from nmt_cli.engine.device import on, resolve_device
 from nmt_cli.errors import NmtError
 
 # Padded tokens a batch holds (sentences sorted by length): on a CPU small batches of XLM-R
@@ -114,6 +115,7 @@ class Comet(nn.Module):
         self.hparams, self.where = hparams, where
         self.sha256 = ""  # the checkpoint's, set by load()
         self.precision = "fp32"  # or bf16: the encoder's matrix products under bf16 autocast
+        self.device = torch.device("cpu")  # a GPU with its index, set by load()
         config = XLMRobertaConfig.from_pretrained(str(encoder_dir), local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir), local_files_only=True)
         self.encoder = XLMRobertaModel(config, add_pooling_layer=False)
@@ -148,7 +150,8 @@ class Comet(nn.Module):
     def _layers(self, ids: Tensor, mask: Tensor) -> Sequence[Tensor]:
         """The embeddings and every layer's output (in fp32: under bf16 the encoder's products
         are bf16, what follows them is not)."""
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+        bf16 = self.precision == "bf16"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             out = self.encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
         return [x.float() for x in out]
 
@@ -173,20 +176,26 @@ class Comet(nn.Module):
         out: list[Tensor | None] = [None] * len(lines)
         for batch in _by_length([len(x) for x in ids]):
             padded, mask = self._padded([ids[i] for i in batch])
-            with torch.inference_mode():
+            with torch.inference_mode(), on(self.device):
                 vectors = self._pooled(padded, mask)
             for i, v in zip(batch, vectors):
                 out[i] = v
             if progress is not None:
                 progress(len(batch))
-        return torch.stack(out) if out else torch.zeros(0)  # type: ignore[arg-type]
+        return torch.stack(out) if out else self._placed(torch.zeros(0))  # type: ignore[arg-type]
 
     def _padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """The rows padded into one batch, and its mask, on the model's device."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
         for n, r in enumerate(rows):
             ids[n, : len(r)] = torch.tensor(r)
-        return ids, (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        return self._placed(ids), self._placed(mask)
+
+    def _placed(self, x: Tensor) -> Tensor:
+        """A tensor made on the CPU, on the model's device."""
+        return x.to(self.device)
 
     # -- scores
     def head(self, mt: Tensor, src: Tensor | None, ref: Tensor | None) -> Tensor:
@@ -198,8 +207,8 @@ class Comet(nn.Module):
         else:
             assert src is not None
             parts = (mt, src, mt * src, torch.abs(mt - src))
-        with torch.inference_mode():
-            return self.estimator(torch.cat(parts, dim=1))
+        with torch.inference_mode(), on(self.device):
+            return self.estimator(torch.cat(parts, dim=1)).cpu()
 
     def mbr_utilities(self, sources: list[str], candidates: list[list[str]]) -> list[Tensor]:
         """For each source, the (K, K) utilities of its K candidates: candidate i scored as the
@@ -263,8 +272,8 @@ class Comet(nn.Module):
             joined = [self._joined([part[i] for part in combo]) for i in range(len(mt))]
             for batch in _by_length([len(x) for x in joined]):
                 ids, mask = self._padded([joined[i] for i in batch])
-                with torch.inference_mode():
-                    scores = self.estimator(self._mixed(self._layers(ids, mask), mask)[:, 0])
+                with torch.inference_mode(), on(self.device):
+                    scores = self.estimator(self._mixed(self._layers(ids, mask), mask)[:, 0]).cpu()
                 totals[batch] += scores.float()
                 if progress is not None:
                     progress(len(batch) / len(combos))
@@ -289,7 +298,7 @@ class Comet(nn.Module):
         h = self.hparams
         return (
             f"nmt:{__version__}|comet:{self.name}|sha256:{self.sha256[:12]}|estimator:{h.estimator}"
-            f"|batch:{MAX_TOKENS}tok|{self.precision}|as:unbabel-comet-2.2.7"
+            f"|batch:{MAX_TOKENS}tok|{self.precision}|{self.device.type}|as:unbabel-comet-2.2.7"
         )
 
 
@@ -306,15 +315,19 @@ def _by_length(lengths: list[int]) -> Iterator[list[int]]:
         yield batch
 
 
-def load(folder: str | Path, precision: str = "fp32") -> Comet:
-    """The COMET model in `folder` (as the hub holds it), on the CPU; `precision` fp32 (as
-    unbabel-comet computes) or bf16 (the encoder's products in bf16: faster where the CPU has
-    bf16 arithmetic, the scores a little off)."""
+def load(folder: str | Path, precision: str = "fp32", device: str = "cpu") -> Comet:
+    """The COMET model in `folder` (as the hub holds it) on `device` (auto, cpu, cuda:N);
+    `precision` fp32 (as unbabel-comet computes) or bf16 (the encoder's products in bf16: faster
+    where the CPU has bf16 arithmetic and on a GPU, the scores a little off).
+
+    The model is built without weights and takes the checkpoint's tensors as they lie in the
+    file, mapped rather than read, so that the weights are in memory once rather than twice."""
     from nmt_cli.files import sha256_file
 
     folder = Path(folder)
     if precision not in ("fp32", "bf16"):
-        raise NmtError(f"COMET precision {precision!r}: fp32 or bf16")
+        raise NmtError(f"--comet-precision {precision!r}: fp32 or bf16")
+    place = resolve_device(device)
     try:
         import transformers  # noqa: F401 - COMET's encoder and tokenizer
     except ImportError:
@@ -326,18 +339,43 @@ def load(folder: str | Path, precision: str = "fp32") -> Comet:
     hparams = comet_folder.Hparams.of(raw or comet_folder.read_hparams(folder), folder)
     encoder = comet_folder.encoder_dir(folder, hparams.pretrained_model)
     comet_folder.check_encoder(encoder, ckpt)
-    model = Comet(hparams, encoder, folder)
-    weights = {_our_name(k): v for k, v in state.items() if not k.endswith("position_ids")}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    with torch.device("meta"):
+        model = Comet(hparams, encoder, folder)
+    weights = {  # a checkpoint's half-precision tensors as the fp32 that COMET computes in
+        _our_name(k): v.float() if v.is_floating_point() else v
+        for k, v in state.items()
+        if not k.endswith("position_ids")
+    }
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:
         names = (missing or unexpected)[:3]
         raise NmtError(
             f"{ckpt} does not fit the model its hparams describe ({'missing' if missing else 'unexpected'}: "
             f"{', '.join(names)})"
         )
+    _rebuild_buffers(model, ckpt)
     model.sha256 = sha256_file(ckpt)
     model.precision = precision
-    return model
+    model.device = place
+    return model.to(place)
+
+
+def _rebuild_buffers(model: Comet, ckpt: Path) -> None:
+    """The encoder's buffers that no checkpoint holds (transformers registers them as not
+    persistent), made as transformers makes them; any other tensor still without its values is
+    the checkpoint's fault."""
+    embeddings = model.encoder.embeddings
+    positions = model.encoder.config.max_position_embeddings
+    for name, value in (
+        ("position_ids", torch.arange(positions).expand((1, -1))),
+        ("token_type_ids", torch.zeros((1, positions), dtype=torch.long)),
+    ):
+        if getattr(embeddings, name, None) is not None:
+            embeddings.register_buffer(name, value, persistent=False)
+    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        names = ", ".join(empty[:3])
+        raise NmtError(f"{ckpt} does not fit the model its hparams describe (missing: {names})")
 
 
 def _our_name(key: str) -> str:

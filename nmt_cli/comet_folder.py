@@ -112,7 +112,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
         allowed: list[Any] = [(dict, name) for name in LIGHTNING_DICTS]  # read as the plain dict it is
         try:
             with torch.serialization.safe_globals(allowed):
-                data = torch.load(f, map_location="cpu", weights_only=True)
+                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is the file's
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "Unsupported global" in str(e):

@@ -167,10 +167,14 @@ def compare_means(system: list[float], baseline: list[float], samples: int = 100
     }
 
 
-def comet_of_ids(run, folder: str, lines: int) -> Callable[[list[list[int]]], float]:
+def comet_of_ids(
+    run, folder: str, lines: int, precision: str = "fp32", device: str = "cpu"
+) -> Callable[[list[list[int]]], float]:
     """What `nmt train --comet` hands the trainer: the COMET of translations given as token ids
     of the validation set, on its first `lines` lines, with their sources and references as
-    released. The model is read at the first call (rank 0's alone)."""
+    released. The model is read at the first call (rank 0's alone), on the device training
+    runs on (`device`, as --device names it): a GPU is the one the trainer made the main
+    thread's current, named here by its index."""
     from pathlib import Path
 
     from nmt_cli import comet
@@ -185,7 +189,14 @@ def comet_of_ids(run, folder: str, lines: int) -> Callable[[list[list[int]]], fl
 
     def score(ids: list[list[int]]) -> float:
         if not model:
-            model.append(comet.load(folder))
+            import torch
+
+            from nmt_cli.config import resolve_device_name
+
+            place = resolve_device_name(device, torch.cuda.is_available())
+            if place.startswith("cuda"):
+                place = f"cuda:{torch.cuda.current_device()}"
+            model.append(comet.load(folder, precision, place))
             if not model[0].hparams.needs_reference:
                 raise NmtError(
                     f"--comet {folder} is a reference-free model: give a reference-based COMET model"

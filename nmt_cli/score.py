@@ -4,6 +4,8 @@ bootstrap against another system)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import json
 from collections.abc import Callable, Iterator
@@ -14,6 +16,7 @@ from nmt_cli import comet, translate, ui, vocab
 from nmt_cli import metrics as measure
 from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
+from nmt_cli.files import atomic_open
 from nmt_cli.models import Model
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import Counts, Damage, decode_line, read_lines
@@ -75,7 +78,7 @@ def run(
                 "--source gives the sources of --hyp (with --ref); --src and the run's split bring their own"
             )
         sources = list(read_lines(Path(config.source)))
-    neural = neural_metrics(config, sources)
+    neural = neural_metrics(config, translating, sources)
     out = report(
         hyps,
         refs,
@@ -237,8 +240,11 @@ def report(
     return out
 
 
-def neural_metrics(config: ScoreConfig, sources: list[str] | None) -> list[tuple[str, Comet]]:
-    """--comet and --kiwi's models, loaded; one line where they cannot score here."""
+def neural_metrics(
+    config: ScoreConfig, loading: TranslateConfig, sources: list[str] | None
+) -> list[tuple[str, Comet]]:
+    """--comet and --kiwi's models, loaded on --device in --comet-precision; one line where they
+    cannot score here."""
     wanted = [(name, path) for name, path in (("comet", config.comet), ("kiwi", config.kiwi)) if path]
     if wanted and sources is None:
         raise NmtError(
@@ -247,7 +253,7 @@ def neural_metrics(config: ScoreConfig, sources: list[str] | None) -> list[tuple
         )
     loaded = []
     for name, path in wanted:
-        model = comet.load(path)
+        model = comet.load(path, loading.comet_precision, loading.device)
         if model.hparams.needs_reference != (name == "comet"):
             given = {
                 "comet": "reference-free model: give it as --kiwi",
@@ -268,15 +274,61 @@ def _neural_scores(
         )
 
 
-def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO) -> None:
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """`score-pairs --min-score X --kept-src A --kept-tgt B`: the pairs scoring at least X
+    (CometKiwi's score with --kiwi, else the log-probability per token), written line-aligned
+    to A and B, each file whole or not at all."""
+
+    min_score: float
+    src: Path
+    tgt: Path
+
+    @staticmethod
+    def of(min_score: float | None, src: Path | None, tgt: Path | None) -> Keep | None:
+        given = (min_score is not None, src is not None, tgt is not None)
+        if not any(given):
+            return None
+        if not all(given):
+            raise NmtError("filtering pairs takes --min-score X with --kept-src FILE and --kept-tgt FILE")
+        assert min_score is not None and src is not None and tgt is not None
+        return Keep(min_score, src, tgt)
+
+
+@contextlib.contextmanager
+def _keeping(keep: Keep | None, total: int, what: str) -> Iterator[Callable[[list, list, list], None]]:
+    """A writer of each chunk's (sources, targets, scores) into `keep`'s files; nothing without."""
+    if keep is None:
+        yield lambda sources, targets, scores: None
+        return
+    kept = [0]
+    with atomic_open(keep.src) as a, atomic_open(keep.tgt) as b:
+
+        def write(sources: list[str], targets: list[str], scores: list[float]) -> None:
+            for x, y, s in zip(sources, targets, scores):
+                if s >= keep.min_score:
+                    a.write(x + "\n")
+                    b.write(y + "\n")
+                    kept[0] += 1
+
+        yield write
+    ui.say(
+        f"kept {kept[0]:,} of {total:,} pairs with {what} >= {keep.min_score:g} in {keep.src} and {keep.tgt}"
+    )
+
+
+def score_pairs(translator: Translator, src: Path, tgt: Path, sink: TextIO, keep: Keep | None = None) -> None:
     """`nmt score-pairs`: each pair's scores, one line each, `chunk` pairs at a time."""
     total = _aligned(src, tgt)
     chunks = _pairs(src, tgt, total, translator.config.chunk, translator.counts.damage, "score-pairs")
-    for sources, targets, advance in chunks:
-        for p in translator.score_pairs(sources, targets):
-            sink.write(f"{p.total:.4f}\t{p.per_token:.4f}\t{p.score:.4f}\n")
-        sink.flush()
-        advance(len(sources))
+    with _keeping(keep, total, "log-probability per token") as kept:
+        for sources, targets, advance in chunks:
+            scored = translator.score_pairs(sources, targets)
+            for p in scored:
+                sink.write(f"{p.total:.4f}\t{p.per_token:.4f}\t{p.score:.4f}\n")
+            sink.flush()
+            kept(sources, targets, [p.per_token for p in scored])
+            advance(len(sources))
     translate.report_counts(translator.counts, translator.max_src)
 
 
@@ -310,14 +362,21 @@ def _count_lines(path: Path) -> int:
         raise NmtError(f"cannot read {path}: {e.strerror}") from None
 
 
-def kiwi_pairs(folder: str, src: Path, tgt: Path, sink: TextIO, chunk: int = 10_000) -> None:
+def kiwi_pairs(
+    config: TranslateConfig, src: Path, tgt: Path, sink: TextIO, keep: Keep | None = None, chunk: int = 10_000
+) -> None:
     """`nmt score-pairs --kiwi`: CometKiwi's score of each pair, one line each, `chunk` pairs
     at a time (each chunk's sentences batched by length)."""
     total = _aligned(src, tgt)  # before the model is read
-    model = comet.load(folder)
+    folder = str(config.kiwi)
+    model = comet.load(folder, config.comet_precision, config.device)
     if model.hparams.needs_reference:
         raise NmtError(f"{folder} is a reference-based model: --kiwi takes a CometKiwi model")
-    for sources, targets, advance in _pairs(src, tgt, total, chunk, Counts().damage, "score-pairs --kiwi"):
-        for value in model.score(targets, sources, progress=advance):
-            sink.write(f"{value:.4f}\n")
-        sink.flush()
+    chunks = _pairs(src, tgt, total, chunk, Counts().damage, "score-pairs --kiwi")
+    with _keeping(keep, total, "CometKiwi") as kept:
+        for sources, targets, advance in chunks:
+            scores = model.score(targets, sources, progress=advance)
+            for value in scores:
+                sink.write(f"{value:.4f}\n")
+            sink.flush()
+            kept(sources, targets, scores)

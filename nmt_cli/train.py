@@ -162,7 +162,9 @@ def validation_scores(run: RunDir, config: TrainConfig) -> Callable[[list[list[i
     if config.eval_bleu:
         scorers["valid_bleu"] = metrics.bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     if config.comet:
-        scorers["valid_comet"] = metrics.comet_of_ids(run, config.comet, config.comet_lines)
+        scorers["valid_comet"] = metrics.comet_of_ids(
+            run, config.comet, config.comet_lines, config.comet_precision, config.device
+        )
         if os.environ.get("RANK", "0") == "0":
             kept = run.load_manifest()["prep"]["splits"].get("valid", {}).get("kept", "?")
             ui.say(

@@ -377,7 +377,7 @@ class Translator:
                 raise NmtError(f"{flag} ({name} model folder)")
             from nmt_cli import comet
 
-            model = comet.load(path)
+            model = comet.load(path, self.config.comet_precision, self.config.device)
             if model.hparams.needs_reference != (kind == "comet"):
                 raise NmtError(f"{path} is not {name} model: {flag}")
             self._metrics[kind] = model

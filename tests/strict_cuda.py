@@ -137,6 +137,9 @@ class StrictCuda:
         i = self.index(device, "current_stream")
         return self._streams().setdefault(i, Stream(self, i, default=True))
 
+    def current_device(self) -> int:
+        return self.current()
+
     def set_device(self, device) -> None:
         self.local.device = self.index(device, "set_device")
 
@@ -207,6 +210,7 @@ class StrictCuda:
         for name in (
             "current_stream",
             "set_device",
+            "current_device",
             "device",
             "stream",
             "Stream",

@@ -80,7 +80,7 @@ FILLED = {
             ("TranslateConfig", {}, {"decode", "chunk", "shortlist", "comet"}),  # scored over every piece
             ("DecodeOptions", {}, _DECODING - {"alpha", "tag"}),
         ],
-        {"src", "tgt", "run_dir", "model"},
+        {"src", "tgt", "run_dir", "model", "min_score", "kept_src", "kept_tgt"},
     ),
     "serve": (
         [
@@ -98,6 +98,7 @@ FILLED = {
                     "int8",
                     "comet",
                     "kiwi",
+                    "comet_precision",
                 },
             ),
             ("DecodeOptions", {}, set()),

@@ -135,6 +135,15 @@ def test_score_reports_comet_and_kiwi_with_signatures_and_the_bootstrap(models, 
         "--comet", models["regression_metric"], "--metrics", "bleu",
     )  # fmt: skip
     assert text.code == 0 and "COMET = " in text.out and "|comet:regression_metric|" in text.out
+    assert "|fp32|cpu|" in text.out
+    bf16 = nmt(
+        "score", "--hyp", texts["mt"], "--ref", texts["ref"], "--source", texts["src"],
+        "--comet", models["regression_metric"], "--metrics", "bleu", "--comet-precision", "bf16", "--json",
+    )  # fmt: skip
+    assert bf16.code == 0, bf16.err
+    (row,) = [r for r in json.loads(bf16.out)["scores"] if r["metric"] == "comet"]
+    assert "|bf16|cpu|" in row["signature"]
+    assert row["score"] == pytest.approx(EXPECTED["regression_metric"]["system"], abs=0.5)
 
 
 @pytest.mark.parametrize(
@@ -150,6 +159,10 @@ def test_score_reports_comet_and_kiwi_with_signatures_and_the_bootstrap(models, 
             "is a reference-based model: give it as --comet",
         ),
         (["--source", "{src}", "--comet", "{src}"], "is not a COMET model folder"),
+        (
+            ["--source", "{src}", "--comet", "{regression_metric}", "--comet-precision", "fp16"],
+            "unknown --comet-precision 'fp16': choose fp32 or bf16",
+        ),
     ],
 )
 def test_what_cannot_be_scored_is_one_line(models, texts, nmt, args, line):
@@ -297,3 +310,94 @@ def test_score_pairs_kiwi_prints_cometkiwis_score_of_each_pair(models, texts, nm
         "score-pairs", "--src", texts["src"], "--tgt", texts["mt"], "--kiwi", models["regression_metric"]
     )
     assert refused.code != 0 and "reference-based model: --kiwi takes a CometKiwi model" in refused.err
+
+
+def test_score_pairs_kiwi_keeps_the_pairs_scoring_at_least_min_score(models, texts, nmt, tmp_path):
+    """A QE filter: the pairs CometKiwi scores at or above --min-score, line-aligned, in order."""
+    scores = EXPECTED["unified_metric"]["segments"]
+    cut = sorted(scores)[len(scores) // 2]
+    kept = [tmp_path / "kept.src", tmp_path / "kept.tgt"]
+    pairs = ["--src", texts["src"], "--tgt", texts["mt"], "--kiwi", models["unified_metric"]]
+    result = nmt(
+        "score-pairs", *pairs, "--min-score", f"{cut - 1e-4}", "--kept-src", kept[0], "--kept-tgt", kept[1]
+    )
+    assert result.code == 0, result.err
+    src, mt, _ = map(list, zip(*SEGMENTS))
+    wanted = [(s, t) for s, t, v in zip(src, mt, scores) if v >= cut]
+    assert list(zip(*(k.read_text().splitlines() for k in kept))) == wanted
+    assert 0 < len(wanted) < len(scores) and f"kept {len(wanted)} of {len(scores)} pairs" in result.err
+    alone = nmt("score-pairs", *pairs, "--min-score", "0.5")
+    assert alone.code != 0 and "--min-score X with --kept-src FILE and --kept-tgt FILE" in alone.err
+    assert "Traceback" not in alone.err
+
+
+# -- on a GPU (tests/strict_cuda.py: the tensors stay on the CPU)
+
+
+@pytest.fixture
+def recorded_gpus(monkeypatch):
+    """Two recorded GPUs; a COMET model's weights and batches stay on the CPU whatever device it
+    names, and each pass of its encoder notes which GPU was current in its thread."""
+    from strict_cuda import StrictCuda
+
+    cuda = StrictCuda(count=2).install(monkeypatch)
+    monkeypatch.setattr(comet.Comet, "to", lambda self, device: self)
+    monkeypatch.setattr(comet.Comet, "_placed", lambda self, x: x)
+    current: list[int] = []
+    layers = comet.Comet._layers
+
+    def noting(self, ids, mask):
+        current.append(cuda.current())
+        return layers(self, ids, mask)
+
+    monkeypatch.setattr(comet.Comet, "_layers", noting)
+    return cuda, current
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_a_comet_model_on_a_gpu_runs_with_that_gpu_current(models, recorded_gpus, estimator):
+    """`--device cuda:1` (and `cuda`, which is cuda:0): every encoder pass runs with the model's
+    GPU current, from a new thread (GPU 0 current, as a server's or a worker's); the scores are
+    the CPU's."""
+    import threading
+
+    _, current = recorded_gpus
+    src, mt, ref = map(list, zip(*SEGMENTS))
+    reference = ref if estimator == "regression_metric" else None
+    for name, index in (("cuda:1", 1), ("cuda", 0)):
+        current.clear()
+        model = comet.load(models[estimator], device=name)
+        assert model.device == torch.device("cuda", index) and "|cuda|" in model.signature()
+        found: list = []
+
+        def scoring(model=model, found=found):
+            found.append(model.score(mt, src, reference))
+
+        thread = threading.Thread(target=scoring)
+        thread.start()
+        thread.join()
+        assert found and found[0] == pytest.approx(EXPECTED[estimator]["segments"], abs=1e-3)
+        assert current and set(current) == {index}, current
+    if estimator == "regression_metric":
+        current.clear()
+        model.mbr_utilities(src[:2], [mt[:3], mt[1:4]])
+        assert current and set(current) == {0}
+
+
+def test_training_scores_comet_on_the_gpu_its_rank_trains_on(models, recorded_gpus, trained):
+    """`train --comet` on a GPU rank: the model is read onto the rank's own GPU, named by index."""
+    from nmt_cli import metrics
+    from nmt_cli.rundir import RunDir
+
+    cuda, current = recorded_gpus
+    loaded = []
+    load = comet.load
+    scorer = metrics.comet_of_ids(RunDir(trained), str(models["regression_metric"]), 4, device="cuda")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(comet, "load", lambda *a: loaded.append(a[1:]) or load(*a))
+        cuda.set_device(1)
+        try:
+            scorer([[5, 6, 7]] * 4)
+        finally:
+            cuda.set_device(0)
+    assert loaded == [("fp32", "cuda:1")] and set(current) == {1}

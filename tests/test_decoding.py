@@ -317,6 +317,16 @@ def test_score_pairs_prints_a_line_per_pair_and_prefers_a_translation_to_its_wor
         assert per_token == pytest.approx(total / n, abs=1e-4)
         assert score == pytest.approx(total / length_penalty(n, 0.6), abs=1e-4)
     assert sum(rows[i][0] > rows[30 + i][0] for i in range(30)) >= 29
+    # a filter: the pairs at or above a threshold of the per-token figure (printed to 4
+    # places: the threshold half a place below), in their order
+    cut = sorted(r[1] for r in rows)[30]
+    kept = [tmp_path / "kept.src", tmp_path / "kept.tgt"]
+    files = ["--src", tmp_path / "src", "--tgt", tmp_path / "tgt"]
+    files += ["--kept-src", kept[0], "--kept-tgt", kept[1], "--min-score", f"{cut - 5e-5:.5f}"]
+    result = nmt("score-pairs", "--run-dir", trained_longer, *files)
+    wanted = [(a, b) for a, b, r in zip(src + src, ref + wrong, rows) if r[1] >= cut]
+    assert list(zip(*(k.read_text().splitlines() for k in kept))) == wanted and len(wanted) >= 30
+    assert f"kept {len(wanted)} of 60 pairs with log-probability per token >=" in result.err
     (tmp_path / "short").write_text("\n".join(ref[:3]) + "\n")
     assert "give line-aligned files" in one_error_line(
         nmt(

@@ -35,7 +35,7 @@ LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads", "cu
 @decoding_options()
 @options_of(
     TranslateConfig,
-    only=(*LOADING, "max_tokens", "batch_size", "shortlist", "comet", "kiwi"),
+    only=(*LOADING, "max_tokens", "batch_size", "shortlist", "comet", "kiwi", "comet_precision"),
     switches=("int8", "shortlist"),
 )
 def translate(
@@ -113,7 +113,7 @@ def translate(
 
 @app.command()
 @decoding_options("nbest")
-@options_of(TranslateConfig, only=(*LOADING, "shortlist"), switches=("int8", "shortlist"))
+@options_of(TranslateConfig, only=(*LOADING, "shortlist", "comet_precision"), switches=("int8", "shortlist"))
 @options_of(ScoreConfig, switches=("lowercase", "moses_lc", "compound_split", "json"))
 def score(ctx: typer.Context, model: ModelOption = None, run_dir: RunDirOption = Path("run")) -> None:
     """Score translations with sacreBLEU BLEU, chrF and TER (and their signatures)."""
@@ -125,13 +125,30 @@ def score(ctx: typer.Context, model: ModelOption = None, run_dir: RunDirOption =
 
 @app.command("score-pairs")
 @decoding_options(only=("alpha", "tag"))
-@options_of(TranslateConfig, only=(*LOADING, "max_tokens", "batch_size", "kiwi"), switches=("int8",))
+@options_of(
+    TranslateConfig,
+    only=(*LOADING, "max_tokens", "batch_size", "kiwi", "comet_precision"),
+    switches=("int8",),
+)
 def score_pairs(
     ctx: typer.Context,
     src: Annotated[Path, typer.Option(help="Source lines.")],
     tgt: Annotated[Path, typer.Option(help="Their translations to score, line-aligned with --src.")],
     run_dir: RunDirOption = Path("run"),
     model: ModelOption = None,
+    min_score: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Keep the pairs scoring at least this (CometKiwi's score with --kiwi, else the "
+            "log-probability per token) in --kept-src and --kept-tgt.",
+        ),
+    ] = None,
+    kept_src: Annotated[
+        Optional[Path], typer.Option(help="Where --min-score writes the kept sources.")
+    ] = None,
+    kept_tgt: Annotated[
+        Optional[Path], typer.Option(help="Where --min-score writes the kept targets.")
+    ] = None,
 ) -> None:
     """Score given translations (forced decoding): how likely the model finds each --tgt line
     as the translation of its --src line, for filtering a noisy corpus or reranking.
@@ -143,11 +160,12 @@ def score_pairs(
     from nmt_cli.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
+    keep = score.Keep.of(min_score, kept_src, kept_tgt)
     if config.kiwi is not None:  # quality estimation: no translation model is read
-        score.kiwi_pairs(config.kiwi, src, tgt, sys.stdout)
+        score.kiwi_pairs(config, src, tgt, sys.stdout, keep)
         return
     translator = Translator(models.load(run_dir, model, config.checkpoint), config)
-    score.score_pairs(translator, src, tgt, sys.stdout)
+    score.score_pairs(translator, src, tgt, sys.stdout, keep)
 
 
 @app.command()

@@ -94,3 +94,11 @@ def from_json(cls: type[C], text: str, source: str = "config") -> C:
     if unknown:
         raise NmtError(f"{source} has unknown keys {unknown} for {cls.__name__}")
     return cls(**data)
+
+
+# How COMET models compute (comet.py), alike wherever one is taken (score, translate, train)
+COMET_PRECISION_HELP = (
+    "fp32 (COMET's own scores) or bf16 (the encoder's products in bf16: faster on a CPU with bf16 "
+    "arithmetic and on a GPU; the scores move)."
+)
+COMET_PRECISIONS = ("fp32", "bf16")

@@ -7,7 +7,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from nmt_cli.config.common import PRECISIONS, knob
+from nmt_cli.config.common import COMET_PRECISION_HELP, COMET_PRECISIONS, PRECISIONS, knob
 from nmt_cli.config.model import ModelConfig
 from nmt_cli.errors import NmtError
 
@@ -154,6 +154,7 @@ class TrainConfig:
         "COMET of greedy translations, on rank 0 ('.[comet]').",
     )
     comet_lines: int = knob(500, "Validation COMET scores the first N lines of the validation set.")
+    comet_precision: str = knob("fp32", COMET_PRECISION_HELP)
     seed: int = knob(1, "Seed of initialisation, dropout and batch order.")
     tensorboard: bool = knob(
         False, "Also write the figures as TensorBoard events in RUN/tensorboard ('.[tensorboard]')."
@@ -258,6 +259,8 @@ class TrainConfig:
             raise NmtError("--best-metric bleu needs --eval-bleu (validation BLEU)")
         if self.best_metric == "comet" and not self.comet:
             raise NmtError("--best-metric comet needs --comet DIR (a COMET model folder)")
+        if self.comet_precision not in COMET_PRECISIONS:
+            raise NmtError(f"unknown --comet-precision {self.comet_precision!r}: choose fp32 or bf16")
         if self.comet_lines < 1:
             raise NmtError("--comet-lines must be at least 1")
         if not self.device == "auto" and not self.device.startswith(("cpu", "cuda")):

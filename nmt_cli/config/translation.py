@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from nmt_cli.config.common import PRECISIONS, knob
+from nmt_cli.config.common import COMET_PRECISION_HELP, COMET_PRECISIONS, PRECISIONS, knob
 from nmt_cli.errors import NmtError
 
 ENGINES = ("auto", "nmt", "ctranslate2")
@@ -238,6 +238,7 @@ class TranslateConfig:
     int8: bool = knob(False, "int8 weights, decoded by CTranslate2 (pip install 'nmt-cli[ct2]').")
     comet: str | None = knob(None, COMET_HELP)  # --mbr comet's
     kiwi: str | None = knob(None, KIWI_HELP)  # --rerank kiwi's
+    comet_precision: str = knob("fp32", COMET_PRECISION_HELP)  # the COMET models' above
     engine: str = knob(
         "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
     )
@@ -262,6 +263,8 @@ class TranslateConfig:
             raise NmtError("--batch-size must not be negative (0: the engine's own)")
         if self.precision not in PRECISIONS:
             raise NmtError(f"unknown --precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.comet_precision not in COMET_PRECISIONS:
+            raise NmtError(f"unknown --comet-precision {self.comet_precision!r}: choose fp32 or bf16")
         if self.int8 and self.precision not in ("auto", "fp32"):
             raise NmtError("--int8 quantises an fp32 model: drop --precision or use fp32")
         if self.engine not in ENGINES:
