@@ -60,7 +60,7 @@ def build_spec(model: Model):
     )
     spec.config.layer_norm_epsilon = c.norm_eps
     spec.config.add_source_eos = True
-    table = sinusoids(c.max_positions, c.d_model, c.positions).numpy()
+    table = sinusoids(c.max_positions, c.d_model, c.positions, c.position_offset).numpy()
 
     def norm(dst, name: str) -> None:
         dst.gamma, dst.beta = w[f"{name}.weight"], w[f"{name}.bias"]

@@ -90,6 +90,14 @@ class Model:
         return self.members or (self,)
 
     @property
+    def languages(self) -> dict[str, str]:
+        """A multilingual model's language codes and their tokens (an M2M100 or NLLB import,
+        as its provenance records them); empty for a model of one pair."""
+        if self.members:
+            return self.members[0].languages
+        return dict(self.provenance.get("imported", {}).get("languages", {}))
+
+    @property
     def tags(self) -> tuple[str, ...]:
         """The corpus tags it was trained with (`nmt prep custom --tag`), as its provenance
         records them; an ensemble's: those of all its members."""

@@ -187,6 +187,25 @@ MULTI30K_FILES = {  # (split, name): (sha256, bytes)
         "de": ("a2c89666db00c495cd8513b9d708d5a3acc205d7de312ef2bf5fb7ebc1540aee", 21471),
     },
 }
+# The French and Czech sides, line-aligned with the English and German (test_2017_flickr has
+# French only): for many-to-many work and multilingual models' tests
+MULTI30K_MORE_FILES = {  # (split, name): {lang: (sha256, bytes)}
+    ("train", "train"): {
+        "fr": ("622e75069e9f4c577425c4f277116ce66e63a2401c0a2312d90073cb12379a3c", 604242),
+        "cs": ("a65adb8b32e3bc664f21ecba7a6e7f6950fd1f405e135f7c312faabdb6255077", 593827),
+    },
+    ("valid", "val"): {
+        "fr": ("ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9", 23001),
+        "cs": ("b63226e05c4bd5dd6a42897d74b86a1b9d2c31498252c572b1ea7f7996927fcc", 22096),
+    },
+    ("test", "test_2016_flickr"): {
+        "fr": ("6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90", 22310),
+        "cs": ("200a4a74cc9560f051924abb9803be008d1908d77f747e9141aeb86dfd2797f1", 22572),
+    },
+    ("test2017", "test_2017_flickr"): {
+        "fr": ("3ba671ceb2299f3304ffafefea7a833d08632fbaf0ba18546f8a2ec2391af496", 20434),
+    },
+}
 MULTI30K_EN_DE: Recipe = {
     split: [
         {

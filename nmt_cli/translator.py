@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TextIO, cast
 
 import numpy as np
 
-from nmt_cli import mbr
+from nmt_cli import languages, mbr
 from nmt_cli.backend import Backend, engine_of
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
 from nmt_cli.errors import NmtError
+from nmt_cli.languages import Languages
 from nmt_cli.models import Model
 from nmt_cli.normalize import normalize
 from nmt_cli.textio import Counts, requests
@@ -110,6 +111,9 @@ class Translator:
                     f"{sp.get_piece_size()}: they are from different runs"
                 )
         self.src_lang, self.tgt_lang = model.src, model.tgt
+        self.languages = Languages.of(
+            model.languages, self.target_sp.piece_to_id, model.src, model.tgt, model.where
+        )
         self.where, self.tags = model.where, model.tags
         self.check_tag(config.decode.tag)
         # room for the EOS in every model; a target also has its BOS before it
@@ -135,14 +139,27 @@ class Translator:
                 )
             )
 
-    def encode(self, lines: list[str], tag: str = "") -> list[list[int]]:
-        """Source lines as ids, cleaned as training's were, `tag` before each (not an empty one)."""
+    def language_tokens(self, options: DecodeOptions) -> tuple[list[int], list[int]]:
+        """A multilingual model's first source token and first target token for `options`
+        (none for a model of one pair); one error line for what it cannot take."""
+        if self.languages is None:
+            languages.refuse(options.src_lang, options.tgt_lang, self.where)
+            return [], []
+        if options.alignments:
+            raise NmtError("--alignments of a multilingual model's translations: not yet")
+        return self.languages.tokens(options.src_lang, options.tgt_lang)
+
+    def encode(self, lines: list[str], tag: str = "", first: list[int] | None = None) -> list[list[int]]:
+        """Source lines as ids, cleaned as training's were, `tag` before each (not an empty one),
+        and `first` (a language token) before all."""
         # a piece holds a few characters at most: a line is cut far past what the model reads
         # (and counted as cut below) before sentencepiece makes a list of ids of all of it
         cleaned = [normalize(line, self.src_lang)[: PIECE_CHARS * self.max_src] for line in lines]
         if tag:
             cleaned = [f"{tag} {line}" if line else line for line in cleaned]
         ids = self.source_sp.encode(cleaned, out_type=int)
+        if first:
+            ids = [first + x if x else x for x in ids]
         for i, x in enumerate(ids):
             if len(x) > self.max_src:
                 ids[i] = x[: self.max_src]
@@ -164,9 +181,12 @@ class Translator:
         and its memory are bounded by them, so they are read on the server's event loop: the
         pieces of the raw text, not cleaned (cleaning would cost most of the time and changes a
         count by a piece or two)."""
-        tagged = 1 if options.tag else 0
+        first, start = self.language_tokens(options)
+        tagged = (1 if options.tag else 0) + len(first)
         lengths = [min(len(x) + tagged, self.max_src) if x else 0 for x in self.source_sp.encode(lines)]
         forced = self.target_sp.encode(prefixes) if prefixes is not None else None
+        if start:
+            forced = [start + f for f in forced] if forced is not None else [start] * len(lines)
         phrases = [self.target_sp.encode(c) for c in constraints] if constraints else None
         work = self.work_of(lengths, options, forced, phrases)
         sizes = []
@@ -199,7 +219,13 @@ class Translator:
         CPU, one model without a shortlist, a search that takes sentences midway
         (decoding.Running.takes), no alignments. Not on a GPU until one has measured it."""
         joins = getattr(self.backend, "joins", None)
-        return self.engine == "nmt" and not options.alignments and joins is not None and joins(options)
+        return (
+            self.engine == "nmt"
+            and not options.alignments
+            and self.languages is None  # its language tokens go in and out in hypotheses()
+            and joins is not None
+            and joins(options)
+        )
 
     def running(self, options: DecodeOptions):
         """A running batch for sentences with `options` (but for the seed, alpha and length
@@ -283,6 +309,7 @@ class Translator:
         if any(o.shared() != options.shared() for o in each):
             raise ValueError("the lines of one call may differ in seed and alpha only")
         self.check_tag(options.tag)
+        first, forced = self.language_tokens(options)
         if options.epsilon and self.engine == "ctranslate2":
             raise NmtError("CTranslate2 has no --epsilon sampling: use --topp, or nmt's engine")
         if options.chooses:
@@ -290,8 +317,9 @@ class Translator:
         if constraints is not None and any(constraints):
             self.check_constraints(options)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
-        ids = self.encode(lines, options.tag)
+        ids = self.encode(lines, options.tag, first)
         starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
+        starts = [forced + s for s in starts]
         # a phrase that cleaning leaves empty asks for nothing
         phrases = [[x for x in self.encode_targets(c) if x] for c in constraints or [[] for _ in lines]]
         sources = [
@@ -320,7 +348,7 @@ class Translator:
                 out[i] = h
         if options.alignments:
             self.align(ids, out, options.tag)
-        return out
+        return languages.stripped(out) if forced else out
 
     def by_mbr(
         self,
@@ -419,6 +447,8 @@ class Translator:
     def score_pairs(self, sources: list[str], targets: list[str]) -> list[PairScore]:
         """How likely the model finds each target line as the translation of its source line
         (forced decoding), scored as the search scores its hypotheses."""
+        if self.languages is not None:
+            raise NmtError("score-pairs of a multilingual model: not yet")
         src_ids, tgt_ids = self.encode(sources, self.config.decode.tag), self.encode_targets(targets)
         out: list[PairScore] = [PairScore(0.0, 0, 0.0)] * len(sources)
         batches = list(self.batches(src_ids, range(len(src_ids))))

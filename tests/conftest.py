@@ -103,7 +103,7 @@ def multi30k_folder() -> Path:
     from nmt_cli import fetch, recipes
     from nmt_cli.errors import NmtError
 
-    for (_, name), sides in recipes.MULTI30K_FILES.items():
+    for (_, name), sides in (*recipes.MULTI30K_FILES.items(), *recipes.MULTI30K_MORE_FILES.items()):
         for lang, (sha256, size) in sides.items():
             source = fetch.Source(f"{recipes.MULTI30K_BASE}{name}.{lang}.gz", sha256, size)
             try:

@@ -29,7 +29,7 @@ def peak_of(code: str) -> tuple[str, int]:
     script = textwrap.dedent(
         """
         import resource, sys, torch
-        import nmt_cli.huggingface, nmt_cli.models
+        import nmt_cli.hf.read, nmt_cli.models
         from nmt_cli.errors import NmtError
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
@@ -93,7 +93,7 @@ def test_a_deflated_pytorch_model_bin_is_refused_by_the_import(bomb, marian, tmp
     shutil.copytree(marian, folder)
     (folder / "model.safetensors").unlink()
     shutil.copy(bomb, folder / "pytorch_model.bin")
-    said, grew = peak_of(f"nmt_cli.huggingface.read_marian(__import__('pathlib').Path({str(folder)!r}))")
+    said, grew = peak_of(f"nmt_cli.hf.read.read_marian(__import__('pathlib').Path({str(folder)!r}))")
     assert "holds a compressed member" in said and grew < MOST, (said, grew)
 
 
@@ -130,7 +130,7 @@ def test_a_vocabulary_far_larger_than_its_embedding_table_is_refused_before_the_
     save_file(weights, folder / "model.safetensors")
     vocab = {"</s>": 0, "<unk>": 1, **{f"piece{i}": i % 2 for i in range(300_000)}}
     (folder / "vocab.json").write_text(json.dumps(vocab))
-    said, grew = peak_of(f"nmt_cli.huggingface.read_marian(__import__('pathlib').Path({str(folder)!r}))")
+    said, grew = peak_of(f"nmt_cli.hf.read.read_marian(__import__('pathlib').Path({str(folder)!r}))")
     assert "an embedding table is (2, 1024)" in said and grew < MOST, (said, grew)
 
 

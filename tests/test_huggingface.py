@@ -29,7 +29,7 @@ def marian(tmp_path_factory, multi30k_dir):
 
 @pytest.fixture(scope="module")
 def imported(marian, tmp_path_factory):
-    from nmt_cli.huggingface import import_marian
+    from nmt_cli.hf.read import import_marian
 
     out = tmp_path_factory.mktemp("imported") / "pkg"
     import_marian(marian, out)

@@ -203,7 +203,7 @@ def export(
     elif fmt == "ctranslate2":
         export_mod.export_ct2(found, out, quantization)
     elif fmt == "huggingface":
-        from nmt_cli.huggingface import export_huggingface
+        from nmt_cli.hf.write import export_huggingface
 
         if quantization != "float32":
             raise NmtError("--quantization is for --format ctranslate2")
@@ -232,7 +232,7 @@ def import_(
 ) -> None:
     """Read a Marian model in the Hugging Face format (OPUS-MT) as an nmt package: translate,
     serve, score, export it, or fine-tune it (`nmt bpe --from PACKAGE`, `nmt train --init-from PACKAGE`)."""
-    from nmt_cli.huggingface import import_marian
+    from nmt_cli.hf.read import import_marian
 
     imported = import_marian(folder, out, src, tgt)
     c = imported.config

@@ -33,6 +33,8 @@ class ModelConfig:
     positions: str = "tensor2tensor"  # the sinusoids' layout (model.sinusoids): or "marian"
     output_bias: bool = False  # a fixed bias on the output scores (Marian's final_logits_bias)
     scale_embedding: bool = True  # embeddings times sqrt(d_model)
+    # The first token's position: M2M100 and NLLB number positions after their padding id (2)
+    position_offset: int = 0
 
     def __post_init__(self) -> None:
         """Every setting within bounds before anything is built from it: a model file may come
@@ -67,7 +69,7 @@ ACTIVATIONS = ("relu", "swish", "gelu")
 POSITIONS = ("tensor2tensor", "marian")
 # The settings models made elsewhere set (`nmt import`), with nmt's own values (their defaults):
 # a package whose model keeps them all is written without them, readable by an nmt from before.
-FOREIGN = ("activation", "norm_eps", "positions", "output_bias", "scale_embedding")
+FOREIGN = ("activation", "norm_eps", "positions", "output_bias", "scale_embedding", "position_offset")
 FOREIGN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in FOREIGN}
 
 # What a model may declare: past the largest models in use, short of what one file could make its
@@ -81,4 +83,5 @@ MODEL_BOUNDS = {
     "ffn": (1, 65_536),
     "heads": (1, 256),
     "max_positions": (2, 16_384),
+    "position_offset": (0, 16_384),
 }

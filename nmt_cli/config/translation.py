@@ -132,6 +132,16 @@ class DecodeOptions:
     tag: str = knob(
         "", "Put this corpus tag before every source line, as training did (`nmt prep custom --tag`)."
     )
+    src_lang: str = knob(
+        "",
+        "A multilingual model's source language, its code (M2M100: de; NLLB: deu_Latn; default: "
+        "the one `nmt import` was given).",
+    )
+    tgt_lang: str = knob(
+        "",
+        "A multilingual model's target language: its token is forced first and left out of the "
+        "translation (default: the one `nmt import` was given).",
+    )
 
     @property
     def chooses(self) -> bool:

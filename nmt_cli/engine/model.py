@@ -28,14 +28,17 @@ if TYPE_CHECKING:
     from nmt_cli.engine.cache import DecoderCache, FixedCache, RowCache
 
 
-def sinusoids(length: int, d: int, layout: str = "tensor2tensor") -> Tensor:
-    """Positional encodings, section 3.5: sin on the first half of the channels, cos on the second.
+def sinusoids(length: int, d: int, layout: str = "tensor2tensor", offset: int = 0) -> Tensor:
+    """Positional encodings, section 3.5: sin on the first half of the channels, cos on the second,
+    of positions `offset` to `offset + length`.
     tensor2tensor's frequencies run from 1 to 1/10000 over the half; Marian's (`layout`
     "marian", as transformers computes them, in float64) from 1 to 10000^(-2(h-1)/d).
     Under torch.device("meta") (shapes only), an empty table: arange's kernel there imports
     torch's compiler."""
     if torch.get_default_device().type == "meta":
         return torch.empty(length, d)
+    if offset:
+        return sinusoids(length + offset, d, layout)[offset:].clone()
     if layout == "marian":
         i = torch.arange((d + 1) // 2, dtype=torch.float64)
         angles64 = torch.arange(length, dtype=torch.float64)[:, None] / 10000 ** (2 * i / d)[None, :]
@@ -228,7 +231,9 @@ class Transformer(nn.Module):
         if c.src_vocab_size:
             self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
         self.register_buffer(
-            "positions", sinusoids(c.max_positions, c.d_model, c.positions), persistent=False
+            "positions",
+            sinusoids(c.max_positions, c.d_model, c.positions, c.position_offset),
+            persistent=False,
         )
         # Marian's final_logits_bias: a fixed part of the model, as in transformers (not trained)
         self.register_buffer("output_bias", torch.zeros(c.vocab_size) if c.output_bias else None)

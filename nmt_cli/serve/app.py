@@ -100,7 +100,13 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
             return response
         try:
             asked = parse(
-                body, config, translator.config.decode, translator.tags, translator.engine, translator.max_src
+                body,
+                config,
+                translator.config.decode,
+                translator.tags,
+                translator.engine,
+                translator.max_src,
+                tuple(translator.languages.ids) if translator.languages else (),
             )
         except OverflowError as e:
             return await refused(413, str(e), began)

@@ -31,11 +31,12 @@ def parse(
     tags: tuple[str, ...] = (),
     engine: str = "nmt",
     ceiling: int = 1023,
+    languages: tuple[str, ...] = (),
 ) -> Request:
     """The request's sentences, their prefixes and constraints, and its decoding options (any
     field of DecodeOptions, `defaults` for the rest), for a model with `tags` decoded by
-    `engine` whose outputs have at most `ceiling` tokens; ValueError (400) or OverflowError
-    (413)."""
+    `engine` whose outputs have at most `ceiling` tokens and of `languages` (a multilingual
+    model's codes); ValueError (400) or OverflowError (413)."""
     data = _json(body)
     fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
     unknown = set(data) - {"text", "prefix", "constraints"} - set(fields)
@@ -47,6 +48,15 @@ def parse(
         raise ValueError(
             f'"tag" {options.tag!r} is not a tag of this model: ' + (", ".join(tags) or "it has none")
         )
+    for name in ("src_lang", "tgt_lang"):
+        asked = getattr(options, name)
+        if asked and not languages:
+            raise ValueError(
+                f'"{name}" chooses a language of a multilingual model: this one translates one pair'
+            )
+        if asked and asked not in languages:
+            some = ", ".join(languages[:6])
+            raise ValueError(f'"{name}" {asked!r:.40} is not a language of this model ({some}, …)')
     if any(constraints or []) and (engine != "nmt" or options.sample):
         raise ValueError(
             '"constraints" are met by nmt\'s beam search: '

@@ -73,6 +73,21 @@ def test_lower_layers_do_not_import_upward():
             ), (module, imported)
 
 
+def test_the_hugging_face_wing_keeps_to_its_docstring():
+    """hf/ imports the ground, the configs and the engine's checkpoint rules; only the commands
+    (cli/) import it."""
+    graph = _imports()
+    ground = {"nmt_cli.errors", "nmt_cli.files", "nmt_cli.models", "nmt_cli.vocab", "nmt_cli.export"}
+    for module, imported in graph.items():
+        if module.startswith("nmt_cli.hf"):
+            assert all(
+                m.startswith(("nmt_cli.hf", "nmt_cli.config")) or m in ground | {"nmt_cli.engine.checkpoint"}
+                for m in imported
+            ), (module, imported)
+        elif any(m.startswith("nmt_cli.hf") for m in imported):
+            assert module.startswith("nmt_cli.cli"), module
+
+
 def _loaded_by(module: str) -> set[str]:
     code = f"import sys, {module}; print(' '.join(sys.modules))"
     return set(

@@ -42,6 +42,8 @@ CHANGED = {
     "candidates": (8, {"mbr": "chrf"}),
     "alignments": (True, {}),
     "tag": ("<bt>", {}),
+    "src_lang": ("fr", {}),
+    "tgt_lang": ("de", {}),
     "rerank": ("kiwi", {}),
 }
 # Options a request may name but the server refuses in one line: they need a second model
@@ -58,7 +60,9 @@ def test_every_decoding_option_is_a_request_field():
             with pytest.raises(ValueError, match="which the server does not load"):
                 parse(request(**{name: value}, **needs), ServeConfig(), DEFAULTS)
             continue
-        asked = parse(request(**{name: value}, **needs), ServeConfig(), DEFAULTS, tags=("<bt>",))
+        asked = parse(
+            request(**{name: value}, **needs), ServeConfig(), DEFAULTS, tags=("<bt>",), languages=("de", "fr")
+        )
         assert asked.text == ["a b c"], name
         assert asked.options == dataclasses.replace(DEFAULTS, **{name: value}, **needs), name
 
@@ -71,6 +75,13 @@ def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
     assert parse(request(constraints=[["Hund", "rote Ball"]]), ServeConfig(), DEFAULTS).constraints == [
         ["Hund", "rote Ball"]
     ]
+
+
+def test_languages_are_a_multilingual_models_own():
+    with pytest.raises(ValueError, match="\"tgt_lang\" 'cs' is not a language of this model"):
+        parse(request(tgt_lang="cs"), ServeConfig(), DEFAULTS, languages=("de", "fr"))
+    with pytest.raises(ValueError, match="this one translates one pair"):
+        parse(request(src_lang="de"), ServeConfig(), DEFAULTS)
 
 
 def test_a_ctranslate2_server_refuses_constraints():
