@@ -265,3 +265,51 @@ def test_the_server_takes_the_languages_of_each_request(imported, multi30k_dir):
         assert server.post({"text": sources[:1]})[0] == 200
     finally:
         server.stop()
+
+
+def test_trimming_keeps_the_corpus_pieces_and_its_translations(
+    folders, imported, multi30k_dir, tmp_path, nmt
+):
+    """--trim cuts the vocabulary to the pieces of a corpus and of the languages kept: the corpus
+    is cut into the same pieces, its greedy translations are the untrimmed model's wherever those
+    were made of kept pieces, and any other text still encodes."""
+    corpus = tmp_path / "corpus.txt"
+    text = lines(multi30k_dir, "val", "en", 60) + lines(multi30k_dir, "val", "de", 60)
+    corpus.write_text("\n".join(text) + "\n")
+    out = tmp_path / "trimmed"
+    done = nmt("import", folders["nllb"], out, "--src", "eng_Latn", "--tgt", "deu_Latn", "--trim", corpus,
+               "--languages", "fra_Latn")  # fmt: skip
+    assert done.code == 0, done.err
+    whole, cut = Translator.load(imported["nllb"]), Translator.load(out)
+    assert set(models.locate(out).languages) == {"eng_Latn", "deu_Latn", "fra_Latn"}
+    assert cut.target_sp.get_piece_size() < 0.8 * whole.target_sp.get_piece_size()
+    english = text[:60]
+    pieces = [whole.source_sp.id_to_piece(x) for x in whole.encode(english)]
+    assert [cut.source_sp.id_to_piece(x) for x in cut.encode(english)] == pieces
+    kept = {cut.target_sp.id_to_piece(i) for i in range(cut.target_sp.get_piece_size())}
+    options = DecodeOptions(beam=1, max_len=16)
+    before, after = (m.texts(m.hypotheses(english, options)) for m in (whole, cut))
+    held = [
+        (a, b)
+        for (a,), (b,), h in zip(before, after, whole.hypotheses(english, options))
+        if set(whole.target_sp.id_to_piece(h[0].tokens)) <= kept
+    ]
+    assert len(held) >= 30 and all(a == b for a, b in held)
+    assert cut.translate(["Ωmega ☃ zebra"], beam=1, max_len=8)  # unseen characters: <unk>, not an error
+    line = one_error_line(
+        nmt(
+            "import",
+            folders["nllb"],
+            tmp_path / "no",
+            "--tgt",
+            "deu_Latn",
+            "--trim",
+            corpus,
+            "--languages",
+            "xx_Latn",
+        )
+    )
+    assert "--languages 'xx_Latn' is not a language of" in line and not (tmp_path / "no").exists()
+    assert "--languages chooses what --trim keeps" in one_error_line(
+        nmt("import", folders["nllb"], tmp_path / "no", "--languages", "fra_Latn")
+    )

@@ -20,7 +20,7 @@ class StandIn:
     `release` on any holding "slow" (or gives up when nobody waits for it) or "stubborn", and
     upper-cases the rest; records each batch."""
 
-    config, engine, tags, max_src = TranslateConfig(), "stand-in", (), 1023
+    config, engine, tags, max_src, languages = TranslateConfig(), "stand-in", (), 1023, None
 
     def __init__(self):
         self.batches: list = []

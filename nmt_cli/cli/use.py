@@ -223,18 +223,35 @@ def import_(
     folder: Annotated[
         Path,
         typer.Argument(
-            help="A Hugging Face MarianMTModel folder (e.g. Helsinki-NLP/opus-mt-en-de, downloaded)."
+            help="A Hugging Face MarianMTModel, M2M100 or NLLB folder (e.g. Helsinki-NLP/opus-mt-en-de, "
+            "facebook/nllb-200-distilled-600M, downloaded)."
         ),
     ],
     out: Annotated[Path, typer.Argument(help="The nmt package to write (a new or empty directory).")],
     src: Annotated[Optional[str], typer.Option(help="Source language (default: the folder's own).")] = None,
     tgt: Annotated[Optional[str], typer.Option(help="Target language (default: the folder's own).")] = None,
+    trim: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            help="A multilingual model's vocabulary cut to the pieces of this text (given again: of "
+            "several files) and of --languages.",
+        ),
+    ] = None,
+    languages: Annotated[
+        Optional[str],
+        typer.Option(
+            help="With --trim: the language codes kept, comma-separated (default: --src and --tgt)."
+        ),
+    ] = None,
 ) -> None:
-    """Read a Marian model in the Hugging Face format (OPUS-MT) as an nmt package: translate,
+    """Read a Marian, M2M100 or NLLB model in the Hugging Face format as an nmt package: translate,
     serve, score, export it, or fine-tune it (`nmt bpe --from PACKAGE`, `nmt train --init-from PACKAGE`)."""
     from nmt_cli.hf.read import import_marian
 
-    imported = import_marian(folder, out, src, tgt)
+    if languages and not trim:
+        raise NmtError("--languages chooses what --trim keeps: give --trim FILE")
+    kept = [code for code in (languages or "").split(",") if code]
+    imported = import_marian(folder, out, src, tgt, trim or [], kept)
     c = imported.config
     done(
         f"imported {folder} ({c.num_encoder_layers}+{c.num_decoder_layers} layers, d_model {c.d_model}, "

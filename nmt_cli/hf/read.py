@@ -280,9 +280,17 @@ def _multilingual(folder: Path, marian: Marian, src: str | None, tgt: str | None
     return src, tgt
 
 
-def import_marian(folder: Path, out: Path, src: str | None = None, tgt: str | None = None) -> Model:
-    """Write the MarianMTModel of `folder` (or an M2M100 model `nmt export` wrote) as an nmt
-    package in `out`; returns it."""
+def import_marian(
+    folder: Path,
+    out: Path,
+    src: str | None = None,
+    tgt: str | None = None,
+    trim: list[Path] | None = None,
+    kept: list[str] | None = None,
+) -> Model:
+    """Write the Marian, M2M100 or NLLB model of `folder` as an nmt package in `out`, its
+    vocabulary cut to the pieces of the texts `trim` and the languages `kept` (default: src
+    and tgt) where given (hf/trim.py); returns it."""
     from nmt_cli import export, models
 
     folder = Path(folder)
@@ -293,6 +301,16 @@ def import_marian(folder: Path, out: Path, src: str | None = None, tgt: str | No
         src, tgt = _multilingual(folder, marian, src, tgt)
     else:
         src, tgt = languages(folder, marian.tokenizer, src, tgt)
+    if trim:
+        from nmt_cli.hf.trim import trimmed
+        from nmt_cli.textio import read_lines
+
+        wanted = list(dict.fromkeys([src, tgt, *(kept or [])]))
+        for path in trim:
+            if not Path(path).is_file():
+                raise NmtError(f"--trim {path} not found")
+        lines = (line for path in trim for line in read_lines(Path(path)))
+        marian = trimmed(marian, lines, wanted, str(folder))
     with tempfile.TemporaryDirectory() as tmp:
         vocabs = Vocabularies.in_folder(Path(tmp), joint=not marian.config.src_vocab_size)
         vocabs.source.write_bytes(marian.source)
