@@ -256,14 +256,19 @@ class _Dropout:
         return [s for s in symbols if s]
 
 
-def encode_file(sp, text: Path, prefix: Path, threads: int, bar, task) -> dict:
-    """Encode a text file into a shard; returns its token statistics."""
+def encode_file(
+    sp, text: Path, prefix: Path, threads: int, bar, task, first: list[int] | None = None
+) -> dict:
+    """Encode a text file into a shard, `first` (a language token) before each line; returns its
+    token statistics."""
     vocab = sp.get_piece_size()
     is_byte = np.array([sp.is_byte(i) for i in range(vocab)], dtype=bool)
     unk = bytes_ = longest = 0
     with ShardWriter(prefix, vocab) as writer:
         for chunk in chunks(read_lines(text), ENCODE_CHUNK):
             ids = sp.encode(chunk, out_type=int, num_threads=threads)
+            if first:
+                ids = [first + x for x in ids]
             writer.add(ids)
             flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)
             unk += int((flat == UNK).sum())
@@ -296,9 +301,13 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
         for lang in (src, tgt):
             run.require(run.text(split, lang), "prep")
     tags = corpus_tags(manifest)
+    languages = None
     if config.from_model:
         vocabs = adopt(Path(config.from_model), run, tags)
-    else:
+        languages = _languages(Path(config.from_model), config, src, tgt)
+    elif config.src_lang or config.tgt_lang:
+        raise NmtError("--src-lang and --tgt-lang name a multilingual model's languages: give --from MODEL")
+    if not config.from_model:
         vocabs = Vocabularies.in_folder(run.spm_folder, joint=not config.separate)
         auto = auto_vocab_size(manifest["splits"]["train"]["kept"])
         if vocabs.joint:
@@ -310,6 +319,14 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
             learn(config, [run.text("train", tgt)], sizes[1], [], vocabs.target, f"the target ({tgt})")
     _drop_other_layout(run, vocabs)
     source, target = vocabs.processors()
+    first = (
+        {}
+        if languages is None
+        else {
+            lang: [target.piece_to_id(languages["tokens"][languages[side]])]
+            for lang, side in ((src, "src"), (tgt, "tgt"))
+        }
+    )
     stats: dict = {}
     produced: list[Path] = [q for p in vocabs.files() for q in (p, p.with_suffix(".vocab"))]
     total = sum(manifest["splits"][s]["kept"] for s in splits) * 2
@@ -318,15 +335,46 @@ def run_bpe(config: BpeConfig, run: RunDir) -> dict:
         for split in splits:
             for lang, sp in ((src, source), (tgt, target)):
                 stats[f"{split}.{lang}"] = encode_file(
-                    sp, run.text(split, lang), run.tokens(split, lang), config.threads, bar, task
+                    sp,
+                    run.text(split, lang),
+                    run.tokens(split, lang),
+                    config.threads,
+                    bar,
+                    task,
+                    first.get(lang),
                 )
                 produced += [Path(f"{run.tokens(split, lang)}.bin"), Path(f"{run.tokens(split, lang)}.idx")]
     (run.spm_folder / shortlist.NAME).unlink(missing_ok=True)  # of other pieces, if any
     ui.say("counting the training pairs' pieces for the lexical shortlist (translate --shortlist)")
     produced.append(shortlist.for_run(run))
     sizes = {"src_vocab_size": source.get_piece_size(), "vocab_size": target.get_piece_size()}
-    run.record("bpe", produced, joint=vocabs.joint, **sizes, stats=stats)
+    said = {"languages": languages} if languages else {}
+    run.record("bpe", produced, joint=vocabs.joint, **sizes, stats=stats, **said)
     return {"joint": vocabs.joint, **sizes, "stats": stats}
+
+
+def _languages(where: Path, config: BpeConfig, src: str, tgt: str) -> dict | None:
+    """The language tokens of a multilingual model `where` (an M2M100 or NLLB import) and the
+    codes of this run's two languages, as M2M100 trains: each source line begins with its
+    language's token, each target line with its own; None for a model of one pair."""
+    from nmt_cli import models
+
+    tokens = models.locate(where).languages if not where.suffix == ".model" else {}
+    if not tokens:
+        if config.src_lang or config.tgt_lang:
+            raise NmtError(
+                f"--src-lang and --tgt-lang name a multilingual model's languages: {where} has one pair"
+            )
+        return None
+    codes = {"src": config.src_lang or src, "tgt": config.tgt_lang or tgt}
+    for side, code in codes.items():
+        if code not in tokens:
+            some = ", ".join(list(tokens)[:6])
+            raise NmtError(
+                f"{where} is multilingual and has no language {code!r:.40}: give --{side}-lang, one of its "
+                f"{len(tokens)} ({some}, …)"
+            )
+    return {"tokens": tokens, **codes}
 
 
 def show(result: dict) -> None:

@@ -135,9 +135,11 @@ def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
     refs = valid_lines(run, tgt_lang)
     sp = processor(run.vocabularies().target)
     lowercase = folds_case(run.vocabularies().target)
+    drop = language_ids(run, sp)
 
     def bleu(ids: list[list[int]]) -> float:
-        return score(sp.decode(ids)[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
+        texts = sp.decode([[t for t in x if t not in drop] for x in ids])
+        return score(texts[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
 
     return bleu
 
@@ -167,6 +169,13 @@ def compare_means(system: list[float], baseline: list[float], samples: int = 100
     }
 
 
+def language_ids(run, sp) -> set[int]:
+    """The language tokens of a run fine-tuning a multilingual model (`nmt bpe --from` one), as
+    ids of `sp`: a translation's first, never its text."""
+    bpe = run.load_manifest().get("bpe", {})
+    return {sp.piece_to_id(p) for p in (bpe.get("languages") or {}).get("tokens", {}).values()}
+
+
 def comet_of_ids(
     run, folder: str, lines: int, precision: str = "fp32", device: str = "cpu"
 ) -> Callable[[list[list[int]]], float]:
@@ -185,6 +194,7 @@ def comet_of_ids(
     prep = run.load_manifest()["prep"]
     sources, refs = (valid_lines(run, lang)[:lines] for lang in (prep["src"], prep["tgt"]))
     sp = processor(run.vocabularies().target)
+    drop = language_ids(run, sp)
     model: list = []
 
     def score(ids: list[list[int]]) -> float:
@@ -201,6 +211,7 @@ def comet_of_ids(
                 raise NmtError(
                     f"--comet {folder} is a reference-free model: give a reference-based COMET model"
                 )
-        return comet.system_score(model[0].score(sp.decode(ids[: len(refs)]), sources, refs))
+        kept = [[t for t in x if t not in drop] for x in ids[: len(refs)]]
+        return comet.system_score(model[0].score(sp.decode(kept), sources, refs))
 
     return score

@@ -91,11 +91,22 @@ class Model:
 
     @property
     def languages(self) -> dict[str, str]:
-        """A multilingual model's language codes and their tokens (an M2M100 or NLLB import,
-        as its provenance records them); empty for a model of one pair."""
+        """A multilingual model's language codes and their tokens (an M2M100 or NLLB import, or
+        a run fine-tuned from one, as its provenance records them); empty for a model of one pair."""
         if self.members:
             return self.members[0].languages
-        return dict(self.provenance.get("imported", {}).get("languages", {}))
+        imported = self.provenance.get("imported", {}).get("languages")
+        return dict(imported or self._fine_tuned.get("tokens", {}))
+
+    @property
+    def language_pair(self) -> tuple[str, str]:
+        """The codes a multilingual model translates from and to unless told: its import's, or
+        those of the pair its run was fine-tuned on."""
+        return self._fine_tuned.get("src", self.src), self._fine_tuned.get("tgt", self.tgt)
+
+    @property
+    def _fine_tuned(self) -> dict:
+        return self.provenance.get("data", {}).get("bpe", {}).get("languages") or {}
 
     @property
     def tags(self) -> tuple[str, ...]:

@@ -247,6 +247,8 @@ def _resample(run: RunDir, config: TrainConfig):
     from nmt_cli.bpe import dropout_encoding
 
     prep = run.load_manifest()["prep"]
+    if run.load_manifest().get("bpe", {}).get("languages"):
+        raise NmtError("--bpe-dropout of a run that fine-tunes a multilingual model: not yet")
 
     def resample(epoch: int):
         return tuple(

@@ -112,7 +112,7 @@ class Translator:
                 )
         self.src_lang, self.tgt_lang = model.src, model.tgt
         self.languages = Languages.of(
-            model.languages, self.target_sp.piece_to_id, model.src, model.tgt, model.where
+            model.languages, self.target_sp.piece_to_id, *model.language_pair, model.where
         )
         self.where, self.tags = model.where, model.tags
         self.check_tag(config.decode.tag)

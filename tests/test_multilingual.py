@@ -313,3 +313,44 @@ def test_trimming_keeps_the_corpus_pieces_and_its_translations(
     assert "--languages chooses what --trim keeps" in one_error_line(
         nmt("import", folders["nllb"], tmp_path / "no", "--languages", "fra_Latn")
     )
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_an_import_fine_tunes_on_one_pair_with_its_language_tokens(
+    imported, multi30k_dir, tmp_path, nmt, procs
+):
+    """`nmt bpe --from` a multilingual import puts each side's language token first in the
+    binarized data, as M2M100 trains; `train --init-from` fine-tunes it on one process and on 2
+    gloo ranks; the run's model keeps its languages, translates the pair by default (the token
+    never in the text) and others when told."""
+    from nmt_cli.rundir import RunDir
+    from nmt_cli.shards import Shard
+
+    run = tmp_path / "run"
+    assert nmt("prep", "multi30k-en-de", "--run-dir", run, "--mirror", multi30k_dir).code == 0
+    package = imported["nllb"]
+    line = one_error_line(nmt("bpe", "--run-dir", run, "--from", package))
+    assert "is multilingual and has no language 'en': give --src-lang" in line
+    languages = ["--src-lang", "eng_Latn", "--tgt-lang", "deu_Latn"]
+    assert nmt("bpe", "--run-dir", run, "--from", package, *languages).code == 0
+    tr = Translator.load(package)
+    for lang, code_ in (("en", "eng_Latn"), ("de", "deu_Latn")):
+        shard = Shard(RunDir(run).tokens("valid", lang))
+        token = tr.target_sp.piece_to_id(models.locate(package).languages[code_])
+        assert {int(shard[i][0]) for i in range(len(shard))} == {token}
+    trained = nmt(
+        "train", "--run-dir", run, "--init-from", package, "--procs", procs, "--device", "cpu",
+        "--max-steps", "4", "--eval-every", "4", "--save-every", "4", "--max-tokens", "1024",
+        "--precision", "fp32", "--eval-bleu",
+    )  # fmt: skip
+    assert trained.code == 0, trained.err
+    found = models.locate(run)
+    assert found.languages == models.locate(package).languages
+    assert found.language_pair == ("eng_Latn", "deu_Latn")
+    stdin = b"A dog runs in the snow.\nTwo men talk.\n"
+    plain = nmt("translate", "--run-dir", run, "--beam", "1", "--max-len", "8", stdin=stdin)
+    other = nmt(
+        "translate", "--run-dir", run, "--beam", "1", "--max-len", "8", "--tgt-lang", "fra_Latn", stdin=stdin
+    )
+    assert plain.code == other.code == 0, (plain.err, other.err)
+    assert len(plain.out.splitlines()) == 2 and "_Latn" not in plain.out + other.out

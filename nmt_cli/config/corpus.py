@@ -108,6 +108,16 @@ class BpeConfig:
         "Encode with this model's sentencepiece models (a run directory, a package, or a .model "
         "file) instead of learning one.",
     )
+    src_lang: str = knob(
+        "",
+        "With --from a multilingual model (M2M100, NLLB): its code of the source's language, whose "
+        "token begins every source line (default: prep's --src, where the model has it).",
+    )
+    tgt_lang: str = knob(
+        "",
+        "With --from a multilingual model: its code of the target's language, whose token begins "
+        "every target line (default: prep's --tgt, where the model has it).",
+    )
     sample_lines: int = knob(500_000, "Sentences (both sides) sampled to learn BPE from.")
     seed: int = knob(1, "Seed of the sample.")
     # Casing is folded inside the sentencepiece model, so translation time folds it too.
