@@ -1,6 +1,7 @@
 """`nmt import --trim`: a base-shaped NLLB with its 256k-piece vocabulary (6+6 layers, d_model 512,
 8 heads, FFN 2048, random weights; its sentencepiece model learned on Multi30k's four languages
-and filled up to 256,000 pieces with pieces of characters Multi30k never has; NLLB's numbering in
+and filled up to 256,000 pieces with pieces of characters Multi30k never has, whose embeddings
+are zeros, as a trained model's pieces of other scripts never score highest on it; NLLB's numbering in
 tokenizer.json and its 202 language codes), imported whole and trimmed to Multi30k's training
 text in en, de, fr and cs: each import's time and peak memory, each package's parameters, then
 both translating the same Multi30k validation lines (en -> de), each a process of its own end
@@ -34,16 +35,17 @@ LANGUAGES = {"en": "eng_Latn", "de": "deu_Latn", "fr": "fra_Latn", "cs": "ces_La
 def build(folder: Path, multi30k: Path, pieces: int = 256_000) -> Path:
     """The NLLB-shaped folder, as its published one is laid out (the files nmt reads)."""
     import torch
-    from m2m100 import _sentencepiece
+    from m2m100 import _sentencepiece, shaped
     from sentencepiece import sentencepiece_model_pb2 as pb
-    from transformers import M2M100Config, M2M100ForConditionalGeneration
+    from transformers import M2M100ForConditionalGeneration
     from transformers.models.nllb.tokenization_nllb import FAIRSEQ_LANGUAGE_CODES
 
     folder.mkdir(parents=True)
     model_file = _sentencepiece(folder, multi30k, 8000)
     proto = pb.ModelProto()
     proto.ParseFromString(model_file.read_bytes())
-    for n in range(pieces - len(proto.pieces)):  # characters of the private use area: never in Multi30k
+    learned = len(proto.pieces)
+    for n in range(pieces - learned):  # characters of the private use area: never in Multi30k
         proto.pieces.add(piece=chr(0xE000 + n % 6000) + str(n // 6000), score=-1e4 - n, type=1)
     proto.trainer_spec.vocab_size = len(proto.pieces)
     model_file.write_bytes(proto.SerializeToString())
@@ -64,25 +66,12 @@ def build(folder: Path, multi30k: Path, pieces: int = 256_000) -> Path:
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "NllbTokenizer", "src_lang": "eng_Latn", "tgt_lang": "deu_Latn"})
     )
-    config = M2M100Config(
-        vocab_size=top + len(FAIRSEQ_LANGUAGE_CODES) + 3,
-        d_model=512,
-        encoder_layers=6,
-        decoder_layers=6,
-        encoder_attention_heads=8,
-        decoder_attention_heads=8,
-        encoder_ffn_dim=2048,
-        decoder_ffn_dim=2048,
-        max_position_embeddings=1024,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        scale_embedding=True,
-        init_std=0.02,
-    )
+    config = shaped(top + len(FAIRSEQ_LANGUAGE_CODES) + 3, 512, 6, 8, 2048, 1024, 0.02)
     torch.manual_seed(0)
-    M2M100ForConditionalGeneration(config).save_pretrained(folder)
+    model = M2M100ForConditionalGeneration(config)
+    with torch.no_grad():  # the filler: pieces of scripts a trained model never scores highest here
+        model.get_input_embeddings().weight[learned + 1 : top] = 0.0
+    model.save_pretrained(folder)
     return folder
 
 

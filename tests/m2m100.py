@@ -56,7 +56,7 @@ def make_m2m100(
     """The folder of a tiny random `kind` ("m2m100" or "nllb") model."""
     import sentencepiece as spm
     import torch
-    from transformers import AutoTokenizer, M2M100Config, M2M100ForConditionalGeneration
+    from transformers import AutoTokenizer, M2M100ForConditionalGeneration
 
     folder.mkdir(parents=True, exist_ok=True)
     model_file = _sentencepiece(folder, multi30k, 1000)
@@ -81,25 +81,8 @@ def make_m2m100(
         (folder / "tokenizer_config.json").unlink()
         size = len(tokenizer)
     tokenizer.save_pretrained(folder)
-    config = M2M100Config(
-        vocab_size=size,
-        d_model=d_model,
-        encoder_layers=layers,
-        decoder_layers=layers,
-        encoder_attention_heads=heads,
-        decoder_attention_heads=heads,
-        encoder_ffn_dim=ffn,
-        decoder_ffn_dim=ffn,
-        max_position_embeddings=128,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-        scale_embedding=True,
-        init_std=0.2,
-        dropout=0.0,
-        tokenizer_class="M2M100Tokenizer" if kind == "m2m100" else "NllbTokenizer",
-    )
+    config = shaped(size, d_model, layers, heads, ffn, 128, 0.2)
+    config.tokenizer_class = "M2M100Tokenizer" if kind == "m2m100" else "NllbTokenizer"
     torch.manual_seed(seed)
     model = M2M100ForConditionalGeneration(config)
     with torch.no_grad():
@@ -108,3 +91,28 @@ def make_m2m100(
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(folder)
     return folder
+
+
+def shaped(size: int, d_model: int, layers: int, heads: int, ffn: int, positions: int, init_std: float):
+    """transformers' M2M100Config of a model of this shape, numbered as fairseq numbers (<s> 0,
+    <pad> 1, </s> 2, the decoder starting from </s>), embeddings scaled, no dropout."""
+    from transformers import M2M100Config
+
+    return M2M100Config(
+        vocab_size=size,
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
+        max_position_embeddings=positions,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        scale_embedding=True,
+        init_std=init_std,
+        dropout=0.0,
+    )

@@ -315,14 +315,14 @@ def test_trimming_keeps_the_corpus_pieces_and_its_translations(
     )
 
 
-@pytest.mark.parametrize("procs", [1, 2])
+@pytest.mark.parametrize("procs, how", [(1, ["--adapters", "4"]), (2, ["--freeze", "embeddings"])])
 def test_an_import_fine_tunes_on_one_pair_with_its_language_tokens(
-    imported, multi30k_dir, tmp_path, nmt, procs
+    imported, multi30k_dir, tmp_path, nmt, procs, how
 ):
     """`nmt bpe --from` a multilingual import puts each side's language token first in the
-    binarized data, as M2M100 trains; `train --init-from` fine-tunes it on one process and on 2
-    gloo ranks; the run's model keeps its languages, translates the pair by default (the token
-    never in the text) and others when told."""
+    binarized data, as M2M100 trains; `train --init-from` fine-tunes it (with adapters on one
+    process, its embeddings frozen on 2 gloo ranks); the run's model keeps its languages,
+    translates the pair by default (the token never in the text) and others when told."""
     from nmt_cli.rundir import RunDir
     from nmt_cli.shards import Shard
 
@@ -341,7 +341,7 @@ def test_an_import_fine_tunes_on_one_pair_with_its_language_tokens(
     trained = nmt(
         "train", "--run-dir", run, "--init-from", package, "--procs", procs, "--device", "cpu",
         "--max-steps", "4", "--eval-every", "4", "--save-every", "4", "--max-tokens", "1024",
-        "--precision", "fp32", "--eval-bleu",
+        "--precision", "fp32", "--eval-bleu", *how,
     )  # fmt: skip
     assert trained.code == 0, trained.err
     found = models.locate(run)
