@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 from conftest import DEADLINE
-from test_serve_queue import Costly, StandIn, _in_process
+from test_serve_queue import Costly, StandIn, Stepping, _in_process
 
 from nmt_cli.translator import Translator
 
@@ -176,3 +176,92 @@ def test_a_sentence_that_does_not_fit_waits_without_beginning_lanes_for_nothing(
 
     health = _in_process(translator, scenario, max_wait_ms=0, max_memory=mib)
     assert health["held_bytes"] == size and health["decoding"] == 1 and len(begun) == 1, (health, begun)
+
+
+@pytest.mark.parametrize("spare", [1, 0])
+def test_a_long_batch_that_cannot_stop_takes_the_spare_worker_and_holds_no_request_up(spare):
+    """CTranslate2 cannot stop a batch midway: a sentence of 16 typical sentences' work or more
+    (beam 16 to its longest output, say) goes to the spare worker a CPU server keeps, one such
+    batch at a time, while the other requests keep the workers they had. Without the spare,
+    the one worker holds the request that arrives behind it."""
+    import asyncio
+
+    decoder = Costly(spare, stubborn=5000)
+
+    async def scenario(post, get):
+        held = asyncio.ensure_future(post(["stubborn"]))
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        quick = asyncio.ensure_future(post(["quick"]))
+        done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if spare else 0.5)
+        again = asyncio.ensure_future(post(["stubborn"]))  # waits for the first: one at a time
+        await asyncio.sleep(0.2)
+        begun = list(decoder.batches)
+        decoder.release.set()
+        return bool(done), begun, await held, await quick, await again
+
+    beside, begun, *answers = _in_process(decoder, scenario, max_wait_ms=0)
+    assert beside == bool(spare) and all(status == 200 for status, _ in answers)
+    assert begun == ([["stubborn"], ["quick"]] if spare else [["stubborn"]])
+
+
+@pytest.mark.parametrize("room", [1, 2])
+def test_batches_begin_while_the_memory_of_those_decoding_leaves_room(room):
+    """Each sentence's search holds its bytes (here 1 MiB): with --max-memory 1 a request waits
+    for the batch that holds it, with 2 it is decoded beside it; a sentence larger than
+    --max-memory alone is refused with 413, whatever is decoding."""
+    import asyncio
+
+    decoder = Stepping()
+    decoder.size = 1 << 20
+
+    async def scenario(post, get):
+        held = asyncio.ensure_future(post(["slow"]))
+        while not decoder.batches:
+            await asyncio.sleep(0.01)
+        quick = asyncio.ensure_future(post(["quick"]))
+        done, _ = await asyncio.wait([quick], timeout=DEADLINE / 4 if room > 1 else 0.5)
+        decoder.size = (room + 1) << 20
+        refused = await post(["too large"])
+        decoder.size = 1 << 20
+        decoder.release.set()
+        return bool(done), refused, await held, await quick
+
+    beside, refused, held, quick = _in_process(
+        decoder, scenario, max_wait_ms=0, max_memory=room, concurrent_batches=4
+    )
+    assert beside == (room > 1) and held[0] == quick[0] == 200
+    assert decoder.finished == ([["quick"], ["slow"]] if room > 1 else [["slow"], ["quick"]])
+    assert refused[0] == 413 and f"decodes in {room} MiB (--max-memory)" in refused[1]["error"]
+
+
+class Wordy(StandIn):
+    """A stand-in whose sentences cost their words (rows x words), as a long sentence costs
+    CTranslate2 more than a short one."""
+
+    def work(self, sentences, options, prefixes=None, constraints=None):
+        return [options.rows * len(s.split()) for s in sentences]
+
+    def work_of(self, lengths, options, forced=None, phrases=None):
+        return [options.rows * n for n in lengths]
+
+
+@pytest.mark.parametrize("engine", ["ctranslate2", "nmt"])
+def test_a_decoder_that_cannot_share_its_steps_gets_batches_of_bounded_cost(engine):
+    """CTranslate2 cannot take a request into a batch it has begun: its batches are cut to
+    --max-batch typical sentences' work (here 4 x 32 words), a long sentence alone, so that a
+    long request goes in pieces that take their turn with the others'. nmt's engine takes its
+    steps in turn with other batches, and batches by sentences alone."""
+    long, longer = " ".join(["w"] * 100), " ".join(["w"] * 300)
+    decoder = Wordy()
+    decoder.engine = engine
+
+    async def scenario(post, get):
+        return await post([long, long, "s1", "s2", "s3", "s4", longer])
+
+    status, body = _in_process(decoder, scenario, max_batch=4, max_wait_ms=0)
+    assert status == 200 and len(body["translations"]) == 7
+    if engine == "ctranslate2":
+        assert decoder.batches == [[long], [long, "s1", "s2", "s3"], ["s4"], [longer]]
+    else:
+        assert decoder.batches == [[long, long, "s1", "s2"], ["s3", "s4", longer]]
