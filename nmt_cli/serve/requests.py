@@ -57,6 +57,8 @@ def parse(
         if asked and asked not in languages:
             some = ", ".join(languages[:6])
             raise ValueError(f'"{name}" {asked!r:.40} is not a language of this model ({some}, …)')
+    if options.alignments and languages:
+        raise ValueError('"alignments" of a multilingual model\'s translations: not yet')
     if any(constraints or []) and (engine != "nmt" or options.sample):
         raise ValueError(
             '"constraints" are met by nmt\'s beam search: '

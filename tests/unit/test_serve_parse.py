@@ -60,8 +60,9 @@ def test_every_decoding_option_is_a_request_field():
             with pytest.raises(ValueError, match="which the server does not load"):
                 parse(request(**{name: value}, **needs), ServeConfig(), DEFAULTS)
             continue
+        languages = ("de", "fr") if name.endswith("_lang") else ()  # a multilingual model's options
         asked = parse(
-            request(**{name: value}, **needs), ServeConfig(), DEFAULTS, tags=("<bt>",), languages=("de", "fr")
+            request(**{name: value}, **needs), ServeConfig(), DEFAULTS, tags=("<bt>",), languages=languages
         )
         assert asked.text == ["a b c"], name
         assert asked.options == dataclasses.replace(DEFAULTS, **{name: value}, **needs), name
@@ -80,6 +81,8 @@ def test_a_request_sets_its_own_options_and_keeps_the_servers_for_the_rest():
 def test_languages_are_a_multilingual_models_own():
     with pytest.raises(ValueError, match="\"tgt_lang\" 'cs' is not a language of this model"):
         parse(request(tgt_lang="cs"), ServeConfig(), DEFAULTS, languages=("de", "fr"))
+    with pytest.raises(ValueError, match="of a multilingual model's translations: not yet"):
+        parse(request(alignments=True), ServeConfig(), DEFAULTS, languages=("de", "fr"))
     with pytest.raises(ValueError, match="this one translates one pair"):
         parse(request(src_lang="de"), ServeConfig(), DEFAULTS)
 
