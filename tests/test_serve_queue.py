@@ -122,7 +122,8 @@ def _in_process(decoder: StandIn, scenario, on_loop_end=None, **config):
 
             return await scenario(post, get)
 
-    return asyncio.run(run())
+    # a scenario the server never answers fails the test rather than hanging the suite
+    return asyncio.run(asyncio.wait_for(run(), 5 * DEADLINE))
 
 
 def test_a_failing_request_fails_alone_and_health_sees_the_decoding_loop():
