@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -239,6 +240,13 @@ def test_languages_are_options_and_what_cannot_be_is_one_line(folders, imported,
         (["--run-dir", trained, "--tgt-lang", "de"], "translates one pair"),
     ):
         assert said in one_error_line(nmt("translate", *args, stdin=stdin))
+    for settings in ({"pad_token_id": "1"}, {"vocab_size": 10**9}, {"pad_token_id": 2000}):
+        broken = tmp_path / f"broken-{len(str(settings))}"
+        shutil.copytree(folders["m2m100"], broken)
+        config = json.loads((broken / "config.json").read_text())
+        (broken / "config.json").write_text(json.dumps({**config, **settings}))
+        line = one_error_line(nmt("import", broken, tmp_path / "x"))
+        assert "vocab_size must be a number of rows up to" in line and not (tmp_path / "x").exists()
     for kind in KINDS:
         line = one_error_line(nmt("import", folders[kind], tmp_path / "x", "--tgt", "xx"))
         assert "is multilingual: give --tgt, one of its" in line and not (tmp_path / "x").exists()

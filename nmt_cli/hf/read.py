@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nmt_cli.config import ModelConfig
+from nmt_cli.config.model import MODEL_BOUNDS
 from nmt_cli.errors import NmtError
 from nmt_cli.files import (
     read_json,
@@ -154,6 +155,13 @@ def read_marian(folder: Path) -> Marian:
     if type(eos) is not int or type(start) is not int:
         raise NmtError(f"{folder}/config.json: eos_token_id and decoder_start_token_id must be ids")
     if published:
+        size, pad = c["vocab_size"], c["pad_token_id"]
+        most = MODEL_BOUNDS["vocab_size"][1]
+        if type(size) is not int or not 0 < size <= most or type(pad) is not int or not 0 <= pad < size:
+            raise NmtError(
+                f"{folder}/config.json: vocab_size must be a number of rows up to {most:,} and "
+                "pad_token_id one of them"
+            )
         number = m2m100.numbering(
             folder, tokenizer, lambda path: files.update({path.name: sha256_file(path)})
         )
