@@ -378,6 +378,18 @@ def _rebuild_buffers(model: Comet, ckpt: Path) -> None:
         raise NmtError(f"{ckpt} does not fit the model its hparams describe (missing: {names})")
 
 
+def for_choosing(kind: str, path: str | None, precision: str, device: str) -> Comet:
+    """What --mbr comet ("comet": --comet) or --rerank kiwi ("kiwi": --kiwi) chooses by."""
+    name = "a reference-based COMET" if kind == "comet" else "a CometKiwi"
+    flag = "--mbr comet needs --comet DIR" if kind == "comet" else "--rerank kiwi needs --kiwi DIR"
+    if not path:
+        raise NmtError(f"{flag} ({name} model folder)")
+    model = load(path, precision, device)
+    if model.hparams.needs_reference != (kind == "comet"):
+        raise NmtError(f"{path} is not {name} model: {flag}")
+    return model
+
+
 def _our_name(key: str) -> str:
     """COMET's state-dict name as this module's: its encoder wraps transformers' model."""
     return "encoder." + key[len("encoder.model.") :] if key.startswith("encoder.model.") else key

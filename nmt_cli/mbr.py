@@ -13,14 +13,21 @@ each pair's n-grams again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from sacrebleu.metrics.helpers import extract_all_char_ngrams
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from nmt_cli.config.translation import MBR_METRICS
+
+if TYPE_CHECKING:
+    from nmt_cli.config import DecodeOptions
+    from nmt_cli.engine.hypothesis import Hypothesis
+    from nmt_cli.translator import Translator
 
 CHAR_ORDER, BETA = 6, 2  # sacreBLEU's chrF
 BLEU_ORDER = 4
@@ -145,3 +152,50 @@ def deduplicated(texts: Sequence[str]) -> tuple[list[int], list[int]]:
             times.append(0)
         times[slot[t]] += 1
     return first, times
+
+
+def chosen(
+    translator: Translator,
+    lines: list[str],
+    each: list[DecodeOptions],
+    keys: list[int] | None,
+    prefixes: list[str] | None,
+    constraints: list[list[str]] | None,
+    gone: Callable[[], list[bool]] | None,
+) -> list[list[Hypothesis]]:
+    """Translator.hypotheses() under --mbr or --rerank: each line's candidates searched as
+    DecodeOptions.for_candidates asks, told apart by their text, ranked by their expected
+    utility (`ranked`, a drawn text weighing as often as it was drawn; COMET's utilities from
+    one encoding of each candidate) or by CometKiwi's score with the source, the `nbest` best
+    (the last repeated where fewer differ), each scored with that figure."""
+    options = each[0]
+    judge = (
+        translator.metric("kiwi" if options.rerank else "comet")
+        if options.rerank or options.mbr == "comet"
+        else None
+    )
+    candidates = [o.for_candidates() for o in each]
+    found = translator.hypotheses(lines, candidates, keys, prefixes, constraints, gone)
+    texts = translator.texts(found)
+    firsts = [deduplicated(t) for t in texts]
+    unique = [[t[i] for i in first] for t, (first, _) in zip(texts, firsts)]
+    if options.rerank:
+        assert judge is not None
+        qe = judge.score(
+            [c for cs in unique for c in cs], [line for line, cs in zip(lines, unique) for _ in cs]
+        )
+        starts = np.cumsum([0, *map(len, unique)])
+        rankings = [best_first(np.array(qe[a:b])) for a, b in zip(starts, starts[1:])]
+    else:
+        tables = judge.mbr_utilities(lines, unique) if judge is not None else None
+        rankings = [
+            ranked(u, options.mbr, times, tables[n].numpy() if tables is not None else None)
+            for n, (u, (_, times)) in enumerate(zip(unique, firsts))
+        ]
+    out = []
+    for hyps, (first, _), ranking in zip(found, firsts, rankings):
+        best = [dataclasses.replace(hyps[first[k]], score=u) for k, u in ranking[: options.nbest]]
+        out.append(best + best[-1:] * (options.nbest - len(best)))
+    if options.alignments:
+        translator.align(translator.encode(lines, options.tag), out, options.tag)
+    return out

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TextIO, cast
 
-import numpy as np
-
 from nmt_cli import languages, mbr
 from nmt_cli.backend import Backend, engine_of
 from nmt_cli.config import DecodeOptions, TranslateConfig
@@ -359,56 +357,18 @@ class Translator:
         constraints: list[list[str]] | None,
         gone: Callable[[], list[bool]] | None,
     ) -> list[list[Hypothesis]]:
-        """hypotheses() under --mbr or --rerank: each line's candidates searched as
-        DecodeOptions.for_candidates asks, told apart by their text, ranked by their expected
-        utility (mbr.ranked, a drawn text weighing as often as it was drawn; COMET's utilities
-        from one encoding of each candidate) or by CometKiwi's score with the source, the
-        `nbest` best (the last repeated where fewer differ), each scored with that figure."""
-        options = each[0]
-        judge = (
-            self.metric("kiwi" if options.rerank else "comet")
-            if options.rerank or options.mbr == "comet"
-            else None
-        )
-        found = self.hypotheses(lines, [o.for_candidates() for o in each], keys, prefixes, constraints, gone)
-        texts = self.texts(found)
-        firsts = [mbr.deduplicated(t) for t in texts]
-        unique = [[t[i] for i in first] for t, (first, _) in zip(texts, firsts)]
-        if options.rerank:
-            assert judge is not None
-            qe = judge.score(
-                [c for cs in unique for c in cs], [line for line, cs in zip(lines, unique) for _ in cs]
-            )
-            starts = np.cumsum([0, *map(len, unique)])
-            rankings = [mbr.best_first(np.array(qe[a:b])) for a, b in zip(starts, starts[1:])]
-        else:
-            tables = judge.mbr_utilities(lines, unique) if judge is not None else None
-            rankings = [
-                mbr.ranked(u, options.mbr, times, tables[n].numpy() if tables is not None else None)
-                for n, (u, (_, times)) in enumerate(zip(unique, firsts))
-            ]
-        out = []
-        for hyps, (first, _), ranking in zip(found, firsts, rankings):
-            chosen = [dataclasses.replace(hyps[first[k]], score=u) for k, u in ranking[: options.nbest]]
-            out.append(chosen + chosen[-1:] * (options.nbest - len(chosen)))
-        if options.alignments:
-            self.align(self.encode(lines, options.tag), out, options.tag)
-        return out
+        """hypotheses() under --mbr or --rerank (mbr.chosen)."""
+        return mbr.chosen(self, lines, each, keys, prefixes, constraints, gone)
 
     def metric(self, kind: str) -> Comet:
         """The COMET model of --comet ("comet", reference-based) or --kiwi ("kiwi"), loaded once."""
         if kind not in self._metrics:
-            path = self.config.comet if kind == "comet" else self.config.kiwi
-            name = "a reference-based COMET" if kind == "comet" else "a CometKiwi"
-            flag = "--mbr comet needs --comet DIR" if kind == "comet" else "--rerank kiwi needs --kiwi DIR"
-            if not path:
-                raise NmtError(f"{flag} ({name} model folder)")
             from nmt_cli import comet
 
-            model = comet.load(path, self.config.comet_precision, self.config.device)
-            if model.hparams.needs_reference != (kind == "comet"):
-                raise NmtError(f"{path} is not {name} model: {flag}")
-            self._metrics[kind] = model
+            path = self.config.comet if kind == "comet" else self.config.kiwi
+            self._metrics[kind] = comet.for_choosing(
+                kind, path, self.config.comet_precision, self.config.device
+            )
         return self._metrics[kind]
 
     def check_constraints(self, options: DecodeOptions) -> None:
