@@ -112,6 +112,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
         allowed: list[Any] = [(dict, name) for name in LIGHTNING_DICTS]  # read as the plain dict it is
         try:
             with torch.serialization.safe_globals(allowed):
+                # mapped, not read: every member is stored whole within the file (checked
+                # above), so no tensor can hold more bytes than the file has
                 data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure is the file's
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
