@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from marian import lines
+from marian import jitter_layer_norms, lines
 
 LANGUAGES = ("en", "de", "fr", "cs")
 NLLB_CODES = {"en": "eng_Latn", "de": "deu_Latn", "fr": "fra_Latn", "cs": "ces_Latn"}
@@ -85,10 +85,7 @@ def make_m2m100(
     config.tokenizer_class = "M2M100Tokenizer" if kind == "m2m100" else "NllbTokenizer"
     torch.manual_seed(seed)
     model = M2M100ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "layer_norm" in name:  # trained LayerNorms are not all ones and zeros
-                p.add_(torch.randn_like(p) * 0.1)
+    jitter_layer_norms(model)
     model.save_pretrained(folder)
     return folder
 

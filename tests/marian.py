@@ -98,9 +98,17 @@ def make_marian(
         model.final_logits_bias.normal_(0, 1.0)
         # Marian starts the decoder from a zero vector: OPUS-MT's PAD row (its start) is zeros
         model.get_input_embeddings().weight[config.pad_token_id] = 0.0
-        for name, p in model.named_parameters():
-            if "layer_norm" in name:  # trained LayerNorms are not all ones and zeros
-                p.add_(torch.randn_like(p) * 0.1)
+    jitter_layer_norms(model)
     model.generation_config.bad_words_ids = [[config.pad_token_id]]
     model.save_pretrained(folder)
     return folder
+
+
+def jitter_layer_norms(model) -> None:
+    """Trained LayerNorms are not all ones and zeros: a transformers model's, moved a little."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
