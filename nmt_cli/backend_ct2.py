@@ -1,17 +1,15 @@
 """The CTranslate2 backend of `nmt translate` (`--engine ctranslate2`, --int8, an export):
 CTranslate2's beam search answering as nmt's own does (translate.Backend). An nmt model is
-converted on the fly (ct2_spec.save). Nothing here imports torch: a CTranslate2 export starts
+converted once and kept (ct2_cache.py). Nothing here imports torch: a CTranslate2 export starts
 without it."""
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-from nmt_cli import shortlist
+from nmt_cli import ct2_cache, shortlist
 from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
-from nmt_cli.ct2_spec import require_ctranslate2, save
+from nmt_cli.ct2_spec import require_ctranslate2
 from nmt_cli.engine.hypothesis import Hypothesis, Source, coverage_penalty, length_penalty
 from nmt_cli.engine.hypothesis import limits as output_limits
 from nmt_cli.errors import NmtError, Stopped
@@ -36,7 +34,7 @@ class Backend:
             kind, index = "cuda", list(range(gpus))
         if config.int8:
             compute_type = "int8"
-        elif config.precision == "auto" and model.ct2_dir is not None:
+        elif config.precision == "auto" and model.ct2_dir is not None and not model.converted:
             compute_type = "default"  # the export's own type
         else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
             precision = resolve_precision(config.precision, kind, decoding=True)
@@ -50,11 +48,10 @@ class Backend:
         if config.shortlist:  # CTranslate2 reads the file itself, as its vmap.txt
             shortlist.path_of(model)
         self._tmp = None
+        if model.ct2_dir is None:  # converted once (float32; compute_type quantises on load)
+            model, self._tmp = ct2_cache.converted(model)
         where = model.ct2_dir
-        if where is None:  # convert on the fly, in float32; compute_type quantises on load
-            self._tmp = tempfile.TemporaryDirectory(prefix="nmt-ct2-")
-            where = Path(self._tmp.name)
-            save(model, where)
+        assert where is not None
         try:
             # On a CPU, `threads` workers of one thread each decode `threads` batches at once:
             # CTranslate2's threads within one batch scale poorly on small matrices

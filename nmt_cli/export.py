@@ -137,8 +137,9 @@ def staged(out: Path) -> Iterator[Path]:
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16")
 
 
-def export_ct2(model: Model, out: Path, quantization: str = "float32") -> None:
-    """Write `model` as a CTranslate2 model directory, with nmt's text settings beside it."""
+def export_ct2(model: Model, out: Path, quantization: str = "float32", extra: dict | None = None) -> None:
+    """Write `model` as a CTranslate2 model directory, with nmt's text settings beside it (and
+    the `extra` settings given)."""
     if model.ct2_dir is not None:
         raise NmtError(f"{model.where} is already a CTranslate2 export")
     if quantization not in QUANTIZATIONS:
@@ -148,5 +149,12 @@ def export_ct2(model: Model, out: Path, quantization: str = "float32") -> None:
         save(model, staging, quantization)
         atomic_write_json(
             staging / SETTINGS,
-            settings(model, CT2, sha256_file(staging / CT2_WEIGHTS), staging, quantization=quantization),
+            settings(
+                model,
+                CT2,
+                sha256_file(staging / CT2_WEIGHTS),
+                staging,
+                quantization=quantization,
+                **(extra or {}),
+            ),
         )

@@ -72,6 +72,7 @@ class Model:
     provenance: dict = field(default_factory=dict)
     members: tuple[Model, ...] = ()  # an ensemble's models, decoded together (`ensemble`)
     shortlist: Path | None = None  # its lexical shortlist (shortlist.py), if it has one
+    converted: bool = False  # a CTranslate2 conversion nmt keeps of an nmt model (ct2_cache.py)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Its weights as nmt's engine loads them; a CTranslate2 export has none to give."""
@@ -179,8 +180,9 @@ def ensemble(models: list[Model]) -> Model:
 def described(run_dir: Path, paths: list[Path] | None, checkpoint: str | None) -> Model:
     """The model `load` finds, without its weights: its settings, vocabularies and languages,
     for a process that hands the decoding to workers which load it themselves (a parent that
-    loaded it would hold a copy, and on a GPU a context on GPU 0). A package is checked as
-    `load` checks it; a run's checkpoint by its record."""
+    loaded it would hold a copy, and on a GPU a context on GPU 0), or that decodes a kept
+    CTranslate2 conversion (backend.loaded). A package is checked as `load` checks it but for
+    its weights' shapes (checked where they are read); a run's checkpoint by its record."""
     if paths:
         if checkpoint:
             raise NmtError("--model and --checkpoint name two models: give --model for each")
@@ -195,7 +197,9 @@ def _described(where: Path) -> Model:
         return _described_run(_run_of(path), str(path))
     if RunDir(path).manifest_path.is_file() and not os.path.lexists(path / SETTINGS):
         return _described_run(RunDir(path), None)
-    return locate(path)  # a package or export (no weights loaded), or its one error line
+    if os.path.lexists(path / SETTINGS):
+        return from_dir(path, shapes=False)  # load() checks them, where the weights are read
+    return locate(path)  # its one error line
 
 
 def _described_run(run: RunDir, checkpoint_path: str | None) -> Model:
@@ -203,6 +207,8 @@ def _described_run(run: RunDir, checkpoint_path: str | None) -> Model:
     if path.is_dir():
         return from_dir(path)
     record_path, meta = _record(path)
+    if run.manifest_path.exists():  # checked as loading the run's model checks it
+        run.load_manifest()
 
     def refuse() -> dict[str, torch.Tensor]:
         raise NmtError(f"{path}'s weights are for the processes that decode to load")
@@ -222,14 +228,14 @@ def _described_run(run: RunDir, checkpoint_path: str | None) -> Model:
 def _found(run: RunDir, checkpoint_path: str | None) -> Path:
     """The file (or package) of the run's model: --checkpoint, else the averaged model, else the
     latest checkpoint."""
-    from nmt_cli.engine import checkpoint
+    from nmt_cli.engine import listing
 
     if checkpoint_path:
         path = Path(checkpoint_path)
     elif run.averaged.exists() and run.averaged.with_suffix(".json").exists():
         path = run.averaged
     else:
-        found = checkpoint.listed(run.checkpoints)
+        found = listing.listed(run.checkpoints)
         if not found:
             raise NmtError(f"no model in {run.root}: run `nmt train` (and `nmt average`) first")
         path = found[-1]
@@ -330,10 +336,12 @@ def _run_of(checkpoint_file: Path) -> RunDir:
     return RunDir(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
 
 
-def from_dir(path: Path) -> Model:
+def from_dir(path: Path, shapes: bool = True) -> Model:
     """A package or a CTranslate2 export. Its members may come from anyone: each must be a
     regular file (no link to /dev/zero, no FIFO) under a size cap, and the weights and the
-    sentencepiece model must match the sha256 its settings record."""
+    sentencepiece model must match the sha256 its settings record. `shapes`: whether the
+    weights' shapes are checked against the settings too (`check_shapes`, which imports torch:
+    not where only the description is wanted, `described`)."""
     path = Path(path)
     settings_path = path / SETTINGS
     if not os.path.lexists(settings_path):
@@ -389,7 +397,8 @@ def from_dir(path: Path) -> Model:
     # parsed first would be a confusing error, or hours of work); a crafted file whose sha256
     # was recorded with it is bounded by check_shapes
     _verified(weights_path, sha)
-    check_shapes(config, weights_path, settings_path)
+    if shapes:
+        check_shapes(config, weights_path, settings_path)
     return Model(path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance, shortlist=listed)
 
 

@@ -76,7 +76,7 @@ def run(
     with run_dir.lock("average"):
         average.average_run(run_dir, MULTI30K_CPU.average, ui.say)
     _step(5, "translate and score test2016")
-    hyp, ref = translate.translate_split(run_dir, "test", TranslateConfig(threads=threads))
+    hyp, ref, _ = translate.translate_split(run_dir, "test", TranslateConfig(threads=threads))
     hyps, refs = list(read_lines(hyp)), list(read_lines(ref))
     lowercase = score.writes_lowercase(None, run_dir, moses_lc=False)
     report = score.report(hyps, refs, (str(hyp), str(ref)), ["bleu", "chrf"], lowercase=lowercase)

@@ -55,7 +55,7 @@ def run(
     def given(path: str | None) -> Path | None:
         return Path(path) if path is not None else None
 
-    hyps, refs, names, found, sources = inputs(
+    hyps, refs, names, found, sources, engine = inputs(
         run,
         config.split,
         translating,
@@ -92,6 +92,9 @@ def run(
         neural=neural,
         sources=sources,
     )
+    if engine is not None:  # the scores of translations made here name the engine that made them
+        for r in out["scores"]:
+            r["signature"] += f"|engine:{engine}"
     if config.ref is None and not model:
         atomic_write_json(run.scores(config.split), out)
     if config.json:
@@ -119,26 +122,29 @@ def inputs(
     hyp: Path | None,
     ref: Path | None,
     stdin: Callable[[], list[str]],
-) -> tuple[list[str], list[str], tuple[str, str], Model | None, list[str] | None]:
+) -> tuple[list[str], list[str], tuple[str, str], Model | None, list[str] | None, str | None]:
     """What `nmt score` scores, with the names of where it came from: `src` translated by the
     model (`load`), the run's `split` translated, or `hyp` (else stdin) as given; each against its
-    references. Also the model, where one was loaded, and the source lines, where known."""
+    references. Also the model, where one was loaded, the source lines, where known, and the
+    engine that translated, where this command did."""
     if src is not None:
         if ref is None or hyp is not None:
             raise NmtError("--src needs --ref, and not --hyp")
         model = load()
+        lines, engine = translate.translate_lines(model, config, src)
         return (
-            translate.translate_lines(model, config, src),
+            lines,
             list(read_lines(ref)),
             (f"{src} translated", str(ref)),
             model,
             list(read_lines(src)),
+            engine,
         )
     if ref is None:
         if hyp is not None:
             raise NmtError("--hyp needs --ref (or give neither to score the run's test set)")
         model = load() if model_given else None
-        hyp_path, ref_path = translate.translate_split(run, split, config, model)
+        hyp_path, ref_path, engine = translate.translate_split(run, split, config, model)
         src_path = run.text(split, run.load_manifest()["prep"]["src"], raw=True)
         names = (str(hyp_path), str(ref_path))
         return (
@@ -147,9 +153,10 @@ def inputs(
             names,
             model,
             list(read_lines(src_path)),
+            engine,
         )
     hyps = list(read_lines(hyp)) if hyp is not None else stdin()
-    return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None, None
+    return hyps, list(read_lines(ref)), (str(hyp) if hyp else "stdin", str(ref)), None, None, None
 
 
 def target_language(run: RunDir, model: Model | None) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from nmt_cli import ui, workers
+from nmt_cli.backend import choose
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_json, read_json
@@ -21,9 +22,9 @@ from nmt_cli.translator import Translator
 
 def translate_split(
     run: RunDir, split: str, config: TranslateConfig, model: Model | None = None
-) -> tuple[Path, Path]:
+) -> tuple[Path, Path, str]:
     """Translate the run's split with `model` (default: the run's) unless a translation by the
-    same model and settings exists."""
+    same model, settings and engine exists: the translation, the references and the engine."""
     manifest = run.load_manifest().get("prep")
     if not manifest:
         raise NmtError(f"{run.root} has no prepared data: run `nmt prep` first, or pass --ref")
@@ -33,17 +34,22 @@ def translate_split(
     ref_path = run.require(run.text(split, manifest["tgt"], raw=True), "prep")
     out = run.translation(split, manifest["tgt"])
     model = model or from_run(run, config.checkpoint)
-    key = {"model": str(model.where), "model_sha256": model.sha256, "settings": dataclasses.asdict(config)}
+    choice = choose(model, config)
+    key = {
+        "model": str(model.where),
+        "model_sha256": model.sha256,
+        "settings": dataclasses.asdict(config),
+        "engine": choice.engine,
+    }
     key_path = out.with_suffix(out.suffix + ".json")
     if out.exists() and key_path.exists() and read_json(key_path) == key:
-        ui.say(f"reusing {out} (same model and settings)")
-        return out, ref_path
+        ui.say(f"reusing {out} (same model, settings and engine)")
+        return out, ref_path, choice.engine
     with open(src_path, "rb") as source, atomic_open(out) as sink:
-        stream(
-            Translator(model, config), source, sink, f"translate {split}", manifest["splits"][split]["kept"]
-        )
+        translator = Translator(model, config, choice=choice)
+        stream(translator, source, sink, f"translate {split}", manifest["splits"][split]["kept"])
     atomic_write_json(key_path, key)
-    return out, ref_path
+    return out, ref_path, choice.engine
 
 
 def stream(
@@ -96,13 +102,14 @@ def report_counts(counts: Counts, max_src: int) -> None:
         )
 
 
-def translate_lines(model: Model, config: TranslateConfig, src: Path) -> list[str]:
-    """The translations of the file `src`, one per line."""
+def translate_lines(model: Model, config: TranslateConfig, src: Path) -> tuple[list[str], str]:
+    """The translations of the file `src`, one per line, and the engine that made them."""
     import io
 
     if not Path(src).is_file():
         raise NmtError(f"{src} not found")
     sink = io.StringIO()
+    translator = Translator(model, config)
     with open(src, "rb") as source:
-        stream(Translator(model, config), source, sink, f"translate {Path(src).name}")
-    return sink.getvalue().splitlines()
+        stream(translator, source, sink, f"translate {Path(src).name}")
+    return sink.getvalue().splitlines(), translator.engine

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TextIO, cast
 
+from nmt_cli import backend as engines
 from nmt_cli import languages, mbr
-from nmt_cli.backend import Backend, engine_of
+from nmt_cli.backend import Backend, Choice
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
 from nmt_cli.errors import NmtError
@@ -66,22 +67,37 @@ class PairScore:
         return self.total / self.tokens if self.tokens else 0.0
 
 
-def check_constraints(engine: str, options: DecodeOptions) -> None:
-    """One line where --constraints cannot be met by `engine` with `options`."""
-    if engine == "ctranslate2":
-        raise NmtError("--constraints need nmt's engine: drop --engine ctranslate2 and --int8")
-    if options.sample:
+def check_options(choice: Choice, options: DecodeOptions, constraints: bool = False) -> None:
+    """One line where `options` (and lexical constraints, if given) cannot be met by the engine
+    `choice` names."""
+    if constraints and options.sample:
         raise NmtError("--constraints are met by beam search: drop --sample")
+    lacking = engines.refusal(choice.engine, options, constraints)
+    if lacking:
+        raise NmtError(f"{lacking}, and {choice}: choose nmt's engine (--engine nmt; engine='nmt')")
 
 
 class Translator:
     """A loaded model with its sentencepiece models, translating lists of raw lines."""
 
-    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
+    def __init__(
+        self,
+        model: Model,
+        config: TranslateConfig,
+        gpus: int = 0,
+        choice: Choice | None = None,
+        original: Callable[[], Model] | None = None,
+    ):
         """`gpus`: CTranslate2's replicas of the model, one on each of the first `gpus` GPUs,
-        sharing the batches (nmt's engine spreads over worker processes instead: workers.py)."""
+        sharing the batches (nmt's engine spreads over worker processes instead: workers.py);
+        `choice`: the engine, where the caller chose it (backend.choose, default: by `config`);
+        `original`: where `model` is a kept CTranslate2 conversion, the model it was made from,
+        for the calls of the Python API that --engine auto routes to nmt's engine."""
         self.config = config
-        self.engine = engine_of(model, config)
+        self.choice = choice or engines.choose(model, config)
+        self.engine = self.choice.engine
+        self._original = original or (lambda: model)
+        self._routed: Translator | None = None  # nmt's engine beside CTranslate2, once a call needs it
         if self.engine == "ctranslate2" and not config.cuda_graphs:  # it launches its own kernels
             raise NmtError("--no-cuda-graphs is for nmt's engine, and CTranslate2 decodes here: drop it")
         self.backend: Backend
@@ -308,12 +324,9 @@ class Translator:
             raise ValueError("the lines of one call may differ in seed and alpha only")
         self.check_tag(options.tag)
         first, forced = self.language_tokens(options)
-        if options.epsilon and self.engine == "ctranslate2":
-            raise NmtError("CTranslate2 has no --epsilon sampling: use --topp, or nmt's engine")
+        check_options(self.choice, options, constraints is not None and any(constraints))
         if options.chooses:
             return self.by_mbr(lines, each, keys, prefixes, constraints, gone)
-        if constraints is not None and any(constraints):
-            self.check_constraints(options)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
         ids = self.encode(lines, options.tag, first)
         starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
@@ -370,9 +383,6 @@ class Translator:
                 kind, path, self.config.comet_precision, self.config.device
             )
         return self._metrics[kind]
-
-    def check_constraints(self, options: DecodeOptions) -> None:
-        check_constraints(self.engine, options)
 
     def align(self, ids: list[list[int]], hyps: list[list[Hypothesis]], tag: str) -> None:
         """Set each hypothesis's word alignment (of the source `ids`)."""
@@ -432,6 +442,10 @@ class Translator:
     ) -> list[str]:
         """`nmt translate`'s output lines for `lines`: one per line; with scores (--scores, or
         nbest > 1) `nbest` per line, as 'line<TAB>score<TAB>text' (the line numbered from 0)."""
+        routed = self.routed(self.config.decode, constraints is not None and any(constraints))
+        if routed is not None:
+            routed.counts = self.counts  # one count of lines, as one translator's
+            return routed.output(lines, prefixes, constraints)
         hyps = self.hypotheses(lines, prefixes=prefixes, constraints=constraints)
         texts = self.texts(hyps)
         o = self.config.decode
@@ -454,8 +468,7 @@ class Translator:
         (engine="ctranslate2", device="cuda", beam=5, ...): the translation defaults."""
         from nmt_cli import models
 
-        paths = [model] if isinstance(model, (str, Path)) else list(model)
-        found = models.ensemble([models.locate(Path(p)) for p in paths])
+        paths = [Path(p) for p in ([model] if isinstance(model, (str, Path)) else model)]
         decoding = {f.name for f in dataclasses.fields(DecodeOptions)}
         unknown = sorted(set(settings) - decoding - {f.name for f in dataclasses.fields(TranslateConfig)})
         if unknown or "decode" in settings:
@@ -463,9 +476,10 @@ class Translator:
                 f"unknown settings {unknown or ['decode']}: take `nmt translate`'s options, as beam=5"
             )
         decode = DecodeOptions(**{k: v for k, v in settings.items() if k in decoding})
-        return cls(
-            found, TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})
-        )
+        config = TranslateConfig(decode=decode, **{k: v for k, v in settings.items() if k not in decoding})
+        found, choice = engines.loaded(Path("."), paths, None, config)
+        original = (lambda: models.load(Path("."), paths, None)) if found.converted else None
+        return cls(found, config, choice=choice, original=original)
 
     def translate(
         self,
@@ -496,9 +510,26 @@ class Translator:
         for given, what in ((prefixes, "prefix"), (constraints, "list of constraints")):
             if given is not None and len(given) != len(lines):
                 raise NmtError(f"{len(lines)} lines but {len(given)} of {what}: give one {what} per line")
+        routed = self.routed(decode, constraints is not None and any(constraints))
+        if routed is not None:
+            return routed.translations(lines, prefixes, constraints, **options)
         hyps = self.hypotheses(lines, decode, list(range(len(lines))), prefixes, constraints)
         texts = self.texts(hyps)
         return [[Translation(t, h.score, h.alignment) for t, h in zip(ts, hs)] for ts, hs in zip(texts, hyps)]
+
+    def routed(self, options: DecodeOptions, constraints: bool) -> Translator | None:
+        """Where --engine auto chose CTranslate2 and a call of the Python API asks what is nmt's
+        engine's (backend.nmt_only): nmt's engine on the same model, loaded at the first such
+        call. The command line chooses knowing its options; the server refuses such a request."""
+        if self.engine != "ctranslate2" or not self.choice.why.startswith("auto"):
+            return None
+        why = engines.nmt_only(options, constraints)
+        if why is None:
+            return None
+        if self._routed is None:
+            config = dataclasses.replace(self.config, engine="nmt")
+            self._routed = Translator(self._original(), config, choice=Choice("nmt", f"auto: {why}"))
+        return self._routed
 
     def score(self, sources: list[str], targets: list[str]) -> list[PairScore]:
         """How likely the model finds each target as the translation of its source (what

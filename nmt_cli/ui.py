@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from rich.progress import (
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)  # logs keep whole lines
 _log: io.TextIOWrapper | None = None  # the run directory's log.txt while a command holds the run
+VERBOSE = bool(os.environ.get("NMT_VERBOSE"))  # --verbose
 
 
 def log_to(path: Path | None, header: str = "") -> None:
@@ -62,6 +64,14 @@ def say(message: str) -> None:
     message = printable(message)
     console.print(message, markup=False)
     note(message)
+
+
+def verbose(message: str) -> None:
+    """Said on the terminal under --verbose (what was chosen and why), into the run's log always."""
+    if VERBOSE:
+        say(message)
+    else:
+        note(message)
 
 
 def done(message: str, next_command: str) -> None:

@@ -175,7 +175,8 @@ def test_the_batch_size_is_the_engines_own_unless_given(package, exported, multi
     ids = Translator(from_dir(package), TranslateConfig()).encode(sources_of(multi30k_bpe)[:200])
     sizes = {}
     for name, where, given in (("nmt", package, 0), ("ct2", exported["float32"], 0), ("given", package, 60)):
-        translator = Translator(from_dir(where), TranslateConfig(threads=2, batch_size=given))
+        engine = "ctranslate2" if name == "ct2" else "nmt"
+        translator = Translator(from_dir(where), TranslateConfig(threads=2, batch_size=given, engine=engine))
         sizes[name] = [len(b) for b in translator.batches(ids)]
         sizes[name, "few"] = [len(b) for b in translator.batches(ids[:64])]
     assert sizes == {

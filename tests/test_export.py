@@ -51,7 +51,18 @@ def test_translating_from_a_package_leaves_torch_compiler_unimported(package):
     the draws' kernels import torch._dynamo, which a translation never uses and whose import
     would be most of the command's start."""
     run = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "nmt_cli", "translate", "--model", str(package)],
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "nmt_cli",
+            "translate",
+            "--model",
+            str(package),
+            "--engine",
+            "nmt",
+        ],
         input=b"A dog runs.\n",
         capture_output=True,
         timeout=DEADLINE,

@@ -143,10 +143,12 @@ def test_logged_validation_bleu_is_the_greedy_translation_score(quickstarted, nm
     logged = valid[-1]["valid_bleu"]
     assert 0.0 <= logged <= 100.0
     source = (run / "text" / "valid.raw.en").read_bytes()
-    translated = nmt(
+    translated = nmt(  # training validates with nmt's engine, the model in memory
         "translate",
         "--run-dir",
         run,
+        "--engine",
+        "nmt",
         "--beam",
         "1",
         "--checkpoint",

@@ -83,14 +83,15 @@ class Server:
 
 def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe):
     sources = sources_of(multi30k_bpe)[:60]
-    expected = Translator(from_dir(package), TranslateConfig()).translate(sources)
-    server = Server(package, "--max-wait-ms", "20")
+    expected = Translator(from_dir(package), TranslateConfig(engine="nmt")).translate(sources)
+    server = Server(package, "--engine", "nmt", "--max-wait-ms", "20")  # constraints: nmt's engine's
     try:
         assert server.get("/health") == (
             200,
             {
                 "status": "ok",
                 "engine": "nmt",
+                "engine_why": "--engine nmt",
                 "queued": 0,
                 "decoding": 0,
                 "given_up": 0,
@@ -117,13 +118,13 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         assert status == 200 and len(body["translations"][0]) == 2
         assert body["translations"][0][0]["text"] == expected[0]
         assert body["translations"][1] == [{"text": "", "score": 0.0}] * 2
-        capped = Translator(from_dir(package), TranslateConfig(decode=DecodeOptions(max_len=4)))
+        capped = Translator(from_dir(package), TranslateConfig(engine="nmt", decode=DecodeOptions(max_len=4)))
         assert server.post({"text": sources[:4], "max_len": 4})[:2] == (
             200,
             {"translations": capped.translate(sources[:4])},
         )
         for option, value in (("repetition_penalty", 2.0), ("coverage_penalty", 1.0)):
-            penalty = TranslateConfig(decode=DecodeOptions(**{option: value}))
+            penalty = TranslateConfig(engine="nmt", decode=DecodeOptions(**{option: value}))
             penalised = Translator(from_dir(package), penalty)
             assert server.post({"text": sources[:6], option: value})[:2] == (
                 200,
@@ -140,7 +141,7 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         assert status == 200 and body["translations"][1] == expected[1]
         assert all(p in t for t, ps in zip(body["translations"], phrases) for p in ps), body
         # Draws depend on the request alone, not on the requests decoded in the same batch.
-        sampled = TranslateConfig(decode=DecodeOptions(sample=True, seed=4, nbest=2))
+        sampled = TranslateConfig(engine="nmt", decode=DecodeOptions(sample=True, seed=4, nbest=2))
         drawn = Translator(from_dir(package), sampled)
         request = {"text": sources[:4], "sample": True, "seed": 4, "nbest": 2}
         alone = drawn.texts(drawn.hypotheses(sources[:4], keys=[0, 1, 2, 3]))
@@ -344,7 +345,7 @@ def test_the_batch_of_a_client_that_leaves_stops_decoding(package, multi30k_bpe)
     start, and the next client is served."""
 
     sources = sources_of(multi30k_bpe)[:256]
-    server = Server(package, "--threads", "2")  # two lanes: at most 4 running batches
+    server = Server(package, "--engine", "nmt", "--threads", "2")  # two lanes: at most 4 running batches
     try:
         leaving = server.sent({"text": sources, "beam": 8, "max_len_a": 3.0})
         deadline = time.monotonic() + DEADLINE
@@ -370,8 +371,8 @@ def test_the_costliest_request_allowed_holds_no_other_up(package, multi30k_bpe):
     decodes them in running batches of their own options that take their steps in turn);
     past the caps, 400."""
     sources = sources_of(multi30k_bpe)[:8]
-    expected = Translator(from_dir(package), TranslateConfig()).translate(sources[:2])
-    server = Server(package)
+    expected = Translator(from_dir(package), TranslateConfig(engine="nmt")).translate(sources[:2])
+    server = Server(package, "--engine", "nmt")
     try:
         costly = {"text": sources, "beam": 16, "min_len": 1023, "max_len_b": 1023}
         for past in ({"min_len": 100_000}, {"max_len_b": 100_000}, {"max_len": 1024}, {"beam": 17}):
@@ -521,7 +522,7 @@ def test_searches_that_take_turns_run_in_their_callers_thread(trained, monkeypat
     )
     lines = [f"a dog runs {'on the grass ' * i}." for i in range(8)]
     for at_once, apart in ((1, True), (4, False)):
-        translator = Translator.load(trained, threads=2, batch_size=2, max_len_b=6)
+        translator = Translator.load(trained, engine="nmt", threads=2, batch_size=2, max_len_b=6)
 
         async def serve(translator=translator, at_once=at_once) -> list:
             config = ServeConfig(concurrent_batches=at_once, max_wait_ms=0, running_batch=False)

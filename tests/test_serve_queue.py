@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import DEADLINE
 
+from nmt_cli.backend import Choice
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError, Stopped
 from nmt_cli.models import from_dir
@@ -21,6 +22,7 @@ class StandIn:
     upper-cases the rest; records each batch."""
 
     config, engine, tags, max_src, languages = TranslateConfig(), "stand-in", (), 1023, None
+    choice = Choice("stand-in", "a test's")
 
     def __init__(self):
         self.batches: list = []

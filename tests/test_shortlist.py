@@ -120,8 +120,8 @@ def test_a_shortlisted_search_is_the_whole_search_with_the_rest_banned(trained_l
 def test_the_shortlist_keeps_most_translations_where_a_random_one_of_its_size_does_not(narrow, sources):
     """Measured here, on this model: the lines --shortlist leaves as they were outnumber by far
     those a random set of pieces of the same size per batch leaves."""
-    full = Translator(locate(narrow), TranslateConfig(batch_size=8)).translate(sources)
-    listed = Translator(locate(narrow), TranslateConfig(batch_size=8, shortlist=True))
+    full = Translator(locate(narrow), TranslateConfig(batch_size=8, engine="nmt")).translate(sources)
+    listed = Translator(locate(narrow), TranslateConfig(batch_size=8, shortlist=True, engine="nmt"))
     kept = listed.translate(sources)
     same = sum(a == b for a, b in zip(full, kept))
     rng = np.random.default_rng(1)

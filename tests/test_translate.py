@@ -222,7 +222,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
     both = nmt("translate", "--model", first, "--model", last, *FAST, stdin=stdin)
     assert both.code == 0, both.err
     # What the engine's ensemble search gives on the two models, decoded by hand here.
-    models = [Translator(locate(p), TranslateConfig()).backend.models[0] for p in (first, last)]
+    models = [Translator(locate(p), TranslateConfig(engine="nmt")).backend.models[0] for p in (first, last)]
     sp = spm.SentencePieceProcessor(model_file=str(RunDir(trained).vocabularies().source))
     expected = []
     for line in lines:
@@ -232,7 +232,7 @@ def test_ensembles_translate_and_score(trained, tmp_path, nmt):
         src = torch.tensor([sp.encode(line) + [EOS]])
         expected.append(sp.decode(decoding.translate(models, src, DecodeOptions(max_len_b=6))[0][0].tokens))
     assert both.out.split("\n")[:-1] == expected
-    alone = nmt("translate", "--model", last, *FAST, stdin=stdin)
+    alone = nmt("translate", "--model", last, "--engine", "nmt", *FAST, stdin=stdin)
     twice = nmt("translate", "--model", last, "--model", last, *FAST, stdin=stdin)
     assert twice.out == alone.out
     # The Python API's ensemble (the guide's Translator.load([a, b])) is the command line's.
@@ -414,7 +414,7 @@ def test_the_python_api_sets_its_threads_for_its_searches_only(trained, monkeypa
     monkeypatch.setattr(
         decoding, "translate", lambda *a, **k: seen.append(torch.get_num_threads()) or translate(*a, **k)
     )
-    api = Translator.load(trained, threads=1)
+    api = Translator.load(trained, threads=1, engine="nmt")
     assert torch.get_num_threads() == 2
     assert len(api.translate(["a dog runs .", "two men talk ."])) == 2
     assert seen == [1] and torch.get_num_threads() == 2

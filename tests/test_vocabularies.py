@@ -177,7 +177,7 @@ def test_both_engines_and_every_format_translate_a_separate_model_alike(separate
     held = Translator(models["run"], TranslateConfig()).output(lines[:3], constraints=phrases)
     assert all(p in t for t, ps in zip(held, phrases) for p in ps), held
     # the shortlist lists the target's pieces for the source's: both engines read it alike
-    listed = Translator(models["run"], TranslateConfig(shortlist=True, batch_size=1))
+    listed = Translator(models["run"], TranslateConfig(shortlist=True, batch_size=1, engine="nmt"))
     allowed = listed.backend.shortlist
     found = listed.hypotheses(lines[:20])
     assert all(
@@ -191,8 +191,9 @@ def test_both_engines_and_every_format_translate_a_separate_model_alike(separate
 
 def test_the_server_decodes_a_separate_model(separate_trained, separate_bpe):
     sources = sources_of(separate_bpe)[:8]
-    expected = Translator(from_dir(separate_trained["package"]), TranslateConfig()).translate(sources)
-    server = Server(separate_trained["package"])
+    package = separate_trained["package"]
+    expected = Translator(from_dir(package), TranslateConfig(engine="nmt")).translate(sources)
+    server = Server(package, "--engine", "nmt")  # constraints: nmt's engine's
     try:
         status, body, _ = server.post({"text": sources})
         assert status == 200 and body["translations"] == expected

@@ -37,12 +37,16 @@ def _version(value: bool) -> None:
 @app.callback()
 def root(
     debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="Say what was chosen and why (as the engine that decodes).")
+    ] = False,
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
     global _debug
     _debug = _debug or debug
+    ui.VERBOSE = ui.VERBOSE or verbose
 
 
 # The commands, in the order of `nmt --help`.
@@ -75,6 +79,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "--debug" in args:  # accepted anywhere, not only before the command
         _debug = True
         args = [a for a in args if a != "--debug"]
+    if "--verbose" in args:
+        ui.VERBOSE = True
+        args = [a for a in args if a != "--verbose"]
     command = typer.main.get_command(app)
     try:
         result = command.main(args=args, prog_name="nmt", standalone_mode=False)

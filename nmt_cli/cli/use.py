@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli import models, shortlist, workers
+from nmt_cli import models, shortlist, ui, workers
 from nmt_cli.cli.options import (
     CheckpointOption,
     ConfigFileOption,
@@ -77,37 +77,36 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli.backend import engine_of
+    from nmt_cli.backend import loaded
     from nmt_cli.translate import spread_stream, stream
-    from nmt_cli.translator import Translator, check_constraints
+    from nmt_cli.translator import Translator, check_options
 
     config = config_of(TranslateConfig, ctx)
     if print_config:
         print_settings(ctx, config, run_dir=run_dir, model=[str(m) for m in model or []])
         return
     workers.check(procs, gpus, config)
+    for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
+        if path is not None and not path.is_file():
+            raise NmtError(f"{name} {path} not found")
     spread = workers.Spread(run_dir, list(model or []), config.checkpoint, procs, gpus)
     # with workers, they load the model: this process reads and writes the lines only
-    found = (models.described if spread.workers else models.load)(run_dir, model, config.checkpoint)
-    engine = engine_of(found, config)
-    if engine == "ctranslate2":
+    found, choice = loaded(
+        run_dir, model, config.checkpoint, config, constraints is not None, procs, not spread.workers
+    )
+    check_options(choice, config.decode, constraints is not None)
+    ui.verbose(f"engine: {choice}")
+    if choice.engine == "ctranslate2":
         if procs > 1:
             raise NmtError(
                 "--procs is for nmt's engine: CTranslate2 decodes several batches at once itself, "
                 "one per --threads"
             )
-        if spread.workers:  # its replicas share the batches in this process
-            spread = dataclasses.replace(spread, gpus=0)
-            found = models.load(run_dir, model, config.checkpoint)
-    for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
-        if path is not None and not path.is_file():
-            raise NmtError(f"{name} {path} not found")
-    if constraints is not None:
-        check_constraints(engine, config.decode)
+        spread = dataclasses.replace(spread, gpus=0)  # its replicas share the batches here
     if spread.workers:
         spread_stream(found, config, spread, sys.stdin.buffer, sys.stdout, prefix, constraints)
         return
-    translator = Translator(found, config, gpus)
+    translator = Translator(found, config, gpus, choice)
     stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints)
 
 
@@ -157,6 +156,7 @@ def score_pairs(
     score a search gives it (divided by the length penalty of --alpha), tab-separated. With
     --kiwi, CometKiwi's score of the pair alone (no translation model is read)."""
     from nmt_cli import score
+    from nmt_cli.backend import loaded
     from nmt_cli.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
@@ -164,8 +164,9 @@ def score_pairs(
     if config.kiwi is not None:  # quality estimation: no translation model is read
         score.kiwi_pairs(config, src, tgt, sys.stdout, keep)
         return
-    translator = Translator(models.load(run_dir, model, config.checkpoint), config)
-    score.score_pairs(translator, src, tgt, sys.stdout, keep)
+    found, choice = loaded(run_dir, model, config.checkpoint, config)
+    ui.verbose(f"engine: {choice}")
+    score.score_pairs(Translator(found, config, choice=choice), src, tgt, sys.stdout, keep)
 
 
 @app.command()
@@ -200,6 +201,7 @@ def export(
         if quantization != "float32":
             raise NmtError("--quantization is for --format ctranslate2")
         export_mod.export_nmt(found, out)
+        _convert_ahead(out)
     elif fmt == "ctranslate2":
         export_mod.export_ct2(found, out, quantization)
     elif fmt == "huggingface":
@@ -282,14 +284,30 @@ def serve(
     print_config: PrintConfigOption = False,
 ) -> None:
     """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
-    from nmt_cli import models
+    from nmt_cli.backend import loaded
     from nmt_cli.serve import app as serve_mod
 
     translate_config, config = config_of(TranslateConfig, ctx), config_of(ServeConfig, ctx)
     if print_config:
         print_settings(ctx, translate_config, config, model=model)
         return
-    serve_mod.run(models.locate(model), translate_config, config)
+    serve_mod.require()  # before the model loads: a missing or old aiohttp is one line
+    found, choice = loaded(Path("."), [model], None, translate_config)
+    ui.verbose(f"engine: {choice}")
+    serve_mod.run(found, translate_config, config, choice)
+
+
+def _convert_ahead(package: Path) -> None:
+    """The package's CTranslate2 conversion, kept beside it now (ct2_cache.py), so that the first
+    `nmt translate` of it starts as fast as the next; nothing where CTranslate2 is not installed."""
+    from nmt_cli import ct2_cache
+
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        return
+    model, _ = ct2_cache.converted(models.from_dir(package))
+    ui.verbose(f"kept its CTranslate2 conversion in {model.ct2_dir}")
 
 
 def _stdin_lines() -> list[str]:

@@ -103,7 +103,9 @@ class DecodeOptions:
         "Hewitt et al. 2022; the likeliest token stays; 0: off).",
     )
     seed: int = knob(
-        1, "With --sample: the same seed draws the same translations, however lines are batched."
+        1,
+        "With --sample: the same seed and input draw the same translations (batched otherwise, "
+        "a draw on a float's edge may differ).",
     )
     # Minimum-Bayes-risk decoding (Freitag et al. 2022): the candidate that agrees most with the
     # others, rather than the likeliest.
@@ -250,7 +252,9 @@ class TranslateConfig:
     kiwi: str | None = knob(None, KIWI_HELP)  # --rerank kiwi's
     comet_precision: str = knob("fp32", COMET_PRECISION_HELP)  # the COMET models' above
     engine: str = knob(
-        "auto", "nmt or ctranslate2 (auto: nmt; ctranslate2 for a CTranslate2 export or --int8)."
+        "auto",
+        "auto (CTranslate2 where it does all that is asked, on a CPU; nmt's engine otherwise; "
+        "--verbose says which and why), nmt or ctranslate2.",
     )
     threads: int = knob(0, "CPU threads (0: torch's default; CTranslate2: one per CPU this process may use).")
     shortlist: bool = knob(

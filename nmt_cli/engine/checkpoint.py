@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from nmt_cli.config import ModelConfig
+from nmt_cli.engine.listing import NAME, listed  # noqa: F401  (torch-free: the models' finder reads them)
 from nmt_cli.errors import NmtError
 from nmt_cli.files import (
     atomic_open,
@@ -30,8 +31,6 @@ from nmt_cli.files import (
     sha256_file,
     sha256_of,
 )
-
-NAME = re.compile(r"checkpoint_(\d{8})\.json$")
 
 
 def save_tensors(path: Path, tensors: dict[str, Any], meta: dict) -> None:
@@ -105,14 +104,6 @@ def step_of(path: Path) -> int:
     found = NAME.match(Path(path).with_suffix(".json").name)
     assert found is not None, path  # listed() keeps only names that match
     return int(found.group(1))
-
-
-def listed(folder: Path) -> list[Path]:
-    """Committed checkpoints (those with a record), oldest first."""
-    if not Path(folder).is_dir():
-        return []
-    found = sorted((int(m.group(1)), p) for p in Path(folder).iterdir() if (m := NAME.match(p.name)))
-    return [p.with_suffix(".pt") for _, p in found]
 
 
 def prune(folder: Path, keep: int) -> None:

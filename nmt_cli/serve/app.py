@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 
 from nmt_cli import floors, ui
+from nmt_cli.backend import Choice
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.models import Model
@@ -104,7 +105,7 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
                 config,
                 translator.config.decode,
                 translator.tags,
-                translator.engine,
+                translator.choice,
                 translator.max_src,
                 tuple(translator.languages.ids) if translator.languages else (),
             )
@@ -205,6 +206,7 @@ def make_app(
             {
                 "status": "ok" if alive else "the decoding loop has stopped",
                 "engine": translator.engine,
+                "engine_why": translator.choice.why,
                 "queued": request.app[batcher_key].pending,
                 "decoding": len(request.app[batcher_key].decoding),  # batches
                 "given_up": request.app[batcher_key].stopped,  # batches nobody waited for
@@ -261,9 +263,12 @@ def make_app(
     return app
 
 
-def run(model: Model, translate_config: TranslateConfig, config: ServeConfig) -> None:
+def run(
+    model: Model, translate_config: TranslateConfig, config: ServeConfig, choice: Choice | None = None
+) -> None:
+    """Serve `model` until a signal; `choice`: its engine, where the caller chose it."""
     require()  # before the model loads: a missing or old aiohttp is one line
-    translator = Translator(model, translate_config)
+    translator = Translator(model, translate_config, choice=choice)
     connections = Connections(
         connection_limit(config.max_connections),
         config.header_timeout,

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 
+from nmt_cli.backend import Choice, refusal
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.errors import NmtError
 
@@ -29,7 +30,7 @@ def parse(
     config: ServeConfig,
     defaults: DecodeOptions,
     tags: tuple[str, ...] = (),
-    engine: str = "nmt",
+    engine: Choice = Choice("nmt", "--engine nmt"),
     ceiling: int = 1023,
     languages: tuple[str, ...] = (),
 ) -> Request:
@@ -59,13 +60,12 @@ def parse(
             raise ValueError(f'"{name}" {asked!r:.40} is not a language of this model ({some}, …)')
     if options.alignments and languages:
         raise ValueError('"alignments" of a multilingual model\'s translations: not yet')
-    if any(constraints or []) and (engine != "nmt" or options.sample):
-        raise ValueError(
-            '"constraints" are met by nmt\'s beam search: '
-            + ('drop "sample"' if engine == "nmt" else f"this server decodes with {engine}")
-        )
-    if options.epsilon and engine != "nmt":
-        raise ValueError(f"\"epsilon\" sampling is nmt's engine's: this server decodes with {engine}")
+    constrained = any(constraints or [])
+    if constrained and options.sample:
+        raise ValueError('"constraints" are met by nmt\'s beam search: drop "sample"')
+    lacking = refusal(engine.engine, options, constrained)
+    if lacking:  # the one list of what an engine lacks (backend.refusal), as the CLI reads it
+        raise ValueError(f"{lacking}, and this server decodes with {engine}: start it with --engine nmt")
     # what a request may cost, bounded by the operator: a min_len or max_len_b past the output
     # cap would keep every row decoding to the model's limit for nothing
     cap = min(config.max_output_len or ceiling, ceiling)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from nmt_cli.backend import FASTER, Choice
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.serve.requests import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
 
@@ -87,10 +88,17 @@ def test_languages_are_a_multilingual_models_own():
         parse(request(src_lang="de"), ServeConfig(), DEFAULTS)
 
 
-def test_a_ctranslate2_server_refuses_constraints():
-    with pytest.raises(ValueError, match="this server decodes with ctranslate2"):
-        parse(request(constraints=[["Hund"]]), ServeConfig(), DEFAULTS, engine="ctranslate2")
-    assert parse(request(constraints=[[]]), ServeConfig(), DEFAULTS, engine="ctranslate2").constraints == [[]]
+def test_a_ctranslate2_server_refuses_what_ctranslate2_lacks():
+    ct2 = Choice("ctranslate2", FASTER)
+    with pytest.raises(
+        ValueError, match="this server decodes with ctranslate2 .auto.*start it with --engine nmt"
+    ):
+        parse(request(constraints=[["Hund"]]), ServeConfig(), DEFAULTS, engine=ct2)
+    with pytest.raises(ValueError, match="epsilon.*--engine nmt"):
+        parse(request(sample=True, epsilon=0.02), ServeConfig(), DEFAULTS, engine=ct2)
+    assert parse(request(constraints=[[]]), ServeConfig(), DEFAULTS, engine=ct2).constraints == [[]]
+    nmt = Choice("nmt", "--engine nmt")
+    assert parse(request(constraints=[["Hund"]]), ServeConfig(), DEFAULTS, engine=nmt).constraints
 
 
 @pytest.mark.parametrize(
