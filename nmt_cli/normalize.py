@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import unicodedata
+from pathlib import Path
 
 _normalizers: dict = {}
 
@@ -11,11 +12,32 @@ def normalize(line: str, lang: str) -> str:
     """Moses punctuation normalisation, non-printing characters to spaces, single spaces."""
     normalizer = _normalizers.get(lang)
     if normalizer is None:
-        from sacremoses import MosesPunctNormalizer
-
-        normalizer = _normalizers[lang] = MosesPunctNormalizer(lang=lang)
+        normalizer = _normalizers[lang] = _punct_normalizer()(lang=lang)
     line = normalizer.normalize(line)
     if not line.isprintable():  # fast path: most lines have nothing to remove
         # As Moses' remove-non-printing-char.perl: every \p{C} code point becomes a space.
         line = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in line)
     return " ".join(line.split())
+
+
+def _punct_normalizer() -> type:
+    """sacremoses' MosesPunctNormalizer, its module alone where the package is not imported yet:
+    the package's __init__ also imports its tokenizer, whose regular expressions take most of a
+    one-line translation's start to compile, for nothing here (normalize.py imports only re,
+    regex and itertools)."""
+    import sys
+
+    if "sacremoses" not in sys.modules:
+        import importlib.util
+
+        found = importlib.util.find_spec("sacremoses")  # found, not run
+        if found is not None and found.submodule_search_locations:
+            path = Path(list(found.submodule_search_locations)[0]) / "normalize.py"
+            spec = importlib.util.spec_from_file_location("nmt_cli._moses_normalize", path)
+            if spec is not None and spec.loader is not None:
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return module.MosesPunctNormalizer
+    from sacremoses import MosesPunctNormalizer
+
+    return MosesPunctNormalizer

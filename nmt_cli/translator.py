@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TextIO, cast
 
 from nmt_cli import backend as engines
-from nmt_cli import languages, mbr
+from nmt_cli import languages
 from nmt_cli.backend import Backend, Choice
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import Hypothesis, Source, length_penalty, limits, stream_of
@@ -371,6 +371,8 @@ class Translator:
         gone: Callable[[], list[bool]] | None,
     ) -> list[list[Hypothesis]]:
         """hypotheses() under --mbr or --rerank (mbr.chosen)."""
+        from nmt_cli import mbr  # sacrebleu's, imported where it is used
+
         return mbr.chosen(self, lines, each, keys, prefixes, constraints, gone)
 
     def metric(self, kind: str) -> Comet:
