@@ -34,7 +34,9 @@ NMT = [sys.executable, "-m", "nmt_cli"]
 DATA = ROOT.parent / "shared" / "data"
 
 # The floor: CTranslate2 alone on the same conversion, with the same sentencepiece model, beam 4,
-# nmt's batch of 32 and a worker per thread, as nmt's CTranslate2 backend runs it.
+# batched as nmt's CTranslate2 backend batches (length-sorted batches of 32, each handed to a
+# worker of its own, one worker per thread), each batch's outputs as long as nmt's default
+# limit allows its longest source (|x| + 50; with `cut`, |x|), order restored.
 FLOOR = r"""
 import sys, ctranslate2, sentencepiece as spm
 folder, threads, cut = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
@@ -42,9 +44,19 @@ sp = spm.SentencePieceProcessor(model_file=folder + "/spm.model")
 t = ctranslate2.Translator(folder, device="cpu", inter_threads=threads, intra_threads=1)
 lines = sys.stdin.read().splitlines()
 pieces = [sp.encode(line, out_type=str) for line in lines]
-limit = {"max_decoding_length": max(len(p) for p in pieces)} if cut else {}
-found = t.translate_batch(pieces, max_batch_size=32, beam_size=4, **limit)
-sys.stdout.write("".join(sp.decode(r.hypotheses[0]) + "\n" for r in found))
+order = sorted(range(len(lines)), key=lambda i: -len(pieces[i]))
+batches = [order[k : k + 32] for k in range(0, len(order), 32)]
+pending = []
+for b in batches:
+    limit = max(1, len(pieces[b[0]]) + (0 if cut else 50))
+    pending.append(
+        t.translate_batch([pieces[i] for i in b], beam_size=4, max_decoding_length=limit, asynchronous=True)
+    )
+out = [""] * len(lines)
+for b, results in zip(batches, pending):
+    for i, r in zip(b, results):
+        out[i] = sp.decode(r.result().hypotheses[0])
+sys.stdout.write("".join(x + "\n" for x in out))
 """
 
 

@@ -6,13 +6,15 @@ CTranslate2 version and the conversion's own version (`CONVERTER`).
 A conversion is a CTranslate2 export (export.py) whose nmt.json also records what it was made
 from; it is written into a folder of its own and renamed into place whole, so that two processes
 converting at once leave one whole conversion. It is read as every export is (each file checked
-against its sha256) and refused in one line where it is damaged or made from something else.
+against its sha256; model.bin again only where its size, time or inode changed since) and
+refused in one line where it is damaged or made from something else.
 Where the folder cannot be written (a read-only package), the conversion goes into a temporary
 folder for this process alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -22,13 +24,14 @@ from pathlib import Path
 
 from nmt_cli import shortlist
 from nmt_cli.errors import NmtError
-from nmt_cli.files import check_regular, read_json, sha256_file
-from nmt_cli.models import SETTINGS, Model, from_dir
+from nmt_cli.files import atomic_write_json, check_regular, read_json, sha256_file
+from nmt_cli.models import CT2_WEIGHTS, SETTINGS, Model, from_dir
 from nmt_cli.vocab import MAX_SPM_BYTES
 
 # The conversion's version: raised whenever ct2_spec.py converts differently, so that what an
 # older nmt converted is not read as the same model
 CONVERTER = 1
+STAMP = "verified.json"  # model.bin's size, time and inode when its sha256 was last checked
 
 
 def root_of(model: Model) -> Path | None:
@@ -80,10 +83,17 @@ def cached(model: Model) -> Model | None:
     if folder is None or not folder.is_dir():
         return None
     try:
-        found = from_dir(folder)
+        # its weights hashed once, and again only where the file changed since (a big model's
+        # hash would be most of each start)
+        stamp = folder / STAMP
+        unchanged = stamp.is_file() and read_json(stamp) == _stamp(folder / CT2_WEIGHTS)
+        found = from_dir(folder, verify=not unchanged)
         made_from = read_json(folder / SETTINGS).get("converted_from")
     except NmtError as e:
         raise NmtError(f"{folder}, the CTranslate2 conversion of {model.where}: {e} (remove it)") from None
+    if not unchanged:
+        with contextlib.suppress(OSError):  # a folder it may not write: hashed at every start
+            atomic_write_json(stamp, _stamp(folder / CT2_WEIGHTS))
     if made_from != identity(model):
         raise NmtError(
             f"{folder} is not the CTranslate2 conversion of {model.where} (it was made from other "
@@ -92,6 +102,12 @@ def cached(model: Model) -> Model | None:
     return dataclasses.replace(
         found, where=model.where, provenance=model.provenance or found.provenance, converted=True
     )
+
+
+def _stamp(weights: Path) -> dict:
+    """What says a file is the one hashed before: its size, modification time and inode."""
+    st = os.stat(weights)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
 def converted(model: Model) -> tuple[Model, tempfile.TemporaryDirectory | None]:

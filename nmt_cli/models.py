@@ -336,12 +336,14 @@ def _run_of(checkpoint_file: Path) -> RunDir:
     return RunDir(path.parent.parent if path.parent.name == "checkpoints" else path.parent)
 
 
-def from_dir(path: Path, shapes: bool = True) -> Model:
+def from_dir(path: Path, shapes: bool = True, verify: bool = True) -> Model:
     """A package or a CTranslate2 export. Its members may come from anyone: each must be a
     regular file (no link to /dev/zero, no FIFO) under a size cap, and the weights and the
     sentencepiece model must match the sha256 its settings record. `shapes`: whether the
     weights' shapes are checked against the settings too (`check_shapes`, which imports torch:
-    not where only the description is wanted, `described`)."""
+    not where only the description is wanted, `described`); `verify`: whether a CTranslate2
+    export's weights are hashed (not where nmt verified its own conversion unchanged since:
+    ct2_cache.py)."""
     path = Path(path)
     settings_path = path / SETTINGS
     if not os.path.lexists(settings_path):
@@ -383,7 +385,8 @@ def from_dir(path: Path, shapes: bool = True) -> Model:
     else:
         listed = None
     if fmt == CT2:  # CTranslate2 reads its file itself: verified here, before it does
-        _verified(weights_path, sha)
+        if verify:
+            _verified(weights_path, sha)
         return Model(
             path, config, vocabs, src, tgt, sha, None, ct2_dir=path, provenance=provenance, shortlist=listed
         )
