@@ -182,7 +182,8 @@ def described(run_dir: Path, paths: list[Path] | None, checkpoint: str | None) -
     for a process that hands the decoding to workers which load it themselves (a parent that
     loaded it would hold a copy, and on a GPU a context on GPU 0), or that decodes a kept
     CTranslate2 conversion (backend.loaded). A package is checked as `load` checks it but for
-    its weights' shapes (checked where they are read); a run's checkpoint by its record."""
+    its weights (hashed and their shapes checked where they are read); a run's checkpoint by its
+    record."""
     if paths:
         if checkpoint:
             raise NmtError("--model and --checkpoint name two models: give --model for each")
@@ -198,7 +199,7 @@ def _described(where: Path) -> Model:
     if RunDir(path).manifest_path.is_file() and not os.path.lexists(path / SETTINGS):
         return _described_run(RunDir(path), None)
     if os.path.lexists(path / SETTINGS):
-        return from_dir(path, shapes=False)  # load() checks them, where the weights are read
+        return from_dir(path, shapes=False, verify=False)  # load() checks, where the weights are read
     return locate(path)  # its one error line
 
 
@@ -341,9 +342,9 @@ def from_dir(path: Path, shapes: bool = True, verify: bool = True) -> Model:
     regular file (no link to /dev/zero, no FIFO) under a size cap, and the weights and the
     sentencepiece model must match the sha256 its settings record. `shapes`: whether the
     weights' shapes are checked against the settings too (`check_shapes`, which imports torch:
-    not where only the description is wanted, `described`); `verify`: whether a CTranslate2
-    export's weights are hashed (not where nmt verified its own conversion unchanged since:
-    ct2_cache.py)."""
+    not where only the description is wanted, `described`); `verify`: whether the weights are
+    hashed (not where they are not read: `described`, and a conversion nmt verified unchanged
+    since, ct2_cache.py)."""
     path = Path(path)
     settings_path = path / SETTINGS
     if not os.path.lexists(settings_path):
@@ -399,7 +400,8 @@ def from_dir(path: Path, shapes: bool = True, verify: bool = True) -> Model:
     # the file is what the settings say before anything of it is parsed (a damaged header
     # parsed first would be a confusing error, or hours of work); a crafted file whose sha256
     # was recorded with it is bounded by check_shapes
-    _verified(weights_path, sha)
+    if verify:
+        _verified(weights_path, sha)
     if shapes:
         check_shapes(config, weights_path, settings_path)
     return Model(path, config, vocabs, src, tgt, sha, load_weights, provenance=provenance, shortlist=listed)

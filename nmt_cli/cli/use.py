@@ -102,6 +102,8 @@ def translate(
                 "--procs is for nmt's engine: CTranslate2 decodes several batches at once itself, "
                 "one per --threads"
             )
+        if spread.workers and not found.converted:  # described only: read (and checked) here
+            found = models.load(run_dir, model, config.checkpoint)
         spread = dataclasses.replace(spread, gpus=0)  # its replicas share the batches here
     if spread.workers:
         spread_stream(found, config, spread, sys.stdin.buffer, sys.stdout, prefix, constraints)
