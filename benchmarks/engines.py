@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", type=int, default=[1, 100, 1000])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--skip", nargs="*", default=[], help="SHAPE:TEXT:LINES cells left out (base:newstest2014:1000)"
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nmt-engines-"))
     corpora = texts(args.run, work)
@@ -132,6 +135,8 @@ def main() -> None:
             }
             for corpus, lines in corpora.items():
                 for size in args.sizes:
+                    if f"{shape}:{corpus}:{size}" in args.skip:
+                        continue
                     given = work / f"{corpus}.{size}.txt"
                     given.write_text("\n".join(lines[:size]) + "\n", encoding="utf-8")
                     found: dict[str, list[dict]] = {name: [] for name in systems}

@@ -23,7 +23,8 @@ COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class Backend:
     """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
 
-    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0):
+    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0, serving: bool = False):
+        """`serving`: for `nmt serve`, with a spare worker (below)."""
         ct2 = self._ct2 = require_ctranslate2()
         self._seeded = False
         kind, one = device_of(ct2, config.device)
@@ -61,8 +62,9 @@ class Backend:
             self.workers = threads if cpu else (len(index) if isinstance(index, list) else 1)
             # On a CPU, one more for `nmt serve`'s long batches: a batch cannot be stopped midway,
             # so one that decodes for minutes would hold a worker the others need; on the spare
-            # it shares the cores with them instead (serve/batcher.py)
-            self.spare = 1 if cpu else 0
+            # it shares the cores with them instead (serve/batcher.py). Not elsewhere: a third
+            # worker on two threads' cores would only make them take turns.
+            self.spare = 1 if cpu and serving else 0
             self.translator = ct2.Translator(
                 str(where),
                 device=kind,

@@ -87,12 +87,14 @@ class Translator:
         gpus: int = 0,
         choice: Choice | None = None,
         original: Callable[[], Model] | None = None,
+        serving: bool = False,
     ):
         """`gpus`: CTranslate2's replicas of the model, one on each of the first `gpus` GPUs,
         sharing the batches (nmt's engine spreads over worker processes instead: workers.py);
         `choice`: the engine, where the caller chose it (backend.choose, default: by `config`);
         `original`: where `model` is a kept CTranslate2 conversion, the model it was made from,
-        for the calls of the Python API that --engine auto routes to nmt's engine."""
+        for the calls of the Python API that --engine auto routes to nmt's engine; `serving`:
+        for `nmt serve` (CTranslate2 keeps a spare worker for its long batches)."""
         self.config = config
         self.choice = choice or engines.choose(model, config)
         self.engine = self.choice.engine
@@ -104,7 +106,7 @@ class Translator:
         if self.engine == "ctranslate2":  # imported here: neither backend needs the other's
             from nmt_cli import backend_ct2
 
-            self.backend = backend_ct2.Backend(model, config, gpus)
+            self.backend = backend_ct2.Backend(model, config, gpus, serving)
         else:
             from nmt_cli import backend_nmt
 

@@ -155,11 +155,14 @@ def test_gpus_puts_a_replica_on_each_gpu_and_hands_them_every_batch(exported, mu
 def test_the_server_hands_ctranslate2_as_many_batches_as_it_has_workers(exported):
     """CTranslate2 decodes batches side by side, one per worker (one per CPU thread): the
     server's default hands it that many at once, not one at a time (which left a worker idle);
-    --concurrent-batches overrides it. On a CPU it keeps one more worker, the long batches'."""
+    --concurrent-batches overrides it. On a CPU a server keeps one more worker, the long
+    batches'; `nmt translate` does not (a worker more than threads only makes them take turns)."""
     from nmt_cli.config import ServeConfig
     from nmt_cli.serve.batcher import Batcher
 
-    translator = Translator(from_dir(exported["int8"]), TranslateConfig(threads=3))
+    translating = Translator(from_dir(exported["int8"]), TranslateConfig(threads=3))
+    assert translating.backend.spare == 0 and translating.backend.translator.num_translators == 3
+    translator = Translator(from_dir(exported["int8"]), TranslateConfig(threads=3), serving=True)
     assert translator.backend.workers == 3
     assert translator.backend.spare == 1 and translator.backend.translator.num_translators == 4
     assert Batcher(translator, ServeConfig()).at_once == 3

@@ -268,7 +268,7 @@ def run(
 ) -> None:
     """Serve `model` until a signal; `choice`: its engine, where the caller chose it."""
     require()  # before the model loads: a missing or old aiohttp is one line
-    translator = Translator(model, translate_config, choice=choice)
+    translator = Translator(model, translate_config, choice=choice, serving=True)
     connections = Connections(
         connection_limit(config.max_connections),
         config.header_timeout,
