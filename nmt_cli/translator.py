@@ -328,7 +328,9 @@ class Translator:
         first, forced = self.language_tokens(options)
         check_options(self.choice, options, constraints is not None and any(constraints))
         if options.chooses:
-            return self.by_mbr(lines, each, keys, prefixes, constraints, gone)
+            from nmt_cli import mbr  # sacrebleu's, imported where it is used
+
+            return mbr.chosen(self, lines, each, keys, prefixes, constraints, gone)
         keys = keys if keys is not None else [self.counts.lines + i for i in range(len(lines))]
         ids = self.encode(lines, options.tag, first)
         starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
@@ -362,20 +364,6 @@ class Translator:
         if options.alignments:
             self.align(ids, out, options.tag)
         return languages.stripped(out) if forced else out
-
-    def by_mbr(
-        self,
-        lines: list[str],
-        each: list[DecodeOptions],
-        keys: list[int] | None,
-        prefixes: list[str] | None,
-        constraints: list[list[str]] | None,
-        gone: Callable[[], list[bool]] | None,
-    ) -> list[list[Hypothesis]]:
-        """hypotheses() under --mbr or --rerank (mbr.chosen)."""
-        from nmt_cli import mbr  # sacrebleu's, imported where it is used
-
-        return mbr.chosen(self, lines, each, keys, prefixes, constraints, gone)
 
     def metric(self, kind: str) -> Comet:
         """The COMET model of --comet ("comet", reference-based) or --kiwi ("kiwi"), loaded once."""
