@@ -50,7 +50,7 @@ def peak_rss_gib() -> float:
 
 def nmt_worker(folder: str, files: str, precision: str) -> None:
     """One round of nmt's COMET in this process: load, score, report (JSON on stdout)."""
-    from nmt_cli import comet
+    from nmt_cli.inference import comet
 
     texts = json.loads(Path(files).read_text())
     start = time.perf_counter()
@@ -69,7 +69,7 @@ def nmt_worker(folder: str, files: str, precision: str) -> None:
 def mbr_cost(folder: Path, texts: dict[str, list[str]], sentences: int) -> list[dict]:
     """Seconds per sentence of --mbr comet's utilities (one encoding per candidate) against the
     K^2 (candidate, pseudo-reference) triples scored one by one, K = 8 and 16."""
-    from nmt_cli import comet
+    from nmt_cli.inference import comet
 
     model = comet.load(folder)
     rows = []

@@ -129,8 +129,8 @@ def random_model(run: Path, shape: str, out: Path) -> None:
 
     from nmt_cli.config import PRESETS, ModelConfig
     from nmt_cli.engine.model import Transformer
-    from nmt_cli.export import export_nmt
-    from nmt_cli.models import Model, from_run
+    from nmt_cli.inference.models import Model, from_run
+    from nmt_cli.inference.packages import export_nmt
     from nmt_cli.rundir import RunDir
 
     trained = from_run(RunDir(run), None)

@@ -15,7 +15,7 @@ reset before each and shown in every row, failing on torch's empty-graph warning
 and NCCL; the shipped decoding defaults (beam 4, alpha 0.6) of a `base` model trained here for a
 minute: eager and graphed steps x fp32, tf32, bf16 x batches of 32 and 64, in alternated rounds,
 each with its lines equal to fp32 eager; the compiled update's graphs over three source lengths.
-The second call (`benchmarks/gpu_second.sh`): tests/test_gpu.py, `base` and `big` compiled with
+The second call (`benchmarks/gpu_second.sh`): tests/integration/test_gpu.py, `base` and `big` compiled with
 a profile of a step, the training levers, the trainer's loop, a cold pass over new shapes.
 
 Every section's verdict comes from a check in CHECKS, and each check has the broken rows it must
@@ -500,8 +500,8 @@ def section_decode(b: Call) -> None:
     same batch size."""
     import sacrebleu
 
+    from nmt_cli.inference.translator import Translator
     from nmt_cli.rundir import RunDir
-    from nmt_cli.translator import Translator
 
     if b.minute is None:
         return b.emit("decode", skipped="no model was trained")
@@ -564,9 +564,19 @@ def section_decode(b: Call) -> None:
 
 
 def section_tests(b: Call) -> None:
-    """tests/test_gpu.py (every test skips on a CPU: the dry run checks that it collects)."""
+    """tests/integration/test_gpu.py (every test skips on a CPU: the dry run checks that it collects)."""
     env = {"NMT_TEST_GPU": "1", "NMT_SHARED_DATA": str(b.mirror.parent) if b.mirror else ""}
-    argv = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "tests/integration/test_gpu.py",
+        "-p",
+        "no:cacheprovider",
+    ]
     argv += ["--durations", "8", "-rfEs"]
     code = b.command("tests", argv, max(10.0, min(240.0, b.left() - 150)), env)
     b.emit("tests", ok=code == 0, exit=code, tail=b.tail("tests", 14))

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_all.sh              # on the GPU machine (device tool: timeout 330)
 #   bash benchmarks/gpu_all.sh --dry-run    # every section on the CPU, tiny sizes, and every
 #                                           # check fed the broken rows it must refuse
-#   bash benchmarks/gpu_second.sh           # what did not fit: tests/test_gpu.py and speed
+#   bash benchmarks/gpu_second.sh           # what did not fit: tests/integration/test_gpu.py and speed
 #
 # It needs no install and no network: sacremoses from .whl/ and Multi30k from $NMT_MIRROR,
 # .gpu/data/multi30k or ../shared/data/multi30k (`bash benchmarks/gpu_carry.sh` fills .whl/ and

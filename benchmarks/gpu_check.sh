@@ -5,7 +5,7 @@
 #                                     # validation in each precision, test2016
 #                                     # in fp32 on the GPU and on the CPU     (~8 min on an H100)
 #   bash benchmarks/gpu_check.sh 2    # --compile, --gpus 1 (launcher + NCCL), torchrun, and
-#                                     # tests/test_gpu.py                     (~6 min)
+#                                     # tests/integration/test_gpu.py                     (~6 min)
 #   bash benchmarks/gpu_check.sh 3    # the throughput benchmark: base and big in bf16, eager
 #                                     # and compiled, MFU, the trainer's loop (~5 min)
 #   bash benchmarks/gpu_check.sh 4    # the launcher's options on CUDA: --gpus 1 --compile
@@ -40,7 +40,7 @@ export PYTHONUNBUFFERED=1
 
 . benchmarks/gpu_env.sh
 : "${MIRROR:?no Multi30k: set NMT_MIRROR or run benchmarks/gpu_carry.sh}"
-export NMT_SHARED_DATA=${NMT_SHARED_DATA:-$(dirname "$MIRROR")}  # for tests/test_gpu.py
+export NMT_SHARED_DATA=${NMT_SHARED_DATA:-$(dirname "$MIRROR")}  # for tests/integration/test_gpu.py
 
 DATA=$WORK/data           # prep + bpe once; every training run starts from a copy
 FAILED=0
@@ -111,7 +111,7 @@ if want torchrun; then
         -m nmt_cli train --run-dir '$run' $TRAIN --max-steps 300 --device cuda \
         && ls '$run'/checkpoints/checkpoint_00000300.pt"
 fi
-want tests && check tests env NMT_TEST_GPU=1 python3 -m pytest -q -m gpu tests/test_gpu.py \
+want tests && check tests env NMT_TEST_GPU=1 python3 -m pytest -q -m gpu tests/integration/test_gpu.py \
     -p no:cacheprovider
 if want gpus1_compile; then  # DDP's no_sync under torch.compile, through the launcher
     run=$(fresh_run gpus1_compile)

@@ -445,7 +445,7 @@ def section_translate(b: Bench, package: Path | None, data: Path | None) -> None
 
     import sacrebleu
 
-    from nmt_cli.translator import Translator
+    from nmt_cli.inference.translator import Translator
 
     if package is None or not (package / "nmt.json").exists():
         return b.emit("translate", skipped=f"no model package at {package} (gpu_carry.sh RUN puts one)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The second GPU call, for what does not fit the first (gpu_all.sh): tests/test_gpu.py, the
+# The second GPU call, for what does not fit the first (gpu_all.sh): tests/integration/test_gpu.py, the
 # machine's ceilings, `base` and `big` compiled with a profile of a step, the training levers,
 # the trainer's loop at ~25k tokens an update, a cold pass over new batch shapes. Within 540 s
 # on an H100 or H200.

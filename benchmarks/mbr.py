@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nmt_cli import mbr  # noqa: E402
+from nmt_cli.inference import mbr
+from nmt_cli.inference.translator import Translator  # noqa: E402
 from nmt_cli.rundir import RunDir  # noqa: E402
-from nmt_cli.translator import Translator  # noqa: E402
 
 GRID = [
     "--mbr chrf --candidates 4",

@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from nmt_cli import shortlist  # noqa: E402
 from nmt_cli.config import TranslateConfig  # noqa: E402
-from nmt_cli.models import locate  # noqa: E402
+from nmt_cli.inference import shortlist
+from nmt_cli.inference.models import locate  # noqa: E402
+from nmt_cli.inference.translator import Translator  # noqa: E402
 from nmt_cli.rundir import RunDir  # noqa: E402
 from nmt_cli.shards import Shard  # noqa: E402
-from nmt_cli.translator import Translator  # noqa: E402
 from nmt_cli.vocab import pieces  # noqa: E402
 
 SIZES = [(64, 8), (128, 16), (256, 16), (256, 32), (256, 64), (512, 32)]  # (frequent, per source)

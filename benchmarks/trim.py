@@ -76,7 +76,7 @@ def build(folder: Path, multi30k: Path, pieces: int = 256_000) -> Path:
 
 
 def parameters(package: Path) -> int:
-    from nmt_cli import models
+    from nmt_cli.inference import models
 
     return sum(t.numel() for t in models.locate(package).weights().values())
 

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # imported on first use: `nmt --help` stays light
     if name == "Translator":
-        from nmt_cli.translator import Translator
+        from nmt_cli.inference.translator import Translator
 
         return Translator
     raise AttributeError(f"module 'nmt_cli' has no attribute {name!r}")

@@ -28,7 +28,7 @@ def average_run(run: RunDir, last: int, say: Callable[[str], None], best: int = 
         if len(paths) < last:
             say(f"only {len(paths)} checkpoints exist; averaging all of them")
         chosen = paths[-last:]
-    from nmt_cli.models import with_adapters
+    from nmt_cli.inference.models import with_adapters
 
     weights, meta = average(chosen, with_adapters)  # an adapted run's averaged model is plain
     newest = read_json(chosen[-1].with_suffix(".json"), 1 << 20)

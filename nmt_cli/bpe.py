@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from nmt_cli import shortlist, ui
+from nmt_cli import ui
 from nmt_cli.config import BpeConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open
+from nmt_cli.inference import shortlist
 from nmt_cli.rundir import RunDir
 from nmt_cli.shards import Shard, ShardWriter
 from nmt_cli.textio import chunks, read_lines
@@ -357,7 +358,7 @@ def _languages(where: Path, config: BpeConfig, src: str, tgt: str) -> dict | Non
     """The language tokens of a multilingual model `where` (an M2M100 or NLLB import) and the
     codes of this run's two languages, as M2M100 trains: each source line begins with its
     language's token, each target line with its own; None for a model of one pair."""
-    from nmt_cli import models
+    from nmt_cli.inference import models
 
     tokens = models.locate(where).languages if not where.suffix == ".model" else {}
     if not tokens:

@@ -20,13 +20,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nmt_cli import fetch, ui
+from nmt_cli import ui
 from nmt_cli.config import PrepConfig
+from nmt_cli.data import fetch
+from nmt_cli.data.filters import SeenPairs, drop_reason
+from nmt_cli.data.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open
-from nmt_cli.filters import SeenPairs, drop_reason
 from nmt_cli.normalize import normalize
-from nmt_cli.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import Damage, chunks, open_binary, read_lines
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from nmt_cli import average, bpe, plot, prep, recipes, score, translate, ui
+from nmt_cli import average, bpe, plot, prep, score, translate, ui
 from nmt_cli import train as train_mod
 from nmt_cli.config import MULTI30K_CPU, BpeConfig, PrepConfig, TrainConfig, TranslateConfig
+from nmt_cli.data import recipes
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, read_json
 from nmt_cli.rundir import RunDir

@@ -223,6 +223,40 @@ class RunDir:
         atomic_write_json(self.manifest_path, manifest)
         return entry
 
+    def provenance(self, model_file: str, meta: dict) -> dict:
+        """How the model of checkpoint `model_file` (its record `meta`) was made: the data and
+        its checksums, the steps' configs, its step, and the test scores `nmt score` measured
+        with it."""
+        manifest = self.load_manifest() if self.manifest_path.exists() else {}
+        scores = {}
+        for split in self.splits() if manifest.get("prep") else []:
+            # A split's scores belong to this model only if `nmt score` translated it with it.
+            p, key = self.scores(split), self.translation(split, manifest["prep"]["tgt"])
+            key = key.with_suffix(key.suffix + ".json")
+            made = read_json(key) if key.exists() else {}
+            if p.exists() and made and made.get("model_sha256") == meta.get("sha256"):
+                report = read_json(p)
+                scores[split] = {
+                    "settings": made.get("settings"),
+                    "scores": [
+                        {k: s[k] for k in ("metric", "score", "signature")} for s in report.get("scores", [])
+                    ],
+                }
+        configs = {}
+        for step in ("prep", "bpe", "train"):
+            p = self.config_path(step)
+            if p.exists():
+                configs[step] = read_json(p)
+        return {
+            "model_file": model_file,
+            "model_sha256": meta.get("sha256"),
+            "step": meta.get("step"),
+            "averaged": meta.get("averaged"),
+            "configs": configs,
+            "data": {k: manifest[k] for k in ("prep", "bpe") if k in manifest},
+            "scores": scores,
+        }
+
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
         """Hold the run directory for one writer; a lock left by a dead process is taken over.

@@ -12,18 +12,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from nmt_cli import comet, translate, ui, vocab
 from nmt_cli import metrics as measure
+from nmt_cli import translate, ui, vocab
 from nmt_cli.config import ScoreConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open
-from nmt_cli.models import Model
+from nmt_cli.inference import comet
+from nmt_cli.inference.models import Model
+from nmt_cli.inference.translator import Translator
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import Counts, Damage, decode_line, read_lines
-from nmt_cli.translator import Translator
 
 if TYPE_CHECKING:
-    from nmt_cli.comet import Comet
+    from nmt_cli.inference.comet import Comet
 
 
 def parse_metrics(values: list[str] | None) -> list[str]:
@@ -46,8 +47,8 @@ def run(
     """`nmt score`: the report of `config`'s translations against their references, printed (and
     saved in the run directory when it scores the run's own split); `model`: what translates,
     if anything does (default: the run's)."""
-    from nmt_cli import models
     from nmt_cli.files import atomic_write_json
+    from nmt_cli.inference import models
 
     metric_names = parse_metrics(list(config.metrics))
     run = RunDir(run_dir)

@@ -145,7 +145,7 @@ def _train(run: RunDir, config: TrainConfig) -> dict:
     with ui.TrainDisplay() as display, contextlib.ExitStack() as stack:
         reporter = display
         if config.tensorboard:
-            from nmt_cli.tensorboard import TensorBoard
+            from nmt_cli.engine.tensorboard import TensorBoard
 
             reporter = stack.enter_context(TensorBoard(display, run.tensorboard))
         if config.compile:
@@ -162,7 +162,7 @@ def validation_scores(run: RunDir, config: TrainConfig) -> Callable[[list[list[i
     if config.eval_bleu:
         scorers["valid_bleu"] = metrics.bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     if config.comet:
-        scorers["valid_comet"] = metrics.comet_of_ids(
+        scorers["valid_comet"] = comet_of_ids(
             run, config.comet, config.comet_lines, config.comet_precision, config.device
         )
         if os.environ.get("RANK", "0") == "0":
@@ -265,7 +265,7 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     --init-optimizer / --init-schedule, a training checkpoint (a run's latest, or the file)."""
     from pathlib import Path
 
-    from nmt_cli import models
+    from nmt_cli.inference import models
 
     where = config.init_from
     keep = config.init_optimizer or config.init_schedule
@@ -299,6 +299,48 @@ def initial_model(run: RunDir, config: TrainConfig) -> state.Initial:
     optimizer = tensors["optimizer"] if config.init_optimizer else None
     step = meta["step"] if config.init_schedule else 0
     return state.Initial(str(model.where), model.config, model.load_weights, optimizer, step, model.sha256)
+
+
+def comet_of_ids(
+    run, folder: str, lines: int, precision: str = "fp32", device: str = "cpu"
+) -> Callable[[list[list[int]]], float]:
+    """What `nmt train --comet` hands the trainer: the COMET of translations given as token ids
+    of the validation set, on its first `lines` lines, with their sources and references as
+    released. The model is read at the first call (rank 0's alone), on the device training
+    runs on (`device`, as --device names it): a GPU is the one the trainer made the main
+    thread's current, named here by its index."""
+    from pathlib import Path
+
+    from nmt_cli import metrics
+    from nmt_cli.inference import comet
+    from nmt_cli.vocab import processor
+
+    if not (Path(folder) / "checkpoints" / "model.ckpt").is_file():
+        raise NmtError(f"--comet {folder} is not a COMET model folder: no checkpoints/model.ckpt in it")
+    prep = run.load_manifest()["prep"]
+    sources, refs = (metrics.valid_lines(run, lang)[:lines] for lang in (prep["src"], prep["tgt"]))
+    sp = processor(run.vocabularies().target)
+    drop = metrics.language_ids(run, sp)
+    model: list = []
+
+    def score(ids: list[list[int]]) -> float:
+        if not model:
+            import torch
+
+            from nmt_cli.config import resolve_device_name
+
+            place = resolve_device_name(device, torch.cuda.is_available())
+            if place.startswith("cuda"):
+                place = f"cuda:{torch.cuda.current_device()}"
+            model.append(comet.load(folder, precision, place))
+            if not model[0].hparams.needs_reference:
+                raise NmtError(
+                    f"--comet {folder} is a reference-free model: give a reference-based COMET model"
+                )
+        kept = [[t for t in x if t not in drop] for x in ids[: len(refs)]]
+        return comet.system_score(model[0].score(sp.decode(kept), sources, refs))
+
+    return score
 
 
 if __name__ == "__main__":

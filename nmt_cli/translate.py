@@ -9,15 +9,16 @@ import dataclasses
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from nmt_cli import ui, workers
-from nmt_cli.backend import choose
+from nmt_cli import ui
 from nmt_cli.config import TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_open, atomic_write_json, read_json
-from nmt_cli.models import Model, from_run
+from nmt_cli.inference import workers
+from nmt_cli.inference.backend import choose
+from nmt_cli.inference.models import Model, from_run
+from nmt_cli.inference.translator import Translator
 from nmt_cli.rundir import RunDir
 from nmt_cli.textio import Counts
-from nmt_cli.translator import Translator
 
 
 def translate_split(
@@ -80,7 +81,7 @@ def spread_stream(
     constraints: Path | None = None,
 ) -> None:
     """`stream` over the worker processes of `spread`, which load `model` themselves (this
-    process holds its description only: models.described)."""
+    process holds its description only: description.described)."""
     with contextlib.ExitStack() as files, ui.progress() as bar:
         starts, phrases = (files.enter_context(open(p, "rb")) if p else None for p in (prefixes, constraints))
         task = bar.add_task("translate", total=None)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 # The suite behaves the same on every machine: GPUs stay hidden (from this process and every
-# command it starts) unless NMT_TEST_GPU=1 asks for them, as tests/test_gpu.py's command does.
+# command it starts) unless NMT_TEST_GPU=1 asks for them, as tests/integration/test_gpu.py's command does.
 # Set before torch first looks for a device.
 if os.environ.get("NMT_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -98,9 +98,9 @@ DATA_MIRROR_URL = os.environ.pop("NMT_MIRROR_URL", "")
 @functools.cache
 def multi30k_folder() -> Path:
     """MULTI30K, holding the Multi30k recipe's files, each with its pinned sha256: fetched the
-    first time through nmt's own download (nmt_cli.fetch: resumable, checked; $NMT_MIRROR_URL
+    first time through nmt's own download (nmt_cli.data.fetch: resumable, checked; $NMT_MIRROR_URL
     for a mirror of them) where they are missing."""
-    from nmt_cli import fetch, recipes
+    from nmt_cli.data import fetch, recipes
     from nmt_cli.errors import NmtError
 
     for (_, name), sides in (*recipes.MULTI30K_FILES.items(), *recipes.MULTI30K_MORE_FILES.items()):

@@ -1,5 +1,5 @@
 """A tiny model and two hand-made batches, for the tests of one update (tests/unit/test_step.py,
-tests/test_compiled.py)."""
+tests/integration/test_compiled.py)."""
 
 import numpy as np
 import torch

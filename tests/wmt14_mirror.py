@@ -112,10 +112,10 @@ def checksums(folder: Path) -> dict[str, str]:
 
 def pin(monkeypatch, folder: Path, name: str) -> None:
     """The recipe `name` with its checksums those of the miniature archives in `folder` (the
-    mirrors of tests/test_prep_wmt14.py and tests/test_prep_recipes.py)."""
+    mirrors of tests/integration/test_prep_wmt14.py and tests/integration/test_prep_recipes.py)."""
     import dataclasses
 
-    from nmt_cli import recipes
+    from nmt_cli.data import recipes
 
     sums = checksums(folder)
 

@@ -1,5 +1,5 @@
 """unbabel-comet's own scores of the tiny random COMET models that tests/comet_model.py builds:
-the figures nmt's COMET must equal (tests/test_comet.py). Run in unbabel-comet's venv
+the figures nmt's COMET must equal (tests/integration/test_comet.py). Run in unbabel-comet's venv
 (../shared/PEERS.md says how it installs), from the repository's root:
 
     comet-venv/bin/python benchmarks/peers/comet_score.py > tests/data/comet_expected.json

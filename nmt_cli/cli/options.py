@@ -154,8 +154,8 @@ def _read_config_file(ctx: typer.Context, param, value: Optional[Path]) -> Optio
     option."""
     if value is None:
         return value
+    from nmt_cli.cli.settings_file import read_settings
     from nmt_cli.errors import NmtError
-    from nmt_cli.settings_file import read_settings
 
     settings, lines = read_settings(Path(value))
     names = {p.name for p in ctx.command.params if p.name not in ("config_file", "print_config")}
@@ -197,7 +197,7 @@ def print_settings(ctx: typer.Context, *configs, **extra) -> None:
     are options of this command, as a file --config reads; secrets left out."""
     import dataclasses
 
-    from nmt_cli.settings_file import write_settings
+    from nmt_cli.cli.settings_file import write_settings
 
     names = {p.name for p in ctx.command.params} - {"config_file", "print_config", "api_key"}
     flat: dict = {}

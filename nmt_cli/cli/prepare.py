@@ -10,8 +10,8 @@ import typer
 
 from nmt_cli.cli.options import RunDirOption, app, config_of, done, options_of
 from nmt_cli.config import BpeConfig, PrepConfig
+from nmt_cli.data.recipes import RECIPES, resolved
 from nmt_cli.errors import NmtError
-from nmt_cli.recipes import RECIPES, resolved
 
 RecipeName = Enum("RecipeName", {name: name for name in RECIPES}, type=str)
 

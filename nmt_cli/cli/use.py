@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nmt_cli import models, shortlist, ui, workers
+from nmt_cli import ui
 from nmt_cli.cli.options import (
     CheckpointOption,
     ConfigFileOption,
@@ -25,6 +25,7 @@ from nmt_cli.cli.options import (
 )
 from nmt_cli.config import ScoreConfig, ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
+from nmt_cli.inference import models, workers
 
 # TranslateConfig's settings of how a model is loaded and run, options of every command that
 # translates or scores with one
@@ -77,9 +78,9 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli.backend import loaded
+    from nmt_cli.inference.backend import loaded
+    from nmt_cli.inference.translator import Translator, check_options
     from nmt_cli.translate import spread_stream, stream
-    from nmt_cli.translator import Translator, check_options
 
     config = config_of(TranslateConfig, ctx)
     if print_config:
@@ -158,8 +159,8 @@ def score_pairs(
     score a search gives it (divided by the length penalty of --alpha), tab-separated. With
     --kiwi, CometKiwi's score of the pair alone (no translation model is read)."""
     from nmt_cli import score
-    from nmt_cli.backend import loaded
-    from nmt_cli.translator import Translator
+    from nmt_cli.inference.backend import loaded
+    from nmt_cli.inference.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
     keep = score.Keep.of(min_score, kept_src, kept_tgt)
@@ -190,36 +191,9 @@ def export(
     checkpoint: CheckpointOption = None,
 ) -> None:
     """Write the model, its sentencepiece models, settings and provenance into one directory."""
-    from nmt_cli import export as export_mod
+    from nmt_cli.export import export as run_export
 
-    if model and len(model) > 1:
-        raise NmtError("export takes one --model (an ensemble's members are exported one by one)")
-    found = models.load(run_dir, model, str(checkpoint) if checkpoint else None)
-    if not model and found.shortlist is None and fmt != "huggingface":  # a run binarized before them
-        from nmt_cli.rundir import RunDir
-
-        found.shortlist = shortlist.for_run(RunDir(run_dir))
-    if fmt == "nmt":
-        if quantization != "float32":
-            raise NmtError("--quantization is for --format ctranslate2")
-        export_mod.export_nmt(found, out)
-        _convert_ahead(out)
-    elif fmt == "ctranslate2":
-        export_mod.export_ct2(found, out, quantization)
-    elif fmt == "huggingface":
-        from nmt_cli.hf.write import export_huggingface
-
-        if quantization != "float32":
-            raise NmtError("--quantization is for --format ctranslate2")
-        export_huggingface(found, out)
-        done(
-            f"exported {found.where} to {out} in the Hugging Face format",
-            f"AutoModelForSeq2SeqLM.from_pretrained({str(out)!r}), or nmt import {out} PACKAGE",
-        )
-        return
-    else:
-        raise NmtError(f"unknown --format {fmt!r}: choose nmt, ctranslate2 or huggingface")
-    done(f"exported {found.where} to {out}", f"nmt translate --model {out} < input.txt")
+    done(*run_export(run_dir, model, str(checkpoint) if checkpoint else None, out, fmt, quantization))
 
 
 @app.command("import")
@@ -286,7 +260,7 @@ def serve(
     print_config: PrintConfigOption = False,
 ) -> None:
     """An HTTP JSON service: POST /translate {"text": [...]} -> {"translations": [...]}."""
-    from nmt_cli.backend import loaded
+    from nmt_cli.inference.backend import loaded
     from nmt_cli.serve import app as serve_mod
 
     translate_config, config = config_of(TranslateConfig, ctx), config_of(ServeConfig, ctx)
@@ -297,19 +271,6 @@ def serve(
     found, choice = loaded(Path("."), [model], None, translate_config)
     ui.verbose(f"engine: {choice}")
     serve_mod.run(found, translate_config, config, choice)
-
-
-def _convert_ahead(package: Path) -> None:
-    """The package's CTranslate2 conversion, kept beside it now (ct2_cache.py), so that the first
-    `nmt translate` of it starts as fast as the next; nothing where CTranslate2 is not installed."""
-    from nmt_cli import ct2_cache
-
-    try:
-        import ctranslate2  # noqa: F401
-    except ImportError:
-        return
-    model, _ = ct2_cache.converted(models.from_dir(package))
-    ui.verbose(f"kept its CTranslate2 conversion in {model.ct2_dir}")
 
 
 def _stdin_lines() -> list[str]:

@@ -256,16 +256,11 @@ class Trainer:
             return self._validate()
 
     def _validate(self) -> dict:
-        data = self.valid_data
-        assert data is not None  # validate() asks for it
-        self.model.eval()
-        nll = validation.nll(self.model, data, self.config.max_tokens, self.dist, self.device, self.autocast)
-        metrics = {"valid_nll": nll, "valid_ppl": math.exp(min(nll, 50.0))}
-        if self.scores_of is not None:
-            ids = validation.greedy_ids(self.model, data, self.dist, self.device, self.autocast)
-            # Rank 0 scores; every rank needs the figures (--best-metric, --patience).
-            metrics |= self.dist.from_main(self.scores_of(ids) if ids is not None else None)
-        return metrics
+        assert self.valid_data is not None  # validate() asks for it
+        c = self.config
+        return validation.figures(
+            self.model, self.valid_data, c.max_tokens, self.dist, self.device, self.autocast, self.scores_of
+        )
 
     def evaluate(self) -> None:
         metrics = self.validate()

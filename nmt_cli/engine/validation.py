@@ -3,6 +3,9 @@ Each rank computes its share of the batches; the results are combined across ran
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -14,6 +17,26 @@ from nmt_cli.engine.model import Transformer
 from nmt_cli.engine.step import Objective, batch_loss
 
 GREEDY = DecodeOptions(beam=1)  # validation BLEU: greedy, the default length limits
+
+
+def figures(
+    model: Transformer,
+    data: Split,
+    max_tokens: int,
+    group: Group,
+    device: torch.device,
+    autocast,
+    scores_of: Callable[[list[list[int]]], dict] | None,
+) -> dict:
+    """The validation figures every rank gets: the NLL and perplexity, and with `scores_of` what
+    it makes of the greedy translations (BLEU, COMET), which rank 0 scores."""
+    model.eval()
+    loss = nll(model, data, max_tokens, group, device, autocast)
+    out = {"valid_nll": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+    if scores_of is not None:
+        ids = greedy_ids(model, data, group, device, autocast)
+        out |= group.from_main(scores_of(ids) if ids is not None else None)
+    return out
 
 
 @torch.no_grad()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import re
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from nmt_cli.config import ModelConfig
@@ -19,9 +18,10 @@ from nmt_cli.files import (
     sha256_file,
 )
 from nmt_cli.hf import m2m100
+from nmt_cli.hf.imported import Marian
 from nmt_cli.hf.pieces import Side, renumbered, require_protobuf
 from nmt_cli.hf.weights import as_nmt, read_weights
-from nmt_cli.models import Model
+from nmt_cli.inference.models import Model
 from nmt_cli.vocab import BOS, MAX_SPM_BYTES, Vocabularies
 
 # transformers' MarianConfig defaults: a config.json names only what differs from them
@@ -59,19 +59,6 @@ M2M100_DEFAULTS = dict(
     eos_token_id=2,
 )
 ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
-
-
-@dataclass
-class Marian:
-    """What `nmt import` read from a MarianMTModel folder."""
-
-    config: ModelConfig
-    weights: dict  # nmt's names
-    source: bytes  # the sentencepiece models, with nmt's ids
-    target: bytes
-    files: dict[str, str]  # the folder's files read, with their sha256
-    tokenizer: dict  # its tokenizer_config.json (empty where it has none)
-    languages: dict[str, str] = field(default_factory=dict)  # M2M100, NLLB: code -> token
 
 
 def _folder_config(folder: Path) -> dict:
@@ -254,7 +241,7 @@ def _weights(
         ) from None
     except NmtError as e:
         raise NmtError(f"{weights_path}: {e}") from None
-    from nmt_cli.models import same_shapes
+    from nmt_cli.inference.checks import same_shapes
 
     held = {k: tuple(v.shape) for k, v in weights.items()}
     same_shapes(config, held, folder / "config.json", weights_path.name)
@@ -299,7 +286,8 @@ def import_marian(
     """Write the Marian, M2M100 or NLLB model of `folder` as an nmt package in `out`, its
     vocabulary cut to the pieces of the texts `trim` and the languages `kept` (default: src
     and tgt) where given (hf/trim.py); returns it."""
-    from nmt_cli import export, models
+    from nmt_cli.inference import models
+    from nmt_cli.inference import packages as export
 
     folder = Path(folder)
     if not folder.is_dir():

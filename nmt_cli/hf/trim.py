@@ -28,7 +28,7 @@ from nmt_cli.normalize import normalize
 from nmt_cli.vocab import EOS
 
 if TYPE_CHECKING:
-    from nmt_cli.hf.read import Marian
+    from nmt_cli.hf.imported import Marian
 
 LONGEST_PIECE = 64  # characters: past any sentencepiece model's max_sentencepiece_length
 

@@ -21,13 +21,13 @@ from nmt_cli.files import (
     new_file_mode,
 )
 from nmt_cli.hf.names import layer_names
-from nmt_cli.models import Model
+from nmt_cli.inference.models import Model
 from nmt_cli.vocab import BOS, EOS, MAX_SPM_BYTES, PAD, pieces
 
 
 def export_huggingface(model: Model, out: Path) -> None:
     """Write `model` as a folder transformers loads (AutoModelForSeq2SeqLM, AutoTokenizer)."""
-    from nmt_cli import export
+    from nmt_cli.inference import packages as export
 
     c = model.config
     if model.load_weights is None:

@@ -39,17 +39,18 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from nmt_cli import floors, ui
-from nmt_cli.backend import Choice
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.models import Model
+from nmt_cli.inference.backend import Choice
+from nmt_cli.inference.models import Model
+from nmt_cli.inference.translator import Translator
 from nmt_cli.serve.batcher import Batcher
 from nmt_cli.serve.connections import Connections, connection_limit, with_json_errors
 from nmt_cli.serve.requests import parse
-from nmt_cli.translator import Translator
 
 
 def require():
@@ -230,7 +231,7 @@ def make_app(
                 raise
             return error(web, e.status, e.reason)
 
-    async def batching(app):
+    async def batching(app: Any) -> AsyncIterator[None]:
         batcher = app[batcher_key] = Batcher(translator, config)
         task = app[loop_key] = asyncio.get_running_loop().create_task(batcher.run())
         if on_loop_end is not None:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from nmt_cli import ui
 
@@ -27,7 +28,8 @@ class Connections:
         self.refusal = _raw_json(503, "Service Unavailable", "too many connections: retry shortly")
         self.clients: dict = {}  # client address -> its open connections
         self.late = _raw_json(408, "Request Timeout", f"the request's head did not arrive within {idle:g} s")
-        self.factory = None  # aiohttp's protocol factory (AppRunner.server), once set up
+        # aiohttp's protocol factory (AppRunner.server), once set up
+        self.factory: Callable[[], asyncio.Protocol] | None = None
         self.open: dict = {}  # transport -> its _Connection
 
     def __call__(self) -> asyncio.Protocol:
@@ -67,7 +69,8 @@ class Connections:
 
 class _Connection(asyncio.Protocol):
     def __init__(self, connections: Connections):
-        self.connections, self.inner, self.transport = connections, None, None
+        self.connections, self.transport = connections, None
+        self.inner: asyncio.Protocol | None = None
         self.busy, self.since = 0, time.monotonic()
         self.partial = False  # bytes arrived since the last answer
         self.stalled_since: float | None = None  # writing paused: the client does not read
@@ -84,7 +87,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         c.open[transport] = self
         c.clients[self.client] = c.clients.get(self.client, 0) + 1
-        self.inner = self.connections.factory()
+        assert c.factory is not None, "the server is set up before it accepts"
+        self.inner = c.factory()
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:

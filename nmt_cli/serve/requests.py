@@ -7,9 +7,9 @@ import dataclasses
 import json
 import re
 
-from nmt_cli.backend import Choice, refusal
 from nmt_cli.config import DecodeOptions, ServeConfig
 from nmt_cli.errors import NmtError
+from nmt_cli.inference.backend import Choice, refusal
 
 # each constraint adds a bank to a sentence's search, and every token of them raises its length
 # limit: enough for terminology, not a way to stall it

@@ -40,7 +40,6 @@ ADAMW_LINEAR = [
 LEVERS = ["--fixed-shapes", "--fold-scaling", "--fused-qkv", "--clip-norm", "0.5"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "options", [[], ADAMW_LINEAR, ["--ema", "0.9"], LEVERS], ids=["adam", "adamw-linear", "ema", "levers"]
 )
@@ -87,7 +86,6 @@ def test_two_ranks_equal_one_process_with_update_freq_two(run_copy, tmp_path, nm
     assert len(valid_a) == len(valid_b) == 1 and valid_a[0] == pytest.approx(valid_b[0], abs=1e-4)
 
 
-@pytest.mark.slow
 def test_a_dead_rank_stops_the_job_and_the_rerun_resumes(run_copy):
     cmd = [
         sys.executable,
@@ -146,7 +144,6 @@ def test_gpus_without_gpus_says_so(run_copy, nmt):
     assert "--gpus" in line
 
 
-@pytest.mark.slow
 def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
     import shutil
 
@@ -163,7 +160,6 @@ def test_two_rank_resume_is_exact(run_copy, tmp_path, nmt):
         assert torch.equal(a["model"][name], b["model"][name]), name
 
 
-@pytest.mark.slow
 def test_torchrun_starts_the_same_training(run_copy):
     port = launcher._free_port()
     done = subprocess.run(
@@ -345,7 +341,6 @@ def _two_nodes(node_dirs, extra):
     return [(p.wait(timeout=180), p.stderr.read()) for p in procs]
 
 
-@pytest.mark.slow
 def test_nodes_share_one_run_directory(run_copy):
     done = _two_nodes([run_copy, run_copy], ["--max-steps", "6"])
     assert [code for code, _ in done] == [0, 0], done
@@ -353,7 +348,6 @@ def test_nodes_share_one_run_directory(run_copy):
     assert meta["step"] == 6 and meta["world"] == 2
 
 
-@pytest.mark.slow
 def test_nodes_that_would_resume_apart_stop_with_one_error(run_copy, tmp_path):
     import shutil
 

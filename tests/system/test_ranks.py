@@ -113,7 +113,6 @@ def _assert_same(single: dict, ranks: dict, floor: float | None = None) -> None:
             assert float((x - y).abs().max()) <= 10 * floor + 1e-5, name
 
 
-@pytest.mark.slow
 def test_bleu_keep_best_patience_and_tensorboard_on_two_and_four_ranks(trained_longer, tmp_path, nmt):
     """The combination that killed multi-rank runs at their first validation: the best models
     by BLEU, patience on BLEU, TensorBoard; fine-tuned from a trained model so that BLEU moves,
@@ -162,7 +161,6 @@ def test_bleu_keep_best_patience_and_tensorboard_on_two_and_four_ranks(trained_l
     _assert_same(outcomes[1], outcomes[4], floor=_noise(outcomes[1], outcomes[2]))
 
 
-@pytest.mark.slow
 def test_nll_keep_best_from_a_checkpoint_with_a_fresh_optimizer_on_two_ranks(trained_longer, tmp_path, nmt):
     """--init-from a checkpoint file with a fresh optimizer and schedule (the warm-up's small
     first steps), the best models by NLL, patience on NLL and a time budget not reached."""
@@ -192,7 +190,6 @@ def test_nll_keep_best_from_a_checkpoint_with_a_fresh_optimizer_on_two_ranks(tra
     _assert_same(outcomes[1], outcomes[2])
 
 
-@pytest.mark.slow
 def test_tagged_weighted_corpora_with_bpe_dropout_in_bf16_on_two_ranks(tagged_bpe, tmp_path, nmt):
     """Tagged back-translation as it is trained: two corpora, one tagged and weighted, with
     BPE-dropout, in bf16 autocast (emulated where the CPU has no bf16 arithmetic)."""
@@ -216,13 +213,12 @@ def test_tagged_weighted_corpora_with_bpe_dropout_in_bf16_on_two_ranks(tagged_bp
     _assert_same(outcomes[1], outcomes[2])
 
 
-@pytest.mark.slow
 def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy, tmp_path):
     """--compile under DDP on 2 gloo ranks: no rank compiles again as batch shapes change, no
     graph break falls in nmt's code (DDP's own wrapper breaks the graph by torch's design), and
     the log says how long it took. What is traced is the question here, so the ranks compile
     with torch's eager backend (seconds, not a minute of kernel building); the kernels built
-    and cached: tests/test_compiled.py (one process) and test_trainer.py's soak tests."""
+    and cached: tests/integration/test_compiled.py (one process) and test_trainer.py's soak tests."""
     env = hooked_env(
         tmp_path / "hook",
         "import functools, torch\ntorch.compile = functools.partial(torch.compile, backend='eager')\n",
@@ -257,7 +253,6 @@ def test_compile_on_two_ranks_traces_the_model_once_without_a_break(run_copy, tm
     assert re.search(r"compiled the update \(model, logits, loss\) in \d", RunDir(run_copy).log.read_text())
 
 
-@pytest.mark.slow
 def test_max_time_stops_every_rank_together(run_copy, nmt):
     result = _train(
         nmt, run_copy, [*TINY, "--max-time", "0.1", "--max-steps", "0", "--eval-every", "100000"], 2, 1
@@ -307,7 +302,6 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
 def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(run_copy, uninterrupted):
     launcher = subprocess.Popen(_cmd(run_copy, "--max-restarts", "1"), stderr=subprocess.PIPE, text=True)
     _wait_for(run_copy / "checkpoints" / "checkpoint_00000005.json", launcher)
@@ -324,7 +318,6 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(run_copy, u
     assert _equal(_final(run_copy), uninterrupted)
 
 
-@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes_bit_identical(run_copy, uninterrupted):
     cmd = _cmd(run_copy)
     launcher = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -343,7 +336,6 @@ def test_sigterm_to_the_launcher_saves_and_the_same_command_resumes_bit_identica
     assert _equal(_final(run_copy), uninterrupted)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "signum",
     [
@@ -363,7 +355,6 @@ def test_every_stopping_signal_to_the_launcher_is_passed_on_and_saved(run_copy, 
     assert step >= 10 and checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith(f"{step:08d}.pt")
 
 
-@pytest.mark.slow
 def test_a_worker_that_does_not_stop_is_killed_after_the_grace(run_copy, tmp_path):
     """--stop-grace: a worker still running that long after the signal is killed; the launcher
     does not wait for it (here rank 1 hangs in its signal handler)."""
@@ -387,7 +378,6 @@ def test_a_worker_that_does_not_stop_is_killed_after_the_grace(run_copy, tmp_pat
     assert not [p for p in children(launcher.pid)]
 
 
-@pytest.mark.slow
 def test_patience_stops_every_rank_at_the_same_update(run_copy):
     """--patience on 2 ranks: rank 0's decision, shared, stops both at one update and the job
     ends well (the validation loss never moves: steps of 1e-30 change no output)."""
@@ -404,7 +394,6 @@ def test_patience_stops_every_rank_at_the_same_update(run_copy):
     assert checkpoint.listed(run_copy / "checkpoints")[-1].name.endswith("00000009.pt")
 
 
-@pytest.mark.slow
 def test_a_workers_own_error_is_one_line_and_not_restarted(run_copy, tmp_path):
     """An error that is the worker's own (here the message CUDA gives an illegal memory access,
     raised on purpose on rank 1) is the job's one error line, not a restart into the same error."""
@@ -431,7 +420,6 @@ def test_a_workers_own_error_is_one_line_and_not_restarted(run_copy, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.slow
 def test_only_rank_zero_writes_the_best_models(run_copy, tmp_path):
     """Two 'nodes' with a run directory each: what rank 1 writes lands in its own directory."""
     from test_distributed import _two_nodes
@@ -444,7 +432,6 @@ def test_only_rank_zero_writes_the_best_models(run_copy, tmp_path):
     assert not (node1 / "checkpoints").exists()
 
 
-@pytest.mark.slow
 def test_batched_grad_copy_on_two_ranks_ends_bit_identical(run_copy, uninterrupted):
     """The same update: DDP's batched gradient copy changes how, not what, is copied."""
     done = subprocess.run(_cmd(run_copy, "--batched-grad-copy"), capture_output=True, text=True, timeout=300)
@@ -467,7 +454,6 @@ if os.environ.get("RANK") == "0":
 """
 
 
-@pytest.mark.slow
 def test_a_stalled_checkpoint_write_on_rank_zero_times_no_rank_out(run_copy, uninterrupted, tmp_path):
     """Rank 0 writes the checkpoints alone: the others wait for it as long as a write may take,
     not the group's timeout (5 s here, for a write that stalls 12 s), and the run ends as one

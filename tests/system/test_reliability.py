@@ -41,7 +41,6 @@ def _model(run_dir):
     return tensors["model"], meta
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "wanted", [3, pytest.param(30, marks=pytest.mark.soak)], ids=["3-kills", "soak-30-kills"]
 )

@@ -21,7 +21,7 @@ def test_auto_precision_is_bf16_for_gpu_training_and_fp32_for_gpu_decoding():
 
 def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
     from nmt_cli.config import PrepConfig
-    from nmt_cli.recipes import RECIPES, resolved
+    from nmt_cli.data.recipes import RECIPES, resolved
 
     assert resolved(PrepConfig("multi30k-en-de")).max_ratio == 9.0
     # languages not given are the recipe's: its pair, or the other side of it

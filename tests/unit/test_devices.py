@@ -113,7 +113,7 @@ def test_the_server_says_whether_its_steps_are_graphs_and_why_not(cuda):
     recording that failed in this process, after which none is tried again); nothing elsewhere."""
     from types import SimpleNamespace
 
-    from nmt_cli.translator import Translator
+    from nmt_cli.inference.translator import Translator
 
     translator = Translator.__new__(Translator)  # its engine and backend are all this reads
     translator.engine = "nmt"
@@ -135,8 +135,8 @@ def test_a_shortlist_on_a_gpu_is_one_line_before_any_model_is_loaded(cuda):
     until a GPU has measured it, before anything is loaded."""
     from types import SimpleNamespace
 
-    from nmt_cli.backend_nmt import Backend
     from nmt_cli.config import TranslateConfig
+    from nmt_cli.inference.backend_nmt import Backend
 
     nothing = SimpleNamespace(parts=())  # nothing of the model is read before the refusal
     with pytest.raises(NmtError, match="--shortlist is for decoding on a CPU"):
@@ -348,9 +348,9 @@ def test_tf32_is_on_while_a_tf32_search_runs_and_put_back_after(cuda):
     """--precision tf32: the process's TensorFloat-32 switch is on inside each search (every
     batch, in whichever thread) while any such search runs, and as it was once none does; fp32
     searches leave it alone. On the CPU it is one line."""
-    from nmt_cli.backend_nmt import Backend
     from nmt_cli.config import TranslateConfig
     from nmt_cli.engine.device import matmuls
+    from nmt_cli.inference.backend_nmt import Backend
 
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision

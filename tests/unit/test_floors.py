@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from nmt_cli import floors as floors_of
-from nmt_cli.ct2_spec import require_ctranslate2
 from nmt_cli.errors import NmtError
 from nmt_cli.floors import version_tuple
+from nmt_cli.inference.ct2_spec import require_ctranslate2
 from nmt_cli.serve.app import require
 
 ROOT = Path(__file__).resolve().parents[2]

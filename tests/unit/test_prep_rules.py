@@ -3,8 +3,8 @@
 import pytest
 
 from nmt_cli.config import PrepConfig
-from nmt_cli.filters import drop_reason, length
-from nmt_cli.recipes import resolved
+from nmt_cli.data.filters import drop_reason, length
+from nmt_cli.data.recipes import resolved
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from nmt_cli.backend import FASTER, Choice
 from nmt_cli.config import DecodeOptions, ServeConfig
+from nmt_cli.inference.backend import FASTER, Choice
 from nmt_cli.serve.requests import MAX_CONSTRAINT_CHARS, MAX_CONSTRAINTS, parse
 
 DEFAULTS = DecodeOptions(beam=5)

@@ -1,0 +1,279 @@
+"""The CTranslate2 backend of `nmt translate` (`--engine ctranslate2`, --int8, an export):
+CTranslate2's beam search answering as nmt's own does (translate.Backend). An nmt model is
+converted once and kept (ct2_cache.py). Nothing here imports torch: a CTranslate2 export starts
+without it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
+from nmt_cli.engine.hypothesis import Hypothesis, Source, coverage_penalty, length_penalty
+from nmt_cli.engine.hypothesis import limits as output_limits
+from nmt_cli.errors import NmtError, Stopped
+from nmt_cli.inference import ct2_cache, shortlist
+from nmt_cli.inference.ct2_spec import require_ctranslate2
+from nmt_cli.inference.models import Model
+from nmt_cli.vocab import EOS, pieces
+
+# nmt's --precision as CTranslate2's compute type
+COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class Backend:
+    """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
+
+    def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0, serving: bool = False):
+        """`serving`: for `nmt serve`, with a spare worker (below)."""
+        ct2 = self._ct2 = require_ctranslate2()
+        self._seeded = False
+        kind, one = device_of(ct2, config.device)
+        index: int | list[int] = one
+        if gpus:  # a replica on each GPU; search() hands over all its batches at once
+            if gpus > ct2.get_cuda_device_count():
+                raise NmtError(f"--gpus {gpus}, but CTranslate2 sees {ct2.get_cuda_device_count()} GPUs")
+            kind, index = "cuda", list(range(gpus))
+        if config.int8:
+            compute_type = "int8"
+        elif config.precision == "auto" and model.ct2_dir is not None and not model.converted:
+            compute_type = "default"  # the export's own type
+        else:  # converted from an nmt model: fp32 / bf16 as nmt's own engine would choose
+            precision = resolve_precision(config.precision, kind, decoding=True)
+            if precision not in COMPUTE_TYPES:
+                raise NmtError(
+                    f"--precision {precision} is for nmt's engine; CTranslate2 has fp32, bf16, fp16, int8"
+                )
+            compute_type = COMPUTE_TYPES[precision]
+        threads = config.threads or cpus()
+        self.shortlist = config.shortlist
+        if config.shortlist:  # CTranslate2 reads the file itself, as its vmap.txt
+            shortlist.path_of(model)
+        self._tmp = None
+        if model.ct2_dir is None:  # converted once (float32; compute_type quantises on load)
+            model, self._tmp = ct2_cache.converted(model)
+        where = model.ct2_dir
+        assert where is not None
+        try:
+            # On a CPU, `threads` workers of one thread each decode `threads` batches at once:
+            # CTranslate2's threads within one batch scale poorly on small matrices
+            # (docs/benchmarks.md). The workers share the weights. On GPUs, one worker each.
+            cpu = kind == "cpu"
+            # batches it decodes side by side: a worker per CPU thread, or one per GPU
+            self.workers = threads if cpu else (len(index) if isinstance(index, list) else 1)
+            # On a CPU, one more for `nmt serve`'s long batches: a batch cannot be stopped midway,
+            # so one that decodes for minutes would hold a worker the others need; on the spare
+            # it shares the cores with them instead (serve/batcher.py). Not elsewhere: a third
+            # worker on two threads' cores would only make them take turns.
+            self.spare = 1 if cpu and serving else 0
+            self.translator = ct2.Translator(
+                str(where),
+                device=kind,
+                device_index=index,
+                compute_type=compute_type,
+                inter_threads=threads + self.spare if cpu else 1,
+                intra_threads=1 if cpu else threads,
+            )
+        except (RuntimeError, ValueError) as e:
+            raise NmtError(
+                f"CTranslate2 cannot load {model.where} on {config.device} as {compute_type}: {e}"
+            ) from None
+        self.source_pieces, self.pieces = pieces(model.vocabs.source), pieces(model.vocabs.target)
+        self.ids = {p: i for i, p in enumerate(self.pieces)}  # the target's
+        self.ceiling = model.config.max_positions - 1
+
+    def search(
+        self,
+        sentences: list[list[Source]],
+        options: DecodeOptions,
+        gone: list[Callable[[], list[bool]]] | None = None,
+    ) -> Iterator[list[list[Hypothesis]]]:
+        """nmt's beam search on each batch of `sentences`; the batches are all handed over at
+        once, so that every worker has one, and their answers come back in order.
+
+        CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
+        Its search ranks by the raw log-probability and applies the penalty only to finished
+        hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
+        One call has one length limit, the batch's largest (nmt's is each sentence's own; the
+        batches hold sentences of close lengths, and a trained model rarely meets its limit).
+
+        --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
+        process (by the first --seed it is given), so its draws are repeatable only where the
+        batches meet its threads in the same order; the sentences' streams cannot seed them.
+        CTranslate2 has no lexical constraints: translator.Translator refuses them before.
+        """
+        a, b = options.max_len_a, options.max_len_b
+        ceiling = min(self.ceiling, options.max_len or self.ceiling)
+        if options.sample and not self._seeded:
+            self._ct2.set_random_seed(options.seed)
+            self._seeded = True
+        batches = [[s.ids for s in batch] for batch in sentences]
+        starts_of = [[s.prefix for s in b] if any(s.prefix for s in b) else None for b in sentences]
+        owns = [
+            output_limits([len(x) for x in batch], a, b, ceiling, starts)
+            for batch, starts in zip(batches, starts_of)
+        ]
+        # max_len wins: a prefix past its sentence's limit ends there, as in nmt's engine
+        starts_of = [
+            [p[: n - 1] for p, n in zip(starts, own)] if starts else None
+            for starts, own in zip(starts_of, owns)
+        ]
+        # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without one, so
+        # one step fewer gives the same tokens
+        limits = [max(1, max(own) - 1) for own in owns]
+        pending = [
+            self.translator.translate_batch(
+                self._as_pieces(batch, self.source_pieces),
+                target_prefix=self._as_pieces(starts) if starts else None,
+                length_penalty=0.0,
+                max_decoding_length=limit,
+                max_input_length=0,
+                return_scores=True,
+                return_end_token=True,
+                asynchronous=True,
+                use_vmap=self.shortlist,
+                **_search_settings(options, len(self.pieces)),
+                **_rules(options, limit),
+            )
+            for batch, starts, limit in zip(batches, starts_of, limits)
+        ]
+        # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
+        # the same for every hypothesis of a sentence, is added before the length penalty.
+        given = [
+            self._sums([batch], [starts], eos=False) if starts and any(starts) else None
+            for batch, starts in zip(batches, starts_of)
+        ]
+        for results, batch, scored in zip(pending, sentences, given):
+            # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
+            # the rest, their answers are not awaited.
+            if gone is not None and all(all(g()) for g in gone):
+                raise Stopped("nobody waits for this search any more")
+            offsets = next(scored) if scored is not None else [0.0] * len(batch)
+            found = [r.result() for r in results]
+            covered = (
+                self._coverage(batch, found, options.coverage_penalty)
+                if options.coverage_penalty
+                else [None] * len(batch)
+            )
+            yield [
+                self.ranked(r, options, offset, s.alpha, c)
+                for r, offset, s, c in zip(found, offsets, batch, covered)
+            ]
+
+    def _coverage(self, batch: list[Source], found: list, beta: float) -> list[list[float]]:
+        """The coverage penalty of each hypothesis of each sentence, from CTranslate2's attention
+        over it teacher-forced (its beam search's own first attention row differs from it in
+        batches of several sentences; the forced one is nmt's to 1e-7)."""
+        sources = [s.ids for s, r in zip(batch, found) for _ in r.hypotheses]
+        targets = [[self.ids[t] for t in h if t != self.pieces[EOS]] for r in found for h in r.hypotheses]
+        # a row for each token and one for the step after it, where its EOS comes
+        forced = zip(self._forced(sources, targets), targets)
+        rows = (r.result().attention[0][: len(y) + 1] for r, y in forced)
+        return [
+            [coverage_penalty([sum(c) for c in zip(*next(rows))], beta) for _ in r.hypotheses] for r in found
+        ]
+
+    def _forced(self, sources: list[list[int]], targets: list[list[int]]) -> list:
+        """CTranslate2's pass over each target forced as a prefix after its source (pending):
+        its attention has a row for each step and a column for each token of the source (its EOS
+        left out)."""
+        return self.translator.translate_batch(
+            self._as_pieces(sources, self.source_pieces),
+            target_prefix=self._as_pieces(targets),
+            beam_size=1,
+            max_decoding_length=max(map(len, targets)) + 1,
+            max_input_length=0,
+            return_attention=True,
+            return_end_token=True,
+            asynchronous=True,
+        )
+
+    def score(self, batches: list[list[list[int]]], targets: list[list[list[int]]]) -> Iterator[list[float]]:
+        """The log-probability of each target (ids without EOS; CTranslate2 adds it and scores
+        it) given its source, batch by batch, all handed over at once as in `search`."""
+        return self._sums(batches, targets, eos=True)
+
+    def _sums(
+        self, batches: list[list[list[int]]], targets: list[list[list[int]]], eos: bool
+    ) -> Iterator[list[float]]:
+        pending = [
+            self.translator.score_batch(
+                self._as_pieces(batch, self.source_pieces),
+                self._as_pieces(batch_targets),
+                max_input_length=0,
+                asynchronous=True,
+            )
+            for batch, batch_targets in zip(batches, targets)
+        ]
+        for results in pending:
+            found = [r.result().log_probs for r in results]
+            yield [float(sum(lp if eos else lp[:-1])) for lp in found]
+
+    def align(
+        self, batches: list[list[list[int]]], targets: list[list[list[int]]]
+    ) -> Iterator[list[list[tuple[int, int]]]]:
+        """Each target's (source position, target position) pairs, as nmt's engine gives them
+        (forced.aligned): the target forced as a prefix, each of its tokens paired with the
+        source token (not the EOS) that the last decoder layer's attention weighs most."""
+        pending = [self._forced(batch, batch_targets) for batch, batch_targets in zip(batches, targets)]
+        for results, batch, batch_targets in zip(pending, batches, targets):
+            found = [r.result().attention[0] for r in results]
+            yield [
+                [(max(range(len(x)), key=row.__getitem__), j) for j, row in enumerate(weights[: len(y)])]
+                if x and y
+                else []
+                for weights, x, y in zip(found, batch, batch_targets)
+            ]
+
+    def _as_pieces(self, rows: list[list[int]], pieces: list[str] | None = None) -> list[list[str]]:
+        """Ids as pieces: the target's, or those of `pieces`."""
+        pieces = self.pieces if pieces is None else pieces
+        return [[pieces[i] for i in row] for row in rows]
+
+    def ranked(
+        self, result, options: DecodeOptions, offset: float, alpha: float, covered: list[float] | None
+    ) -> list[Hypothesis]:
+        """`result`'s hypotheses ranked as nmt ranks them, by the sentence's own `alpha` (and
+        their coverage penalties, `covered`, where asked)."""
+        hyps = []
+        for k, (tokens, score) in enumerate(zip(result.hypotheses, result.scores)):
+            ids = [self.ids[t] for t in tokens]
+            # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
+            penalised = (float(score) + offset) / length_penalty(len(ids), alpha)
+            if covered is not None:
+                penalised += covered[k]
+            hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
+        hyps = sorted(hyps, key=lambda h: -h.score)
+        return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw
+
+
+def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:
+    """`options` as translate_batch's arguments: nmt's beam (every hypothesis, unpenalised), or
+    its sampling (a top-k past the vocabulary is all of it, as in nmt's engine; CTranslate2
+    refuses it)."""
+    if not options.sample:
+        return {"beam_size": options.beam, "num_hypotheses": options.beam}
+    return {
+        "beam_size": 1,
+        # top-k 1 is greedy, for which CTranslate2 returns one hypothesis only
+        "num_hypotheses": 1 if options.topk == 1 else options.nbest,
+        "sampling_topk": min(options.topk, vocab_size),
+        "sampling_topp": options.topp,
+        "sampling_temperature": options.temperature,
+    }
+
+
+def _rules(options: DecodeOptions, limit: int) -> dict:
+    """nmt's rules on the next token (engine/rules.py) as translate_batch's arguments. CTranslate2
+    bans on its logits before their softmax, nmt on the log-probs: greedy search and sampling
+    choose alike, a beam may rank a candidate differently."""
+    return {
+        "min_decoding_length": min(options.min_len, limit),  # it refuses a minimum past the limit
+        "no_repeat_ngram_size": options.no_repeat_ngram,
+        "repetition_penalty": options.repetition_penalty,
+    }
+
+
+def device_of(ct2, name: str) -> tuple[str, int]:
+    """--device as CTranslate2's (kind, index), GPUs counted by CTranslate2 itself."""
+    kind, _, index = resolve_device_name(name, ct2.get_cuda_device_count() > 0).partition(":")
+    return kind, int(index or 0)
