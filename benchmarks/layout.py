@@ -18,22 +18,21 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
 def sources(rev: str | None) -> dict[str, str]:
     """Each module of nmt_cli (dotted name) and its text, at `rev` or in the working tree."""
+
+    def read(path: str) -> str:
+        if rev is None:
+            return (ROOT / path).read_text()
+        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        return shown.stdout
+
     if rev is None:
         paths = [p.relative_to(ROOT).as_posix() for p in (ROOT / "nmt_cli").rglob("*.py")]
-        read = lambda p: (ROOT / p).read_text()  # noqa: E731
     else:
         listed = subprocess.run(
             ["git", "ls-tree", "-r", "--name-only", rev, "nmt_cli"], cwd=ROOT, capture_output=True, text=True
         )
         paths = [p for p in listed.stdout.split() if p.endswith(".py")]
-        read = lambda p: subprocess.run(  # noqa: E731
-            ["git", "show", f"{rev}:{p}"], cwd=ROOT, capture_output=True, text=True
-        ).stdout
-    out = {}
-    for p in paths:
-        name = p[:-3].replace("/", ".").removesuffix(".__init__")
-        out[name] = read(p)
-    return out
+    return {p[:-3].replace("/", ".").removesuffix(".__init__"): read(p) for p in paths}
 
 
 def graph_of(texts: dict[str, str]) -> dict[str, set[str]]:
@@ -78,12 +77,15 @@ def main() -> None:
     texts = sources(rev)
     graph = graph_of(texts)
     arrows = sum(len(v) for v in graph.values())
-    up = [(m, o) for m, imported in graph.items() for o in imported if m != "nmt_cli" and _floor(o) > _floor(m)]
+    up = [
+        (m, o) for m, imported in graph.items() for o in imported if m != "nmt_cli" and _floor(o) > _floor(m)
+    ]
     top = [m for m in texts if m.count(".") == 1 and m not in ("nmt_cli.__main__",)]
     folders = sorted({m.split(".")[1] for m in texts if m.count(".") >= 2})
     sizes = sorted(((t.count("\n"), m) for m, t in texts.items()), reverse=True)
     print(f"revision: {rev or 'working tree'}")
-    print(f"rooms (modules): {len(texts)}; at the top: {len(top)}; folders: {len(folders)} ({', '.join(folders)})")
+    print(f"rooms (modules): {len(texts)}; at the top: {len(top)}; folders: {len(folders)}", end=" ")
+    print(f"({', '.join(folders)})")
     print(f"import arrows: {arrows}; circles: {len(circles(graph))}; arrows that climb a floor: {len(up)}")
     for m, o in up:
         print(f"  up: {m} -> {o}")

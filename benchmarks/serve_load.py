@@ -627,7 +627,13 @@ def main() -> None:
         served = models[args.ct2] if args.ct2 else models["package"]
         pool = split_files(args.run, "valid")[0].read_text(encoding="utf-8").splitlines()[:500]
         (work / "pool.txt").write_text("\n".join(pool) + "\n", encoding="utf-8")
-        nmt("translate", "--model", str(served), stdin=work / "pool.txt", stdout=work / "pool.out")
+        # the answers expected are the same engine's (--server-option "--engine nmt")
+        engine = (
+            SERVER_OPTIONS[SERVER_OPTIONS.index("--engine") : SERVER_OPTIONS.index("--engine") + 2]
+            if ("--engine" in SERVER_OPTIONS)
+            else []
+        )
+        nmt("translate", "--model", str(served), *engine, stdin=work / "pool.txt", stdout=work / "pool.out")
         expected = dict(zip(pool, (work / "pool.out").read_text(encoding="utf-8").split("\n")))
         rng = random.Random(0)
         requests = [rng.sample(pool, rng.randint(1, 8)) for _ in range(args.requests)]

@@ -77,7 +77,17 @@ def test_lower_layers_do_not_import_upward():
             ), (module, imported)
 
 
-COMMANDS = {"average", "bpe", "export", "plot", "prep", "quickstart", "score", "train", "translate"}
+def _commands() -> set[str]:
+    """The modules at the top named after a command of `nmt` (the steps)."""
+    import typer
+
+    from nmt_cli.cli import app
+
+    names = {name.replace("-", "_") for name in typer.main.get_command(app).commands}  # type: ignore[attr-defined]
+    return {p.stem for p in PACKAGE.glob("*.py")} & names
+
+
+COMMANDS = _commands()
 
 
 def _floor(module: str) -> int:
@@ -111,7 +121,7 @@ def test_the_house_imports_down_its_floors():
     # the file list at the top is the command list and the ground; a module there that serves
     # one room alone is that room's library, which belongs in its wing
     top = {f"nmt_cli.{p.stem}" for p in PACKAGE.glob("*.py")} - {"nmt_cli.__init__", "nmt_cli.__main__"}
-    assert {f"nmt_cli.{c}" for c in COMMANDS} <= top
+    assert len(COMMANDS) >= 9, COMMANDS  # prep, bpe, train, average, plot, translate, score, ...
     for module in top:
         if _floor(module) == 0:
             users = {m for m, imported in graph.items() if module in imported}
