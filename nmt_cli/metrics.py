@@ -126,20 +126,37 @@ def valid_lines(run, lang: str) -> list[str]:
     return (path if path.exists() else run.text("valid", lang)).read_text(encoding="utf-8").splitlines()
 
 
-def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], float]:
+def bleu_of_ids(run, tgt_lang: str) -> Callable[[list[list[int]]], dict[str, float]]:
     """What `nmt train --eval-bleu` hands the trainer: sacreBLEU of translations given as
     token ids of the validation set, against its references as released (case-insensitive
-    where the BPE model lowercases)."""
+    where the BPE model lowercases), as `valid_bleu`. A run of several directions (`nmt prep
+    multi30k --pair ...`): BLEU and chrF of each direction's lines (`valid_bleu_en-de`, ...), and
+    as `valid_bleu` their mean, which --best-metric bleu reads."""
     from nmt_cli.vocab import folds_case, processor
 
     refs = valid_lines(run, tgt_lang)
     sp = processor(run.vocabularies().target)
     lowercase = folds_case(run.vocabularies().target)
     drop = language_ids(run, sp)
+    pairs = run.load_manifest()["prep"]["splits"].get("valid", {}).get("pairs", [])
 
-    def bleu(ids: list[list[int]]) -> float:
+    def bleu(ids: list[list[int]]) -> dict[str, float]:
         texts = sp.decode([[t for t in x if t not in drop] for x in ids])
-        return score(texts[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[0].score
+        if not pairs:
+            return {
+                "valid_bleu": score(texts[: len(refs)], refs[: len(ids)], ["bleu"], lowercase=lowercase)[
+                    0
+                ].score
+            }
+        out, start = {}, 0
+        for pair in pairs:
+            end = start + pair["lines"]
+            name = f"{pair['src']}-{pair['tgt']}"
+            found = score(texts[start:end], refs[start:end], ["bleu", "chrf"], lowercase=lowercase)
+            out[f"valid_bleu_{name}"], out[f"valid_chrf_{name}"] = found[0].score, found[1].score
+            start = end
+        out["valid_bleu"] = sum(out[f"valid_bleu_{p['src']}-{p['tgt']}"] for p in pairs) / len(pairs)
+        return out
 
     return bleu
 

@@ -72,6 +72,10 @@ def plot(run: RunDir, out: Path | None = None) -> Path:
     t_steps = np.asarray([s for s, _ in timeline], dtype=float)
     t_minutes = np.maximum.accumulate(np.asarray([m for _, m in timeline], dtype=float))
 
+    # a run of several directions: each direction's BLEU beside their mean
+    directions = sorted({k for r in valid for k in r if k.startswith("valid_bleu_")})
+    bleu = [(valid, "valid_bleu", "BLEU" if not directions else "mean", "o-")]
+    bleu += [(valid, key, key.removeprefix("valid_bleu_"), ".--") for key in directions]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
     panels = [
         (
@@ -82,7 +86,7 @@ def plot(run: RunDir, out: Path | None = None) -> Path:
                 (valid, "valid_nll", "validation NLL", "o-"),
             ],
         ),
-        (axes[0, 1], "validation BLEU (greedy)", [(valid, "valid_bleu", "BLEU", "o-")]),
+        (axes[0, 1], "validation BLEU (greedy)", bleu),
         (axes[1, 0], "learning rate", [(train, "lr", "lr", "-")]),
         (axes[1, 1], "tokens per second", [(train, "tokens_per_s", "target tokens/s", "-")]),
     ]

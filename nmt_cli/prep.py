@@ -22,6 +22,7 @@ from pathlib import Path
 
 from nmt_cli import ui
 from nmt_cli.config import PrepConfig
+from nmt_cli.config.corpus import target_token
 from nmt_cli.data import fetch
 from nmt_cli.data.filters import SeenPairs, drop_reason
 from nmt_cli.data.recipes import TRAIN, Corpus, Part, Recipe, recipe_for, resolved
@@ -46,6 +47,7 @@ class SplitStats:
     dropped: dict = field(default_factory=lambda: collections.Counter())
     not_utf8: int = 0
     corpora: list = field(default_factory=list)  # training: each corpus's file, pairs, tag, weight
+    pairs: list = field(default_factory=list)  # several directions: each one's languages and lines
 
 
 def _read_part(part: Part, path: Path, damage: Damage) -> Iterator[str]:
@@ -132,27 +134,35 @@ def clean_split(
 ) -> dict[str, SplitStats]:
     """Clean one split into text/; with `holdout`, every 100th kept training pair (up to 2000)
     goes to a validation split instead. All outputs appear together or not at all."""
-    src, tgt = config.src, config.tgt
+    src, tgt = config.src, config.tgt  # the run's sides: its languages, or MANY's roles
     train = split == TRAIN
     stats = {split: SplitStats()}
     if holdout:
         stats["valid"] = SplitStats()
     seen = SeenPairs()
     damage = {src: Damage(), tgt: Damage()}
+    directions = config.directions()
     with contextlib.ExitStack() as stack, ui.progress() as bar:
         out = _Outputs(stack, run, list(stats), (src, tgt))
         task = bar.add_task(f"clean {split}", total=None)
         accepted = 0
         for i, (corpus, corpus_paths) in enumerate(zip(corpora, paths)):
-            pairs = _pairs(corpus, corpus_paths, src, tgt, damage)
-            tag = f"{config.corpus_tag(i)} " if train and config.corpus_tag(i) else ""
+            # a run of several directions: each corpus its own languages, and every source line
+            # of every split begins with its target's token
+            a_lang, b_lang = directions[i] if config.many else (src, tgt)
+            pairs = _pairs(corpus, corpus_paths, a_lang, b_lang, {a_lang: damage[src], b_lang: damage[tgt]})
+            if config.many:
+                tag = target_token(b_lang) + " "
+            else:
+                tag = f"{config.corpus_tag(i)} " if train and config.corpus_tag(i) else ""
             kept_before = stats[split].kept
-            for raw_chunk, chunk in _normalized(chunks(pairs, 2000), (src, tgt), workers):
+            for raw_chunk, chunk in _normalized(chunks(pairs, 2000), (a_lang, b_lang), workers):
                 stats[split].read += len(chunk)
                 bar.advance(task, len(chunk))
                 for raw, (a, b) in zip(raw_chunk, chunk):
                     if not train:
-                        out.write(split, (a, b), raw, stats[split])
+                        released = (tag + raw[0], raw[1]) if config.many else raw
+                        out.write(split, (tag + a, b), released, stats[split])
                         continue
                     # A pair is remembered for dedup only once it passed the other filters.
                     reason = drop_reason(a, b, config) or (None if seen.add(tag + a, b) else "duplicate")
@@ -168,6 +178,15 @@ def clean_split(
                         out.write(split, (tag + a, b), raw, stats[split])
             if train:  # what each corpus gave text/train, in order
                 stats[split].corpora.append(_record(corpus, i, stats[split].kept - kept_before, config))
+            if config.many:  # the lines of each direction, in order: per-pair scores read them
+                stats[split].pairs.append(
+                    {
+                        "src": a_lang,
+                        "tgt": b_lang,
+                        "tag": tag.strip(),
+                        "lines": stats[split].kept - kept_before,
+                    }
+                )
         _check_kept(split, stats[split])
     stats[split].not_utf8 += _warn_damage(split, damage)
     return stats
@@ -204,12 +223,14 @@ def _check_kept(split: str, stats: SplitStats) -> None:
 
 
 def _record(corpus: Corpus, i: int, pairs: int, config: PrepConfig) -> dict:
+    a, b = config.directions()[i] if config.many else (config.src, config.tgt)
     return {
-        "source": corpus[config.src].describe(),
-        "target": corpus[config.tgt].describe(),
+        "source": corpus[a].describe(),
+        "target": corpus[b].describe(),
         "pairs": pairs,
-        "tag": config.corpus_tag(i),
+        "tag": target_token(b) if config.many else config.corpus_tag(i),
         "weight": config.corpus_weight(i),
+        **({"pair": f"{a}-{b}"} if config.many else {}),
     }
 
 
@@ -265,8 +286,7 @@ def check_inputs(config: PrepConfig) -> None:
         raise NmtError(f"mirror folder {config.mirror} not found")
     for split, corpora in recipe_for(config).items():
         for corpus in corpora:
-            for lang in (config.src, config.tgt):
-                part = corpus[lang]
+            for lang, part in corpus.items():
                 if part.source is None and not Path(part.path).is_file():  # type: ignore[arg-type]
                     raise NmtError(
                         f"--{split}-{'src' if lang == config.src else 'tgt'} {part.path}: file not found"
@@ -303,10 +323,12 @@ def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict
             "dropped": dict(st.dropped),
             "not_utf8": st.not_utf8,
             **({"corpora": st.corpora} if st.corpora else {}),
+            **({"pairs": st.pairs} if st.pairs else {}),
         }
         for s, st in all_stats.items()
     }
-    run.record("prep", produced, splits=summary, src=config.src, tgt=config.tgt)
+    many = {"pairs": [f"{a}-{b}" for a, b in config.directions()]} if config.many else {}
+    run.record("prep", produced, splits=summary, src=config.src, tgt=config.tgt, **many)
     return summary
 
 
@@ -327,7 +349,13 @@ def show(summary: dict) -> None:
             for s, v in summary.items()
         ]
         + [
-            [f"  {c['source']}", "", f"{c['pairs']:,}", f"tag {c['tag'] or '-'}, weight {c['weight']:g}", ""]
+            [
+                f"  {c.get('pair') or c['source']}",
+                "",
+                f"{c['pairs']:,}",
+                f"tag {c['tag'] or '-'}, weight {c['weight']:g}",
+                "",
+            ]
             for c in (corpora if len(corpora) > 1 else [])
         ],
     )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from nmt_cli import ui
 from nmt_cli.config import PRESETS, LaunchConfig, TrainConfig, from_json
 from nmt_cli.engine import checkpoint, launcher, parts, state, trainer
+from nmt_cli.engine.batches import Split
 from nmt_cli.errors import NmtError
 from nmt_cli.files import read_regular
 from nmt_cli.rundir import RunDir
@@ -158,8 +159,8 @@ def validation_scores(run: RunDir, config: TrainConfig) -> Callable[[list[list[i
     token ids: the trainer's figures by name; None where neither is asked for."""
     from nmt_cli import metrics
 
-    scorers = {}
-    if config.eval_bleu:
+    scorers: dict[str, Callable[[list[list[int]]], float | dict[str, float]]] = {}
+    if config.eval_bleu:  # a figure each, or one for each direction of the run and their mean
         scorers["valid_bleu"] = metrics.bleu_of_ids(run, run.load_manifest()["prep"]["tgt"])
     if config.comet:
         scorers["valid_comet"] = comet_of_ids(
@@ -173,7 +174,15 @@ def validation_scores(run: RunDir, config: TrainConfig) -> Callable[[list[list[i
             )
     if not scorers:
         return None
-    return lambda ids: {name: scorer(ids) for name, scorer in scorers.items()}
+
+    def figures(ids: list[list[int]]) -> dict:
+        out: dict = {}
+        for name, scorer in scorers.items():
+            found = scorer(ids)
+            out.update(found if isinstance(found, dict) else {name: found})
+        return out
+
+    return figures
 
 
 @contextlib.contextmanager
@@ -202,8 +211,9 @@ def compile_cache(run: RunDir):
             os.environ[key] = before
 
 
-def data_of(run: RunDir) -> parts.Data:
-    """The binarized data of `run` (`nmt prep` and `nmt bpe`), as the trainer takes it."""
+def data_of(run: RunDir, temperature: float = 1.0) -> parts.Data:
+    """The binarized data of `run` (`nmt prep` and `nmt bpe`), as the trainer takes it, its
+    training corpora sampled at `temperature` (--pair-temperature)."""
     manifest = run.load_manifest()
     prep, bpe = manifest.get("prep"), manifest.get("bpe")
     if not prep or not bpe:
@@ -222,7 +232,7 @@ def data_of(run: RunDir) -> parts.Data:
         src=src,
         tgt=tgt,
         vocab_size=bpe["vocab_size"],
-        corpora=tuple(prep["splits"]["train"].get("corpora", [])),
+        corpora=Split.tempered(prep["splits"]["train"].get("corpora", []), temperature),
         src_vocab_size=None if bpe.get("joint", True) else bpe["src_vocab_size"],
     )
 
@@ -237,7 +247,7 @@ def build_trainer(
 ) -> trainer.Trainer:
     """A Trainer over `run`'s data, writing its checkpoints, best models and figures there,
     handed the parts `config` asks for."""
-    data = data_of(run)
+    data = data_of(run, config.pair_temperature)
     setup = parts.build(config, data, reporter, init.config if init is not None else None)
     return trainer.Trainer(config, data, run, reporter, setup, scores_of, init, resample)
 

@@ -20,7 +20,7 @@ RecipeName = Enum("RecipeName", {name: name for name in RECIPES}, type=str)
 @options_of(
     PrepConfig,
     "recipe",
-    flags={"tags": "--tag", "weights": "--weight"},
+    flags={"tags": "--tag", "weights": "--weight", "pairs": "--pair"},
     settings={"mirror": {"envvar": "NMT_MIRROR"}},
 )
 def prep(

@@ -158,18 +158,18 @@ def score_pairs(
     Prints one line per pair: the log-probability (its EOS counted), the same per token, and the
     score a search gives it (divided by the length penalty of --alpha), tab-separated. With
     --kiwi, CometKiwi's score of the pair alone (no translation model is read)."""
-    from nmt_cli import score
+    from nmt_cli import score_pairs as step
     from nmt_cli.inference.backend import loaded
     from nmt_cli.inference.translator import Translator
 
     config = config_of(TranslateConfig, ctx)
-    keep = score.Keep.of(min_score, kept_src, kept_tgt)
+    keep = step.Keep.of(min_score, kept_src, kept_tgt)
     if config.kiwi is not None:  # quality estimation: no translation model is read
-        score.kiwi_pairs(config, src, tgt, sys.stdout, keep)
+        step.kiwi_pairs(config, src, tgt, sys.stdout, keep)
         return
     found, choice = loaded(run_dir, model, config.checkpoint, config)
     ui.verbose(f"engine: {choice}")
-    score.score_pairs(Translator(found, config, choice=choice), src, tgt, sys.stdout, keep)
+    step.score_pairs(Translator(found, config, choice=choice), src, tgt, sys.stdout, keep)
 
 
 @app.command()

@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from nmt_cli.config.common import knob, language
 from nmt_cli.errors import NmtError
 
+# The sides of a run of several directions, named by role: text/train.src, text/train.tgt
+MANY = ("src", "tgt")
+
+
+def target_token(lang: str) -> str:
+    """The token that asks a many-to-many model for `lang`: the first piece of each source line."""
+    return f"<2{lang}>"
+
 
 @dataclass(frozen=True)
 class PrepConfig:
@@ -36,6 +44,13 @@ class PrepConfig:
     weights: tuple[float, ...] = knob(
         (), "custom: per training corpus, times an epoch takes each pair on average (1)."
     )
+    # several directions in one run (many-to-many): multi30k's languages, each pair a corpus
+    pairs: tuple[str, ...] = knob(
+        (),
+        "multi30k: a direction of the run, e.g. en-de; again for each further one (default: en-de, "
+        "de-en, en-fr, fr-en, en-cs, cs-en). With several, each source line begins with its target "
+        "language's token, <2de>, which `nmt translate --tag` gives.",
+    )
     valid_src: str | None = knob(
         None, "custom: validation source (default: every 100th training pair, up to 2000)."
     )
@@ -44,7 +59,7 @@ class PrepConfig:
     test_tgt: str | None = knob(None, "custom: test target.")
 
     def __post_init__(self) -> None:
-        for name in ("train_src", "train_tgt", "tags", "weights"):  # a list from JSON, one path before
+        for name in ("train_src", "train_tgt", "tags", "weights", "pairs"):  # a list from JSON, one before
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
         for side in ("src", "tgt"):
@@ -63,6 +78,32 @@ class PrepConfig:
             a, b = getattr(self, f"{side}_src"), getattr(self, f"{side}_tgt")
             if bool(a) != bool(b):
                 raise NmtError(f"give both --{side}-src and --{side}-tgt, or neither")
+        self._check_pairs()
+
+    def _check_pairs(self) -> None:
+        if self.pairs and self.recipe != "multi30k":
+            raise NmtError("--pair is for `nmt prep multi30k` (custom corpora: one run per pair)")
+        for pair in self.pairs:
+            sides = pair.split("-")
+            if len(sides) != 2 or sides[0] == sides[1]:
+                raise NmtError(f"--pair {pair!r} is not two languages joined by '-', e.g. en-de")
+            for side in sides:
+                language(side, f"--pair {pair}")
+        if len(set(self.pairs)) != len(self.pairs):
+            raise NmtError("--pair names a direction twice")
+
+    def directions(self) -> list[tuple[str, str]]:
+        """The (source, target) languages of each pair the run holds, in order: `pairs`, or the
+        one pair of --src and --tgt."""
+        if self.pairs:
+            return [(a, b) for a, b in (p.split("-") for p in self.pairs)]
+        return [(self.src or "en", self.tgt or "de")]
+
+    @property
+    def many(self) -> bool:
+        """Several directions in one run: its sides are named by role (MANY) and each source line
+        begins with its target language's token."""
+        return len(self.pairs) > 1
 
     def _check_corpora(self) -> None:
         n = len(self.train_src)

@@ -116,7 +116,14 @@ class TrainConfig:
         "with TensorFloat-32 matrix products), bf16, fp16 (GPU).",
     )
     eval_every: int = knob(1000, "Validate every N updates.")
-    eval_bleu: bool = knob(False, "Also log greedy BLEU on the validation set.")
+    eval_bleu: bool = knob(
+        False, "Also log greedy BLEU on the validation set (a run of several directions: each's too)."
+    )
+    pair_temperature: float = knob(
+        1.0,
+        "Sample the training corpora (a many-to-many run's directions) with this temperature: 1 "
+        "as their sizes say, higher evens them out (5: a corpus 100x larger is taken 2.5x as often).",
+    )
     patience: int = knob(0, "Stop after N validations without improvement (0: off).")
     save_every: int = knob(1000, "Checkpoint every N updates.")
     keep_last: int = knob(20, "Checkpoints kept.")  # enough to average the last 20 (big)
@@ -253,6 +260,8 @@ class TrainConfig:
         for name in ("ema", "fused_qkv", "init_optimizer"):
             if self.adapters and getattr(self, name):
                 raise NmtError(f"--adapters cannot be combined with --{name.replace('_', '-')}")
+        if not 0 < self.pair_temperature <= 100:
+            raise NmtError("--pair-temperature must be above 0 (1: as the corpora's sizes say), at most 100")
         if self.best_metric not in ("nll", "bleu", "comet"):
             raise NmtError(f"unknown --best-metric {self.best_metric!r}: choose nll, bleu or comet")
         if self.best_metric == "bleu" and not self.eval_bleu:

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from nmt_cli.config import PrepConfig
+from nmt_cli.config.corpus import MANY
 from nmt_cli.data.fetch import Source
 from nmt_cli.errors import NmtError
 
@@ -216,6 +217,26 @@ MULTI30K_EN_DE: Recipe = {
     for (split, name), sides in MULTI30K_FILES.items()
 }
 
+# `nmt prep multi30k`: its directions among these four languages, English-centric by default
+MULTI30K_LANGUAGES = ("en", "de", "fr", "cs")
+MULTI30K_PAIRS = ("en-de", "de-en", "en-fr", "fr-en", "en-cs", "cs-en")
+
+
+def multi30k_recipe(config: PrepConfig) -> Recipe:
+    """One corpus per direction of `config` in each split, the four languages' files shared (the
+    same captions: a direction and its reverse are one corpus read both ways); test2017 where
+    every language of the run has it (Czech has none)."""
+    files = {key: {**sides, **MULTI30K_MORE_FILES.get(key, {})} for key, sides in MULTI30K_FILES.items()}
+    directions = config.directions()
+    recipe: Recipe = {}
+    for (split, name), sides in files.items():
+        if all(lang in sides for pair in directions for lang in pair):
+            recipe[split] = [
+                {lang: Part(Source(f"{MULTI30K_BASE}{name}.{lang}.gz", *sides[lang])) for lang in pair}
+                for pair in directions
+            ]
+    return recipe
+
 
 def custom_recipe(config: PrepConfig) -> Recipe:
     recipe: Recipe = {
@@ -250,9 +271,11 @@ RECIPES: dict[str, Known] = {
     # WMT14 recipe); Multi30k is translated by people, and 1.5 would drop 888 of its 29,000
     # pairs, mostly short captions, so only Moses' own limit (9) applies there.
     "multi30k-en-de": Known(("en", "de"), 9.0, MULTI30K_EN_DE),
+    # any directions among English, German, French and Czech, one run (--pair, MULTI30K_PAIRS)
+    "multi30k": Known(None, 9.0, None),
     "custom": Known(None, 1.5, None),
 }
-LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "ro": "Romanian"}
+LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "ro": "Romanian", "cs": "Czech"}
 
 
 def resolved(config: PrepConfig) -> PrepConfig:
@@ -260,6 +283,8 @@ def resolved(config: PrepConfig) -> PrepConfig:
     known = RECIPES.get(config.recipe)
     if known is None:
         raise NmtError(f"unknown recipe {config.recipe!r}: choose one of {', '.join(RECIPES)}")
+    if config.recipe == "multi30k":
+        return _multi30k(config)
     config = dataclasses.replace(config, **_languages(config.src, config.tgt, known.languages))
     if known.languages and {config.src, config.tgt} != set(known.languages):
         a, b = known.languages
@@ -268,6 +293,31 @@ def resolved(config: PrepConfig) -> PrepConfig:
     if config.max_ratio is None:
         config = dataclasses.replace(config, max_ratio=known.max_ratio)
     return config
+
+
+def _multi30k(config: PrepConfig) -> PrepConfig:
+    """multi30k's directions: --pair each, or the one of --src and --tgt, or MULTI30K_PAIRS; a run
+    of several has the sides MANY."""
+    pairs = config.pairs
+    if pairs:  # (resolved already: the sides it gave them)
+        given = MANY if len(pairs) > 1 else tuple(pairs[0].split("-"))
+        if (config.src or config.tgt) and (config.src, config.tgt) != given:
+            raise NmtError("give --pair for each direction, or --src and --tgt for one, not both")
+    else:
+        if bool(config.src) != bool(config.tgt):
+            raise NmtError("multi30k: give both --src and --tgt (or --pair for each direction)")
+        pairs = (f"{config.src}-{config.tgt}",) if config.src else MULTI30K_PAIRS
+    for pair in pairs:
+        for lang in pair.split("-"):
+            if lang not in MULTI30K_LANGUAGES:
+                *first, last = (LANGUAGE_NAMES[x] for x in MULTI30K_LANGUAGES)
+                raise NmtError(
+                    f"multi30k has {', '.join(first)} and {last} ({', '.join(MULTI30K_LANGUAGES)}), "
+                    f"not {lang!r}"
+                )
+    config = dataclasses.replace(config, pairs=tuple(pairs), src=None, tgt=None)
+    src, tgt = MANY if config.many else config.directions()[0]
+    return dataclasses.replace(config, src=src, tgt=tgt, max_ratio=config.max_ratio or 9.0)
 
 
 def _languages(src: str | None, tgt: str | None, pair: tuple[str, str] | None) -> dict[str, str]:
@@ -285,5 +335,8 @@ def _languages(src: str | None, tgt: str | None, pair: tuple[str, str] | None) -
 
 
 def recipe_for(config: PrepConfig) -> Recipe:
-    corpora = RECIPES[resolved(config).recipe].corpora
+    config = resolved(config)
+    if config.recipe == "multi30k":
+        return multi30k_recipe(config)
+    corpora = RECIPES[config.recipe].corpora
     return corpora if corpora is not None else custom_recipe(config)

@@ -49,6 +49,22 @@ class Split:
         weights = tuple((int(e - c["pairs"]), int(e), float(c["weight"])) for e, c in zip(ends, corpora))
         return cls._made(s, t, limit, () if all(w == 1.0 for *_, w in weights) else weights)
 
+    @staticmethod
+    def tempered(corpora: Sequence[dict], temperature: float) -> tuple[dict, ...]:
+        """`corpora` (pairs, weight) reweighted so that an epoch takes corpus i in proportion to
+        m_i^(1/T), m_i being what it takes now (pairs x weight), the epoch's size unchanged: T 1
+        changes nothing, a higher T evens the corpora out (multilingual NMT's sampling, Arivazhagan
+        et al. 2019)."""
+        if temperature == 1.0 or len(corpora) < 2:
+            return tuple(corpora)
+        taken = [c["pairs"] * c["weight"] for c in corpora]
+        shares = [m ** (1.0 / temperature) for m in taken]
+        total = sum(taken)
+        return tuple(
+            {**c, "weight": share / sum(shares) * total / c["pairs"]} if c["pairs"] else dict(c)
+            for c, share in zip(corpora, shares)
+        )
+
     @classmethod
     def _made(cls, s: Shard, t: Shard, limit: int, weights: tuple) -> Split:
         sl, tl = s.lengths + 1, t.lengths + 1

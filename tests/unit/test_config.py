@@ -19,6 +19,21 @@ def test_auto_precision_is_bf16_for_gpu_training_and_fp32_for_gpu_decoding():
         resolve_precision("fp16", "cpu")
 
 
+def test_multi30k_takes_any_directions_of_its_four_languages():
+    from nmt_cli.config import PrepConfig
+    from nmt_cli.config.corpus import MANY
+    from nmt_cli.data.recipes import MULTI30K_PAIRS, resolved
+
+    six = resolved(PrepConfig("multi30k"))
+    assert six.pairs == MULTI30K_PAIRS and (six.src, six.tgt) == MANY and six.many
+    assert resolved(six) == six  # resolving again changes nothing
+    one = resolved(PrepConfig("multi30k", src="fr", tgt="cs"))
+    assert (one.pairs, one.src, one.tgt, one.many) == (("fr-cs",), "fr", "cs", False)
+    assert resolved(PrepConfig("multi30k", pairs=("cs-de",))).directions() == [("cs", "de")]
+    with pytest.raises(NmtError, match="give both --src and --tgt"):
+        resolved(PrepConfig("multi30k", src="fr"))
+
+
 def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
     from nmt_cli.config import PrepConfig
     from nmt_cli.data.recipes import RECIPES, resolved
@@ -39,7 +54,7 @@ def test_a_recipe_fills_its_defaults_and_refuses_other_languages():
         resolved(PrepConfig("wmt15"))
     with pytest.raises(NmtError, match="is English-Romanian: use --src en --tgt ro"):
         resolved(PrepConfig("wmt16-en-ro", src="de"))
-    for name in set(RECIPES) - {"custom"}:  # every recipe resolves to its own pair, either way round
+    for name in (n for n, known in RECIPES.items() if known.languages):  # its own pair, either way round
         forward = resolved(PrepConfig(name))
         assert forward.src and forward.tgt and forward.src != forward.tgt, name
         back = resolved(PrepConfig(name, src=forward.tgt, tgt=forward.src))
