@@ -145,8 +145,9 @@ def clean_split(
     with contextlib.ExitStack() as stack, ui.progress() as bar:
         out = _Outputs(stack, run, list(stats), (src, tgt))
         task = bar.add_task(f"clean {split}", total=None)
-        accepted = 0
+        most = 2000 // len(corpora) if config.many else 2000  # held out for validation
         for i, (corpus, corpus_paths) in enumerate(zip(corpora, paths)):
+            accepted = held = 0
             # a run of several directions: each corpus its own languages, and every source line
             # of every split begins with its target's token
             a_lang, b_lang = directions[i] if config.many else (src, tgt)
@@ -170,23 +171,22 @@ def clean_split(
                         stats[split].dropped[reason] += 1
                         continue
                     accepted += 1
-                    # The validation pairs held out come from the first (the main) corpus.
-                    if holdout and i == 0 and accepted % 100 == 0 and stats["valid"].kept < 2000:
+                    # The validation pairs held out come from the first (the main) corpus; in a
+                    # run of several directions, from each, as many from each
+                    if holdout and (i == 0 or config.many) and accepted % 100 == 0 and held < most:
+                        held += 1
                         stats["valid"].read += 1
-                        out.write("valid", (a, b), raw, stats["valid"])
+                        released = (tag + raw[0], raw[1]) if config.many else raw
+                        out.write("valid", (tag + a, b) if config.many else (a, b), released, stats["valid"])
                     else:
                         out.write(split, (tag + a, b), raw, stats[split])
             if train:  # what each corpus gave text/train, in order
                 stats[split].corpora.append(_record(corpus, i, stats[split].kept - kept_before, config))
             if config.many:  # the lines of each direction, in order: per-pair scores read them
-                stats[split].pairs.append(
-                    {
-                        "src": a_lang,
-                        "tgt": b_lang,
-                        "tag": tag.strip(),
-                        "lines": stats[split].kept - kept_before,
-                    }
-                )
+                pair = {"src": a_lang, "tgt": b_lang, "tag": tag.strip()}
+                stats[split].pairs.append({**pair, "lines": stats[split].kept - kept_before})
+                if holdout:
+                    stats["valid"].pairs.append({**pair, "lines": held})
         _check_kept(split, stats[split])
     stats[split].not_utf8 += _warn_damage(split, damage)
     return stats
@@ -286,11 +286,9 @@ def check_inputs(config: PrepConfig) -> None:
         raise NmtError(f"mirror folder {config.mirror} not found")
     for split, corpora in recipe_for(config).items():
         for corpus in corpora:
-            for lang, part in corpus.items():
+            for side, part in zip(("src", "tgt"), corpus.values()):  # each corpus: source first
                 if part.source is None and not Path(part.path).is_file():  # type: ignore[arg-type]
-                    raise NmtError(
-                        f"--{split}-{'src' if lang == config.src else 'tgt'} {part.path}: file not found"
-                    )
+                    raise NmtError(f"--{split}-{side} {part.path}: file not found")
 
 
 def prepare(config: PrepConfig, run: RunDir, workers: int | None = None) -> dict:

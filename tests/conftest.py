@@ -222,6 +222,23 @@ def prepared_multi30k(run_dir: Path, vocab_size: int) -> Path:
     return run_dir
 
 
+def prepared_pairs(run_dir: Path, pairs: tuple[str, ...], vocab_size: int) -> Path:
+    """A run of several Multi30k directions (`nmt prep multi30k --pair ...`), binarized."""
+    run_ok(
+        [
+            "prep",
+            "multi30k",
+            "--run-dir",
+            run_dir,
+            "--mirror",
+            MULTI30K,
+            *(a for p in pairs for a in ("--pair", p)),
+        ],
+        ["bpe", "--run-dir", run_dir, "--vocab-size", vocab_size],
+    )
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def multi30k_bpe(tmp_path_factory, multi30k_dir) -> Path:
     """A run directory with Multi30k prepared and binarized (vocabulary 1000); copy before use."""

@@ -47,9 +47,10 @@ class PrepConfig:
     # several directions in one run (many-to-many): multi30k's languages, each pair a corpus
     pairs: tuple[str, ...] = knob(
         (),
-        "multi30k: a direction of the run, e.g. en-de; again for each further one (default: en-de, "
-        "de-en, en-fr, fr-en, en-cs, cs-en). With several, each source line begins with its target "
-        "language's token, <2de>, which `nmt translate --tag` gives.",
+        "A direction of the run, e.g. en-de; again for each further one (multi30k's default: en-de, "
+        "de-en, en-fr, fr-en, en-cs, cs-en; custom: one per training corpus). With several, each "
+        "source line begins with its target language's token, <2de>, which `nmt translate --tag` "
+        "gives.",
     )
     valid_src: str | None = knob(
         None, "custom: validation source (default: every 100th training pair, up to 2000)."
@@ -81,8 +82,18 @@ class PrepConfig:
         self._check_pairs()
 
     def _check_pairs(self) -> None:
-        if self.pairs and self.recipe != "multi30k":
-            raise NmtError("--pair is for `nmt prep multi30k` (custom corpora: one run per pair)")
+        if self.pairs and self.recipe not in ("multi30k", "custom"):
+            raise NmtError("--pair is for `nmt prep multi30k` and `nmt prep custom`")
+        if self.recipe == "custom" and len(self.pairs) > 1:
+            if len(self.pairs) != len(self.train_src):
+                n = len(self.train_src)
+                raise NmtError(f"{len(self.pairs)} --pair for {n} training corpora: give one per corpus")
+            if self.valid_src or self.test_src or self.tags:
+                raise NmtError(
+                    "a custom run of several directions holds out its validation pairs from each "
+                    "corpus and tags each source with its target's token: drop --valid-src, "
+                    "--test-src and --tag (translate a test set with `nmt translate --tag`)"
+                )
         for pair in self.pairs:
             sides = pair.split("-")
             if len(sides) != 2 or sides[0] == sides[1]:

@@ -239,6 +239,13 @@ def multi30k_recipe(config: PrepConfig) -> Recipe:
 
 
 def custom_recipe(config: PrepConfig) -> Recipe:
+    if config.many:  # each corpus its direction
+        return {
+            TRAIN: [
+                {a: Part(None, path=src), b: Part(None, path=tgt)}
+                for src, tgt, (a, b) in zip(config.train_src, config.train_tgt, config.directions())
+            ]
+        }
     recipe: Recipe = {
         TRAIN: [
             {config.src: Part(None, path=src), config.tgt: Part(None, path=tgt)}
@@ -285,6 +292,8 @@ def resolved(config: PrepConfig) -> PrepConfig:
         raise NmtError(f"unknown recipe {config.recipe!r}: choose one of {', '.join(RECIPES)}")
     if config.recipe == "multi30k":
         return _multi30k(config)
+    if config.pairs:  # custom, a direction each corpus
+        return _directions(config)
     config = dataclasses.replace(config, **_languages(config.src, config.tgt, known.languages))
     if known.languages and {config.src, config.tgt} != set(known.languages):
         a, b = known.languages
@@ -295,14 +304,22 @@ def resolved(config: PrepConfig) -> PrepConfig:
     return config
 
 
+def _directions(config: PrepConfig) -> PrepConfig:
+    """`config` with the sides of its --pair: the pair's languages, or MANY for several."""
+    pairs = config.pairs
+    given = MANY if len(pairs) > 1 else tuple(pairs[0].split("-"))
+    if (config.src or config.tgt) and (config.src, config.tgt) != given:  # (resolved already: given)
+        raise NmtError("give --pair for each direction, or --src and --tgt for one, not both")
+    src, tgt = given
+    return dataclasses.replace(config, src=src, tgt=tgt, max_ratio=config.max_ratio or 1.5)
+
+
 def _multi30k(config: PrepConfig) -> PrepConfig:
     """multi30k's directions: --pair each, or the one of --src and --tgt, or MULTI30K_PAIRS; a run
     of several has the sides MANY."""
     pairs = config.pairs
-    if pairs:  # (resolved already: the sides it gave them)
-        given = MANY if len(pairs) > 1 else tuple(pairs[0].split("-"))
-        if (config.src or config.tgt) and (config.src, config.tgt) != given:
-            raise NmtError("give --pair for each direction, or --src and --tgt for one, not both")
+    if pairs:
+        _directions(config)  # its sides, checked against --src and --tgt
     else:
         if bool(config.src) != bool(config.tgt):
             raise NmtError("multi30k: give both --src and --tgt (or --pair for each direction)")

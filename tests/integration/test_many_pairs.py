@@ -5,7 +5,7 @@ each direction recorded for per-pair scores."""
 import gzip
 
 import pytest
-from conftest import MULTI30K, one_error_line, run_ok
+from conftest import MULTI30K, one_error_line, prepared_pairs, run_ok
 
 from nmt_cli import bpe
 from nmt_cli.normalize import normalize
@@ -22,12 +22,7 @@ def released(split: str, lang: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def many(tmp_path_factory, multi30k_dir):
-    run_dir = tmp_path_factory.mktemp("many")
-    pairs = [a for p in PAIRS for a in ("--pair", p)]
-    run_ok(
-        ["prep", "multi30k", "--run-dir", run_dir, "--mirror", MULTI30K, *pairs],
-        ["bpe", "--run-dir", run_dir, "--vocab-size", 2000],
-    )
+    run_dir = prepared_pairs(tmp_path_factory.mktemp("many"), PAIRS, 2000)
     return RunDir(run_dir)
 
 
@@ -90,6 +85,53 @@ def test_a_pair_that_cannot_be_is_one_line(tmp_path, nmt, args, says):
     assert not (tmp_path / "text").exists()
 
 
-def test_pairs_are_for_multi30k(tmp_path, nmt):
+def test_pairs_are_for_multi30k_and_custom(tmp_path, nmt):
     result = nmt("prep", "multi30k-en-de", "--run-dir", tmp_path, "--pair", "en-de")
-    assert "--pair is for `nmt prep multi30k`" in one_error_line(result)
+    assert "--pair is for `nmt prep multi30k` and `nmt prep custom`" in one_error_line(result)
+
+
+def test_custom_corpora_each_a_direction_hold_out_validation_from_each(tmp_path, nmt):
+    """`nmt prep custom --pair` once per corpus: each corpus cleaned in its own languages, its
+    sources tagged with its target's token, every 100th pair of each held out for validation."""
+
+    def corpus(name: str, lang: str, lines: int) -> object:
+        path = tmp_path / f"{name}.{lang}"
+        path.write_text("\n".join(released("train", lang)[:lines]) + "\n", encoding="utf-8")
+        return path
+
+    run = RunDir(tmp_path / "run")
+    first = ["--train-src", corpus("a", "en", 400), "--train-tgt", corpus("a", "de", 400), "--pair", "en-de"]
+    second = ["--train-src", corpus("b", "fr", 300), "--train-tgt", corpus("b", "en", 300), "--pair", "fr-en"]
+    result = nmt("prep", "custom", "--run-dir", run.root, *first, *second)
+    assert result.code == 0, result.err
+    prep = run.load_manifest()["prep"]
+    assert prep["pairs"] == ["en-de", "fr-en"] and (prep["src"], prep["tgt"]) == ("src", "tgt")
+    valid = prep["splits"]["valid"]["pairs"]
+    trained = [c["pairs"] for c in prep["splits"]["train"]["corpora"]]
+    assert [(p["src"], p["tgt"]) for p in valid] == [("en", "de"), ("fr", "en")]
+    for p, kept in zip(valid, trained):  # every 100th pair each corpus kept
+        assert p["lines"] == (kept + p["lines"]) // 100 >= 2, (valid, trained)
+    sources = run.text("valid", "src").read_text(encoding="utf-8").splitlines()
+    n = valid[0]["lines"]
+    assert [s.split()[0] for s in sources] == ["<2de>"] * n + ["<2en>"] * valid[1]["lines"]
+    french = {normalize(line, "fr") for line in released("train", "fr")[:300]}
+    assert all(s.removeprefix("<2en> ") in french for s in sources[n:])
+    assert not set(sources) & set(run.text("train", "src").read_text(encoding="utf-8").splitlines())
+    assert [c["tag"] for c in prep["splits"]["train"]["corpora"]] == ["<2de>", "<2en>"]
+    # a validation set of its own, or a count of pairs that is not one per corpus: one line each
+    own = ["--valid-src", first[1], "--valid-tgt", first[3]]
+    wrong = nmt("prep", "custom", "--run-dir", tmp_path / "r2", *first, *second, *own)
+    assert "holds out its validation pairs from each corpus" in one_error_line(wrong)
+    wrong = nmt(
+        "prep",
+        "custom",
+        "--run-dir",
+        tmp_path / "r3",
+        *first,
+        *second[:4],
+        "--pair",
+        "fr-en",
+        "--pair",
+        "de-en",
+    )
+    assert "give one per corpus" in one_error_line(wrong)

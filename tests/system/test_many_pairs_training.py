@@ -7,20 +7,14 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import MULTI30K, TINY, nmt_command, run_ok
+from conftest import TINY, nmt_command, prepared_pairs
 
 PAIRS = ("en-de", "de-en", "en-fr")
 
 
 @pytest.fixture(scope="module")
 def many(tmp_path_factory, multi30k_dir):
-    run_dir = tmp_path_factory.mktemp("many")
-    pairs = [a for p in PAIRS for a in ("--pair", p)]
-    run_ok(
-        ["prep", "multi30k", "--run-dir", run_dir, "--mirror", MULTI30K, *pairs],
-        ["bpe", "--run-dir", run_dir, "--vocab-size", 1000],
-    )
-    return run_dir
+    return prepared_pairs(tmp_path_factory.mktemp("many"), PAIRS, 1000)
 
 
 @pytest.mark.parametrize("procs", [1, 2])
