@@ -142,7 +142,8 @@ class DecodeOptions:
     tgt_lang: str = knob(
         "",
         "A multilingual model's target language: its token is forced first and left out of the "
-        "translation (default: the one `nmt import` was given).",
+        "translation (default: the one `nmt import` was given); a model of several directions "
+        "(`nmt prep multi30k --pair ...`): its token <2xx> before the source.",
     )
 
     @property

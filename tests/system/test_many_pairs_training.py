@@ -37,14 +37,18 @@ def test_each_direction_is_validated_and_best_metric_reads_their_mean(many, tmp_
     kept = sorted((run_dir / "checkpoints" / "best").glob("best_*.pt"))
     best = max(valid, key=lambda r: (r["valid_bleu"], -r["step"]))
     assert [p.name for p in kept] == [f"best_{best['step']:08d}.pt"], valid
-    # the model translates a direction asked by its token
-    for tag in ("<2de>", "<2fr>"):
-        out = subprocess.run(
-            nmt_command("translate", "--run-dir", run_dir, "--tag", tag, "--engine", "nmt"),
-            input=b"A dog runs.\n",
-            capture_output=True,
-        )
-        assert out.returncode == 0 and len(out.stdout.splitlines()) == 1, out.stderr[-2000:]
+
+    # the model translates a direction asked by its token, or by --tgt-lang
+    def translated(*options) -> subprocess.CompletedProcess:
+        command = nmt_command("translate", "--run-dir", run_dir, "--engine", "nmt", *options)
+        return subprocess.run(command, input=b"A dog runs.\nTwo men sit.\n", capture_output=True)
+
+    for lang in ("de", "fr"):
+        by_tag, by_lang = translated("--tag", f"<2{lang}>"), translated("--tgt-lang", lang)
+        assert by_tag.returncode == 0 and len(by_tag.stdout.splitlines()) == 2, by_tag.stderr[-2000:]
+        assert by_lang.stdout == by_tag.stdout, by_lang.stderr[-2000:]
+    refused = translated("--tgt-lang", "cs")
+    assert refused.returncode == 1 and b"translates into de, en, fr" in refused.stderr, refused.stderr
     if procs == 1:  # `nmt score`: a row for each direction, and their mean
         out = subprocess.run(
             nmt_command("score", "--run-dir", run_dir, "--metrics", "bleu", "--beam", 1, "--engine", "nmt"),
