@@ -60,7 +60,7 @@ def test_random_kills_lose_nothing(run_copy, tmp_path, wanted):
     refused = 0
     while kills < wanted:
         # Kill after a few more checkpoints, at a random moment of a step (training or saving):
-        # counted in steps, not seconds, so a fast machine cannot finish before 20 kills.
+        # counted in steps, not seconds, so a fast machine cannot finish before its kills.
         target = _newest_step(run_copy) + rng.randint(1, 6)
         proc = subprocess.Popen(_cmd(run_copy, steps), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
