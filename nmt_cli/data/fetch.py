@@ -6,18 +6,11 @@ From the file on, a mirror and the network take the same path: verify, then extr
 from __future__ import annotations
 
 import errno
-import gzip
-import http.client
 import os
 import posixpath
 import shutil
 import stat
-import tarfile
 import time
-import urllib.error
-import urllib.request
-import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +89,12 @@ def verify(path: Path, source: Source, keep_aside: bool) -> None:
 
 def download(source: Source, dest: Path, retries: int = 5, wait: float = 2.0) -> None:
     """Download to `dest` through `dest.part`, resuming with HTTP Range after a broken transfer."""
+    # the network's modules, imported here: the commands that import this module for a recipe's
+    # names (every `nmt` command: `nmt prep`'s choices) start without them
+    import http.client
+    import urllib.error
+    import urllib.request
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     last_error = ""
@@ -215,6 +214,8 @@ def extract(archive: Path, members: list[str], dest: Path) -> dict[str, Path]:
     An archive with any unsafe member is refused whole, and nothing of it is kept. A marker
     holding the archive's sha256 lets a rerun skip the work.
     """
+    import zipfile
+
     archive = Path(archive)
     out = {m: dest / m for m in members}
     marker = dest / f".{archive.name}.done"
@@ -242,6 +243,10 @@ def extract(archive: Path, members: list[str], dest: Path) -> dict[str, Path]:
 
 
 def _extract_tar(archive: Path, wanted: set[str], staging: Path) -> set[str]:
+    import gzip
+    import tarfile
+    import zlib
+
     found: set[str] = set()
     try:
         # Streaming mode reads the (possibly GB-sized) archive once, front to back.
@@ -272,6 +277,9 @@ def _extract_tar(archive: Path, wanted: set[str], staging: Path) -> set[str]:
 
 
 def _extract_zip(archive: Path, wanted: set[str], staging: Path) -> set[str]:
+    import zipfile
+    import zlib
+
     found: set[str] = set()
     try:
         with zipfile.ZipFile(archive) as z:

@@ -11,7 +11,7 @@ from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_
 from nmt_cli.engine.hypothesis import Hypothesis, Source, coverage_penalty, length_penalty
 from nmt_cli.engine.hypothesis import limits as output_limits
 from nmt_cli.errors import NmtError, Stopped
-from nmt_cli.inference import ct2_cache, shortlist
+from nmt_cli.inference import ct2_cache
 from nmt_cli.inference.ct2_spec import require_ctranslate2
 from nmt_cli.inference.models import Model
 from nmt_cli.vocab import EOS, pieces
@@ -47,6 +47,8 @@ class Backend:
         threads = config.threads or cpus()
         self.shortlist = config.shortlist
         if config.shortlist:  # CTranslate2 reads the file itself, as its vmap.txt
+            from nmt_cli.inference import shortlist  # (numpy: imported where it is used)
+
             shortlist.path_of(model)
         self._tmp = None
         if model.ct2_dir is None:  # converted once (float32; compute_type quantises on load)

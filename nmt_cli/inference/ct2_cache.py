@@ -24,8 +24,7 @@ from pathlib import Path
 
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_json, check_regular, read_json, sha256_file
-from nmt_cli.inference import shortlist
-from nmt_cli.inference.models import CT2_WEIGHTS, SETTINGS, Model, from_dir
+from nmt_cli.inference.models import CT2_WEIGHTS, SETTINGS, SHORTLIST_MAX_BYTES, Model, from_dir
 from nmt_cli.vocab import MAX_SPM_BYTES
 
 # The conversion's version: raised whenever ct2_spec.py converts differently, so that what an
@@ -59,7 +58,7 @@ def identity(model: Model) -> str:
             parts.append(str(said.get("base_sha256")))
     listed = [(f, MAX_SPM_BYTES) for f in model.vocabs.files()]
     if model.shortlist is not None:
-        listed.append((model.shortlist, shortlist.MAX_BYTES))
+        listed.append((model.shortlist, SHORTLIST_MAX_BYTES))
     for path, limit in listed:
         check_regular(path, limit)
         parts.append(sha256_file(path))

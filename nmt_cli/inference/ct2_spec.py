@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from nmt_cli import floors
 from nmt_cli.errors import NmtError
-from nmt_cli.inference import shortlist
 from nmt_cli.inference.models import Model
 from nmt_cli.vocab import pieces
 
@@ -33,6 +30,8 @@ def require_ctranslate2():
 
 def save(model: Model, folder: Path, quantization: str = "float32") -> None:
     """`model` as CTranslate2's model files in `folder`, with its shortlist (as vmap.txt)."""
+    from nmt_cli.inference import shortlist  # numpy, as build_spec: a conversion's, not a start's
+
     spec = build_spec(model)
     if model.shortlist is not None:  # CTranslate2 copies the file it is given: a parsed copy
         parsed = folder / f".{shortlist.NAME}"
@@ -47,6 +46,8 @@ def save(model: Model, folder: Path, quantization: str = "float32") -> None:
 
 def build_spec(model: Model):
     """A TransformerSpec holding `model`'s weights (float32), with its vocabulary."""
+    import numpy as np
+
     ct2 = require_ctranslate2()
     from nmt_cli.engine.model import sinusoids
 

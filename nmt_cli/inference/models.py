@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # torch is loaded with the weights: a CTranslate2 export neve
 SETTINGS, WEIGHTS, PROVENANCE = "nmt.json", "model.safetensors", "provenance.json"
 CT2_WEIGHTS = "model.bin"
 # a model's lexical shortlist (shortlist.py): nmt's file, the setting that holds its sha256, and
-# CTranslate2's name for it (its vocabulary map)
+# CTranslate2's name for it (its vocabulary map), and its size at most
 SHORTLIST, SHORTLIST_SHA, CT2_SHORTLIST = "shortlist.txt", "shortlist_sha256", "vmap.txt"
+SHORTLIST_MAX_BYTES = 256 << 20  # a shortlist file read at most
 NMT, CT2 = "nmt", "ctranslate2"
 # 2: a source embedding of its own; 3: the settings of a model made elsewhere (`nmt import`);
 # a model that needs neither is still written as 1

@@ -24,7 +24,7 @@ import numpy as np
 
 from nmt_cli.errors import NmtError
 from nmt_cli.files import atomic_write_text, read_regular
-from nmt_cli.inference.models import SHORTLIST, SHORTLIST_SHA
+from nmt_cli.inference.models import SHORTLIST, SHORTLIST_MAX_BYTES, SHORTLIST_SHA
 from nmt_cli.vocab import BOS, EOS, PAD, UNK, pieces
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ PER_SOURCE = 32
 # Sentence pairs counted at most, evenly spaced through the training data: counting takes time
 # in proportion to the pairs, and a piece that a batch meets often is in a million pairs often.
 PAIRS = 1_000_000
-MAX_BYTES = 256 << 20  # a shortlist file read at most
+MAX_BYTES = SHORTLIST_MAX_BYTES
 # candidates of one source piece at most: every source piece holds a row as wide as the widest
 MAX_ROW = 256
 SPECIALS = (PAD, UNK, BOS, EOS)

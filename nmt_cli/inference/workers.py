@@ -11,19 +11,19 @@ as within a chunk, and a sampled line draws from its own line number's stream.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import signal
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TYPE_CHECKING, BinaryIO, TextIO
 
 from nmt_cli.config import TranslateConfig, cpus
 from nmt_cli.errors import NmtError
 from nmt_cli.inference.translator import Translator
 from nmt_cli.textio import Counts, Request, requests
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,11 @@ def stream(
     else:
         devices = ["cpu"] * workers
         threads = max(1, (config.threads or cpus()) // workers)
+    # imported here: a translation without workers (most) starts without them
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     context = multiprocessing.get_context("spawn")  # not fork: torch's threads are not fork-safe
     queue = context.Queue()
     for device in devices:
