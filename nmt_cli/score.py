@@ -141,7 +141,10 @@ def by_pair(
             metrics,
             moses_lc_lang=tgt if config.moses_lc else None,
             compound_split_lang=tgt if config.compound_split else None,
-            sources=sources[start:end] if sources is not None else None,
+            # the sources as written, without the token that chose the direction (COMET reads them)
+            sources=[x.removeprefix(f"{pair['tag']} ") for x in sources[start:end]]
+            if sources is not None
+            else None,
             **settings,
         )
         start = end
