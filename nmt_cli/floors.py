@@ -5,6 +5,7 @@ imported, because an environment may hold an older release than pip chose."""
 from __future__ import annotations
 
 import itertools
+from types import ModuleType
 
 from nmt_cli.errors import NmtError
 
@@ -25,3 +26,15 @@ def check(name: str, installed: str, floor: tuple[int, ...], extra: str) -> None
         raise NmtError(
             f"{name} {installed} has known holes: pip install '{name}>={at_least}' (or 'nmt-cli[{extra}]')"
         )
+
+
+def require(name: str, shown: str, floor: tuple[int, ...], extra: str) -> ModuleType:
+    """The optional library `name`, imported and at `floor` or later; one error line otherwise."""
+    try:
+        module = __import__(name)  # (as an import statement: -X importtime sees it)
+    except ImportError:
+        raise NmtError(
+            f"{shown} is not installed: pip install 'nmt-cli[{extra}]' (or pip install {name})"
+        ) from None
+    check(name, module.__version__, floor, extra)
+    return module

@@ -12,20 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from nmt_cli import floors
-from nmt_cli.errors import NmtError
 from nmt_cli.inference.models import Model
 from nmt_cli.vocab import pieces
 
 
 def require_ctranslate2():
-    try:
-        import ctranslate2
-    except ImportError:
-        raise NmtError(
-            "CTranslate2 is not installed: pip install 'nmt-cli[ct2]' (or pip install ctranslate2)"
-        ) from None
-    floors.check("ctranslate2", ctranslate2.__version__, floors.CTRANSLATE2, "ct2")
-    return ctranslate2
+    return floors.require("ctranslate2", "CTranslate2", floors.CTRANSLATE2, "ct2")
 
 
 def save(model: Model, folder: Path, quantization: str = "float32") -> None:

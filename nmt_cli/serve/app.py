@@ -54,14 +54,9 @@ from nmt_cli.serve.requests import parse
 
 
 def require():
-    try:
-        import aiohttp
-        from aiohttp import web
-    except ImportError:
-        raise NmtError(
-            "aiohttp is not installed: pip install 'nmt-cli[serve]' (or pip install aiohttp)"
-        ) from None
-    floors.check("aiohttp", aiohttp.__version__, floors.AIOHTTP, "serve")
+    floors.require("aiohttp", "aiohttp", floors.AIOHTTP, "serve")
+    from aiohttp import web
+
     return web
 
 
