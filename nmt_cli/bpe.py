@@ -100,7 +100,7 @@ def learn(
         except RuntimeError as e:
             message = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             fix = " (choose a smaller --vocab-size)" if "vocab" in message.lower() else ""
-            raise NmtError(f"sentencepiece could not learn the {what} BPE model: {message}{fix}") from None
+            raise NmtError(f"sentencepiece could not learn {what} BPE model: {message}{fix}") from None
         # Both files appear together, each atomically.
         for name, target in (("spm.vocab", dest.with_suffix(".vocab")), ("spm.model", dest)):
             (Path(tmp) / name).replace(target)
@@ -288,8 +288,8 @@ def encode_file(
 
 
 def corpus_tags(prep: dict) -> list[str]:
-    """The tags of the training corpora (`nmt prep custom --tag`), from the manifest's prep."""
-    return [c["tag"] for c in prep["splits"]["train"].get("corpora", []) if c["tag"]]
+    """The training corpora's tags (`--tag`, `<2xx>`), each once: sentencepiece refuses twins."""
+    return list(dict.fromkeys(c["tag"] for c in prep["splits"]["train"].get("corpora", []) if c["tag"]))
 
 
 def run_bpe(config: BpeConfig, run: RunDir) -> dict:

@@ -11,7 +11,7 @@ from nmt_cli import bpe
 from nmt_cli.normalize import normalize
 from nmt_cli.rundir import RunDir
 
-PAIRS = ("en-de", "de-en", "en-fr")
+PAIRS = ("en-de", "de-en", "en-fr", "fr-en")  # two into English: one token, two corpora
 FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test2017": "test_2017_flickr"}
 
 
@@ -44,7 +44,7 @@ def test_each_direction_is_a_corpus_whose_sources_begin_with_its_targets_token(m
             start += len(a)
         assert start == len(src) == len(tgt)
     train = prep["splits"]["train"]
-    assert [c["tag"] for c in train["corpora"]] == ["<2de>", "<2en>", "<2fr>"]
+    assert [c["tag"] for c in train["corpora"]] == ["<2de>", "<2en>", "<2fr>", "<2en>"]
     assert [p["lines"] for p in train["pairs"]] == [c["pairs"] for c in train["corpora"]]
     # en-de and de-en are the same captions read both ways: neither is a duplicate of the other
     assert train["pairs"][0]["lines"] == train["pairs"][1]["lines"] > 28_900
