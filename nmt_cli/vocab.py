@@ -21,7 +21,9 @@ def processor(spm_model: Path, follow: bool = False):
 
     data = read_regular(spm_model, MAX_SPM_BYTES, follow=follow)
     try:
-        return spm.SentencePieceProcessor(model_proto=data)
+        # one thread for a call on a list: by default each such call starts a pool of threads,
+        # which costs more than encoding a request's few lines (bulk encoding asks for threads)
+        return spm.SentencePieceProcessor(model_proto=data, num_threads=1)
     except (RuntimeError, OSError, TypeError) as e:
         raise NmtError(f"{spm_model} is not a sentencepiece model ({str(e).strip()[:200]})") from None
 

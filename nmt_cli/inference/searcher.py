@@ -265,7 +265,7 @@ class Searcher:
         starts = self.encode_targets(prefixes) if prefixes is not None else [[] for _ in lines]
         starts = [forced + s for s in starts]
         # a phrase that cleaning leaves empty asks for nothing
-        phrases = [[x for x in self.encode_targets(c) if x] for c in constraints or [[] for _ in lines]]
+        phrases = [[x for x in self.encode_targets(c) if x] for c in constraints or [[]] * len(lines)]
         sources = [
             Source(x, stream_of(o.seed, key), start, c, o.alpha)
             for x, key, start, c, o in zip(ids, keys, starts, phrases, each)
@@ -332,6 +332,8 @@ class Searcher:
     def encode_targets(self, lines: list[str]) -> list[list[int]]:
         """Target-side text as ids, cleaned as the target side was for training, within the
         model's positions (room for BOS and EOS)."""
+        if not lines:  # sentencepiece takes a millisecond over a list of none
+            return []
         cleaned = [normalize(line, self.tgt_lang) for line in lines]
         return [y[: self.max_tgt] for y in self.target_sp.encode(cleaned, out_type=int)]
 

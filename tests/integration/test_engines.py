@@ -236,3 +236,18 @@ def test_the_punctuation_normalizer_loaded_alone_is_sacremoses_own():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=DEADLINE)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("engine", ["nmt", "ctranslate2"])
+def test_lines_without_prefixes_or_constraints_ask_sentencepiece_for_none(package, engine, monkeypatch):
+    """sentencepiece takes about a millisecond over an empty list (its pool of threads), which
+    was most of what nmt added to CTranslate2's time on a thousand lines."""
+    t = Translator(models.from_dir(package), config(engine=engine))
+    asked = []
+    for sp in {id(x): x for x in (t.source_sp, t.target_sp)}.values():
+        real = sp.encode
+        monkeypatch.setattr(sp, "encode", lambda x, *a, _real=real, **k: asked.append(x) or _real(x, *a, **k))
+    lines = ["A dog runs.", "Two men play football in the park."]
+    assert t.translate(lines) and [] not in asked and asked
+    assert t.translate(lines, prefixes=["Ein", ""])
+    assert [] not in asked
