@@ -118,7 +118,7 @@ def _data_steps_done(run_dir: RunDir) -> set[str]:
 
 
 def _step(i: int, title: str) -> None:
-    ui.console.rule(f"[bold]{i}/{STEPS}: {title}")
+    ui.console().rule(f"[bold]{i}/{STEPS}: {title}")
 
 
 def _summary(run_dir: RunDir, report: dict, lc: dict, picture: str, seconds: float) -> None:

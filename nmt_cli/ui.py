@@ -8,22 +8,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
 
-console = Console(stderr=True, highlight=False, soft_wrap=True)  # logs keep whole lines
+# rich is imported where something is shown: a filter on a pipe, whose stderr is no terminal,
+# starts without it
+_shown: Console | None = None
 _log: io.TextIOWrapper | None = None  # the run directory's log.txt while a command holds the run
 VERBOSE = bool(os.environ.get("NMT_VERBOSE"))  # --verbose
 
@@ -60,9 +52,19 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == "\n" else ascii(c)[1:-1] for c in str(text))
 
 
+def console() -> Console:
+    """The console on stderr (logs keep whole lines)."""
+    global _shown
+    if _shown is None:
+        from rich.console import Console
+
+        _shown = Console(stderr=True, highlight=False, soft_wrap=True)
+    return _shown
+
+
 def say(message: str) -> None:
     message = printable(message)
-    console.print(message, markup=False)
+    console().print(message, markup=False)
     note(message)
 
 
@@ -87,19 +89,47 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> None:
         t.add_column(h, justify="left" if i == 0 else "right")
     for row in rows:
         t.add_row(*row)
-    console.print(t)
+    console().print(t)
     for row in [[title], header, *rows]:
         note("\t".join(row))
 
 
 def warn(message: str) -> None:
-    console.print(f"warning: {message}", style="yellow", markup=False)
+    console().print(f"warning: {message}", style="yellow", markup=False)
     note(f"warning: {message}")
 
 
+class _Unshown:
+    """The progress display where stderr is no terminal: a live bar would only add noise to logs."""
+
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def advance(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 @contextmanager
-def progress(kind: str = "items") -> Iterator[Progress]:
+def progress(kind: str = "items") -> Iterator[Any]:
     """A rich progress display on stderr; `kind="bytes"` shows sizes and transfer speed."""
+    if not sys.stderr.isatty():
+        yield _Unshown()
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     if kind == "bytes":
         columns = [
             TextColumn("{task.description}"),
@@ -117,8 +147,7 @@ def progress(kind: str = "items") -> Iterator[Progress]:
             TimeElapsedColumn(),
             TimeRemainingColumn(),
         ]
-    # Without a terminal (CI, pipes) a live bar only adds noise to logs.
-    with Progress(*columns, console=console, transient=False, disable=not sys.stderr.isatty()) as bar:
+    with Progress(*columns, console=console(), transient=False) as bar:
         yield bar
 
 
@@ -129,6 +158,8 @@ class TrainDisplay:
     def __init__(self, every: float = 30.0):
         import time
 
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
         self._time = time.monotonic
         self._last = -every
         self.every = every
@@ -138,10 +169,10 @@ class TrainDisplay:
             BarColumn(),
             TextColumn("{task.fields[info]}"),
             TimeRemainingColumn(),
-            console=console,
+            console=console(),
             disable=not self.live,
         )
-        self._task: TaskID | None = None
+        self._task: Any = None
 
     def __enter__(self) -> TrainDisplay:
         self._bar.__enter__()

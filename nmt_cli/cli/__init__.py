@@ -1,8 +1,7 @@
 """The `nmt` command: options become a typed config at this boundary, then one call does the work.
 
-One file per group of commands, registered here in the order `nmt --help` lists them:
-prepare.py (prep, bpe), train.py (train, average, plot), use.py (translate, score, export, serve),
-quickstart.py; options.py holds the app and the options several commands share.
+commands.py builds the typer app (options.py holds it and the options several commands share);
+plain.py reads a plain `nmt translate` without it, so that a filter on a pipe starts at once.
 
 stdout carries data only (translations, scores); everything said to the user goes to stderr.
 Nothing heavy is imported at module level, so `nmt --help` stays fast (no torch).
@@ -12,53 +11,20 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Optional
+from typing import Any, Optional
 
-import typer
-
-try:  # typer >= 0.22 carries its own copy of click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click import exceptions as click_exceptions
-
-from nmt_cli import __version__, ui
-from nmt_cli.cli.options import app
+from nmt_cli import ui
 from nmt_cli.errors import NmtError
 
 _debug = bool(os.environ.get("NMT_DEBUG"))
 
 
-def _version(value: bool) -> None:
-    if value:
-        print(f"nmt {__version__}")
-        raise typer.Exit()
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the typer app, built on first use
+        from nmt_cli.cli.commands import app
 
-
-@app.callback()
-def root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks on errors.")] = False,
-    verbose: Annotated[
-        bool, typer.Option("--verbose", help="Say what was chosen and why (as the engine that decodes).")
-    ] = False,
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
-    ] = False,
-) -> None:
-    global _debug
-    _debug = _debug or debug
-    ui.VERBOSE = ui.VERBOSE or verbose
-
-
-# The commands, in the order of `nmt --help`.
-# isort: off
-from nmt_cli.cli import prepare  # noqa: E402,F401
-from nmt_cli.cli import train  # noqa: E402,F401
-from nmt_cli.cli import use  # noqa: E402,F401
-from nmt_cli.cli import quickstart  # noqa: E402,F401
-
-# isort: on
-
-# -- output helpers -----------------------------------------------------------------------------
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _error(message: str) -> None:
@@ -73,7 +39,7 @@ def _error(message: str) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: runs the app and turns every failure into one line on stderr and an exit code."""
+    """Entry point: runs the command and turns every failure into one line on stderr and an exit code."""
     global _debug
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:  # accepted anywhere, not only before the command
@@ -82,20 +48,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "--verbose" in args:
         ui.VERBOSE = True
         args = [a for a in args if a != "--verbose"]
-    command = typer.main.get_command(app)
     try:
-        result = command.main(args=args, prog_name="nmt", standalone_mode=False)
-        code = result if isinstance(result, int) else 0
-    except typer.Exit as e:
-        code = e.exit_code
-    except click_exceptions.UsageError as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `nmt`: show the help
-            e.show()
-            sys.exit(2)
-        where = e.ctx.command_path if e.ctx is not None else "nmt"
-        _error(f"{e.format_message()} (see `{where} --help`)")
-        code = 2
-    except (KeyboardInterrupt, typer.Abort):
+        from nmt_cli.cli import plain
+
+        read = plain.given(args)
+        if read is None:
+            code = _typed(args)
+        else:
+            plain.translate(*read)
+            code = 0
+    except KeyboardInterrupt:
         _error("interrupted")
         code = 130
     except NmtError as e:
@@ -112,3 +74,32 @@ def main(argv: Optional[list[str]] = None) -> None:
         )
         code = 1
     sys.exit(code)
+
+
+def _typed(args: list[str]) -> int:
+    """`args` read by the typer app; typer's own exits and usage errors as exit codes."""
+    import typer
+
+    try:  # typer >= 0.22 carries its own copy of click
+        from typer._click import exceptions as click_exceptions
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click import exceptions as click_exceptions  # type: ignore[no-redef]
+
+    from nmt_cli.cli.commands import app
+
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=args, prog_name="nmt", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except typer.Exit as e:
+        return e.exit_code
+    except click_exceptions.UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `nmt`: show the help
+            e.show()
+            sys.exit(2)
+        where = e.ctx.command_path if e.ctx is not None else "nmt"
+        _error(f"{e.format_message()} (see `{where} --help`)")
+        return 2
+    except typer.Abort:
+        _error("interrupted")
+        return 130

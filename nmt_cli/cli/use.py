@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from nmt_cli import ui
+from nmt_cli.cli import plain
 from nmt_cli.cli.options import (
     CheckpointOption,
     ConfigFileOption,
@@ -23,22 +23,14 @@ from nmt_cli.cli.options import (
     options_of,
     print_settings,
 )
+from nmt_cli.cli.plain import LOADING, TRANSLATE_ONLY, TRANSLATE_SWITCHES
 from nmt_cli.config import ScoreConfig, ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
-from nmt_cli.inference import models, workers
-
-# TranslateConfig's settings of how a model is loaded and run, options of every command that
-# translates or scores with one
-LOADING = ("checkpoint", "device", "precision", "int8", "engine", "threads", "cuda_graphs")
 
 
 @app.command()
 @decoding_options()
-@options_of(
-    TranslateConfig,
-    only=(*LOADING, "max_tokens", "batch_size", "shortlist", "comet", "kiwi", "comet_precision"),
-    switches=("int8", "shortlist"),
-)
+@options_of(TranslateConfig, only=TRANSLATE_ONLY, switches=TRANSLATE_SWITCHES)
 def translate(
     ctx: typer.Context,
     run_dir: RunDirOption = Path("run"),
@@ -78,39 +70,11 @@ def translate(
     """Translate stdin to stdout, one line per line, with cached beam search.
 
     Each line is answered as soon as input pauses, so it also works as a filter on an open pipe."""
-    from nmt_cli.inference.backend import loaded
-    from nmt_cli.inference.translator import Translator, check_options
-    from nmt_cli.translate import spread_stream, stream
-
     config = config_of(TranslateConfig, ctx)
     if print_config:
         print_settings(ctx, config, run_dir=run_dir, model=[str(m) for m in model or []])
         return
-    workers.check(procs, gpus, config)
-    for path, name in ((prefix, "--prefix"), (constraints, "--constraints")):
-        if path is not None and not path.is_file():
-            raise NmtError(f"{name} {path} not found")
-    spread = workers.Spread(run_dir, list(model or []), config.checkpoint, procs, gpus)
-    # with workers, they load the model: this process reads and writes the lines only
-    found, choice = loaded(
-        run_dir, model, config.checkpoint, config, constraints is not None, procs, not spread.workers
-    )
-    check_options(choice, config.decode, constraints is not None)
-    ui.verbose(f"engine: {choice}")
-    if choice.engine == "ctranslate2":
-        if procs > 1:
-            raise NmtError(
-                "--procs is for nmt's engine: CTranslate2 decodes several batches at once itself, "
-                "one per --threads"
-            )
-        if spread.workers and not found.converted:  # described only: read (and checked) here
-            found = models.load(run_dir, model, config.checkpoint)
-        spread = dataclasses.replace(spread, gpus=0)  # its replicas share the batches here
-    if spread.workers:
-        spread_stream(found, config, spread, sys.stdin.buffer, sys.stdout, prefix, constraints)
-        return
-    translator = Translator(found, config, gpus, choice)
-    stream(translator, sys.stdin.buffer, sys.stdout, "translate", None, prefix, constraints)
+    plain.translate(run_dir, list(model or []), config, prefix, constraints, procs, gpus)
 
 
 @app.command()
