@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -551,3 +557,58 @@ def stopped_step(err: str, signum: int) -> int:
     stopped = [line for line in err.splitlines() if line.startswith(f"stopped by {name} at step")]
     assert len(stopped) == 1 and "run the same `nmt train` command again to resume" in stopped[0], err
     return int(stopped[0].split(" at step ")[1].split(";")[0])
+
+
+class Server:
+    """`nmt serve` on `model` in a process of its own, on a port the system chose."""
+
+    def __init__(self, model: Path, *options: str, env: dict | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nmt_cli", "serve", "--model", str(model), "--port", "0", *options],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+        )
+        line = read_line(self.proc.stderr, DEADLINE).decode()
+        found = re.search(r"http://([\d.]+):(\d+)", line)
+        assert found, line
+        self.host, self.port = found.group(1), int(found.group(2))
+        self.url = f"http://{self.host}:{self.port}"
+
+    def post(self, body: bytes | dict, path: str = "/translate", **headers: str) -> tuple[int, dict, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **headers}
+        request = urllib.request.Request(self.url + path, data=data, method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=DEADLINE) as r:
+                return r.status, json.loads(r.read()), dict(r.headers)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), dict(e.headers)
+
+    def sent(self, body: dict):
+        """`body` posted on a connection of its own whose answer is left unread: a client that
+        leaves closes it."""
+        import socket
+
+        data = json.dumps(body).encode()
+        connection = socket.create_connection((self.host, self.port), timeout=DEADLINE)
+        connection.sendall(
+            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        return connection
+
+    def get(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=DEADLINE) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(DEADLINE)
+        finally:
+            self.proc.kill()

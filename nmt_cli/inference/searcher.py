@@ -159,30 +159,36 @@ class Searcher:
         """A multilingual model's first source token and first target token for `options`
         (none for a model of one pair); one error line for what it cannot take."""
         if self.languages is None:
-            if options.tgt_lang and not options.src_lang and self._many():
-                # a many-to-many run's model (`nmt prep multi30k --pair ...`): the target's token
-                # before the source, as its training put it there
-                token = target_token(options.tgt_lang)
-                if token not in self.tags:
-                    raise NmtError(
-                        f"--tgt-lang {options.tgt_lang!r:.40}: {self.where} translates into "
-                        + ", ".join(t[2:-1] for t in self.tags if self._is_target(t))
-                    )
-                return self.source_sp.encode(token, out_type=int), []  # as "<2de> " + the line
-            languages.refuse(options.src_lang, options.tgt_lang, self.where)
-            return [], []
+            targets = self.many_targets()
+            if not targets:
+                languages.refuse(options.src_lang, options.tgt_lang, self.where)
+                return [], []
+            # a many-to-many run's model (`nmt prep multi30k --pair ...`): the target's token
+            # before the source, as its training put it there
+            if options.src_lang:
+                raise NmtError(
+                    f"--src-lang: {self.where}, trained on several directions, is told the target alone"
+                )
+            if options.tgt_lang and options.tgt_lang not in targets:
+                raise NmtError(
+                    f"--tgt-lang {options.tgt_lang!r:.40}: {self.where} translates into {', '.join(targets)}"
+                )
+            return (
+                self.source_sp.encode(target_token(options.tgt_lang), out_type=int)
+                if options.tgt_lang
+                else []
+            ), []
         if options.alignments:
             raise NmtError("--alignments of a multilingual model's translations: not yet")
         return self.languages.tokens(options.src_lang, options.tgt_lang)
 
-    def _many(self) -> bool:
-        """Whether the model was trained on several directions, each source tagged with its
-        target's token (its every corpus tag is one)."""
-        return bool(self.tags) and all(self._is_target(t) for t in self.tags)
-
-    @staticmethod
-    def _is_target(tag: str) -> bool:
-        return tag.startswith("<2") and tag.endswith(">") and len(tag) > 3
+    def many_targets(self) -> tuple[str, ...]:
+        """The target languages of a model trained on several directions, each source tagged
+        with its target's token (its every corpus tag is one: `<2de>`); none for another."""
+        many = bool(self.tags) and all(
+            t.startswith("<2") and t.endswith(">") and len(t) > 3 for t in self.tags
+        )
+        return tuple(t[2:-1] for t in self.tags) if many else ()
 
     def encode(self, lines: list[str], tag: str = "", first: list[int] | None = None) -> list[list[int]]:
         """Source lines as ids, cleaned as training's were, `tag` before each (not an empty one),

@@ -84,14 +84,17 @@ class Translator(Searcher):
     ) -> bool:
         """Whether sentences with `options`, `prefixes` and `constraints` may join a running batch
         (`running`): nmt's engine on a CPU, one model without a shortlist, a search that takes
-        sentences midway (decoding.Running.takes), no alignments, prefixes or constraints. Not
-        on a GPU until one has measured it."""
+        sentences midway (decoding.Running.takes), no alignments, prefixes, constraints or
+        languages asked. Not on a GPU until one has measured it."""
         return (
             self.capacity().running
             and not options.alignments
             and not any(prefixes or [])
             and not any(constraints or [])
-            and self.languages is None  # its language tokens go in and out in hypotheses()
+            # language tokens (a multilingual model's, a many-to-many run's --tgt-lang) go in and
+            # out in hypotheses()
+            and self.languages is None
+            and not (options.src_lang or options.tgt_lang)
             and cast(Any, self.backend).joins(options)
         )
 

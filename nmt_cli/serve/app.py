@@ -104,6 +104,7 @@ def _translate_route(web, translator: Translator, config: ServeConfig, batcher_k
                 translator.choice,
                 translator.max_src,
                 tuple(translator.languages.ids) if translator.languages else (),
+                translator.many_targets(),
             )
         except OverflowError as e:
             return await refused(413, str(e), began)

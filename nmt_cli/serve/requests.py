@@ -33,11 +33,13 @@ def parse(
     engine: Choice = Choice("nmt", "--engine nmt"),
     ceiling: int = 1023,
     languages: tuple[str, ...] = (),
+    targets: tuple[str, ...] = (),
 ) -> Request:
     """The request's sentences, their prefixes and constraints, and its decoding options (any
     field of DecodeOptions, `defaults` for the rest), for a model with `tags` decoded by
-    `engine` whose outputs have at most `ceiling` tokens and of `languages` (a multilingual
-    model's codes); ValueError (400) or OverflowError (413)."""
+    `engine` whose outputs have at most `ceiling` tokens, of `languages` (a multilingual
+    model's codes) or trained into `targets` (a run of several directions, told the target
+    alone); ValueError (400) or OverflowError (413)."""
     data = _json(body)
     fields = {f.name: f for f in dataclasses.fields(DecodeOptions)}
     unknown = set(data) - {"text", "prefix", "constraints"} - set(fields)
@@ -51,11 +53,19 @@ def parse(
         )
     for name in ("src_lang", "tgt_lang"):
         asked = getattr(options, name)
-        if asked and not languages:
+        if not asked:
+            continue
+        if targets and name == "src_lang":
+            raise ValueError(
+                '"src_lang": this model of several directions is told the target alone ("tgt_lang")'
+            )
+        if targets and asked not in targets:
+            raise ValueError(f'"tgt_lang" {asked!r:.40}: this model translates into {", ".join(targets)}')
+        if not targets and not languages:
             raise ValueError(
                 f'"{name}" chooses a language of a multilingual model: this one translates one pair'
             )
-        if asked and asked not in languages:
+        if not targets and asked not in languages:
             some = ", ".join(languages[:6])
             raise ValueError(f'"{name}" {asked!r:.40} is not a language of this model ({some}, …)')
     if options.alignments and languages:

@@ -208,7 +208,7 @@ def test_the_engines_agree_on_multi30k(package, multi30k_bpe):
 
 
 def test_the_server_says_its_engine_and_refuses_what_it_lacks_naming_the_way(own_package):
-    from test_serve import Server
+    from conftest import Server
 
     server = Server(own_package)
     try:

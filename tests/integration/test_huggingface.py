@@ -414,7 +414,7 @@ def test_a_pickled_marian_model_imports_as_its_safetensors_does(marian, imported
 
 def test_the_imported_model_serves_as_it_translates(imported, tmp_path, nmt, multi30k_dir):
     """`nmt serve` of the package and of its CTranslate2 export answers what the Python API gives."""
-    from test_serve import Server
+    from conftest import Server
 
     sources = lines(multi30k_dir, "val", "en", 12)
     ct2 = tmp_path / "ct2"

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import sacrebleu
 import torch
-from conftest import multi30k_folder, one_error_line
-from test_serve import Server
+from conftest import Server, multi30k_folder, one_error_line
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.sampling import draw

@@ -256,7 +256,7 @@ def test_languages_are_options_and_what_cannot_be_is_one_line(folders, imported,
 def test_the_server_takes_the_languages_of_each_request(imported, multi30k_dir):
     """`nmt serve` of the import: "src_lang" and "tgt_lang" per request, as the API translates
     them; an unknown language is a 400 and the server goes on."""
-    from test_serve import Server
+    from conftest import Server
 
     sources = lines(multi30k_dir, "val", "de", 6)
     server = Server(imported["nllb"])

@@ -1,19 +1,15 @@
 """`nmt serve`: a real server on the package, and the decoding queue with a stand-in decoder."""
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
-from conftest import DEADLINE, read_line, sources_of
+from conftest import DEADLINE, Server, read_line, sources_of
 
 from nmt_cli.config import DecodeOptions, ServeConfig, TranslateConfig
 from nmt_cli.inference.models import from_dir
@@ -26,59 +22,6 @@ def _until_closed(sock) -> bytes:
     while chunk := sock.recv(4096):
         answer += chunk
     return answer
-
-
-class Server:
-    def __init__(self, model: Path, *options: str, env: dict | None = None):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nmt_cli", "serve", "--model", str(model), "--port", "0", *options],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-        )
-        line = read_line(self.proc.stderr, DEADLINE).decode()
-        found = re.search(r"http://([\d.]+):(\d+)", line)
-        assert found, line
-        self.host, self.port = found.group(1), int(found.group(2))
-        self.url = f"http://{self.host}:{self.port}"
-
-    def post(self, body: bytes | dict, path: str = "/translate", **headers: str) -> tuple[int, dict, dict]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", **headers}
-        request = urllib.request.Request(self.url + path, data=data, method="POST", headers=headers)
-        try:
-            with urllib.request.urlopen(request, timeout=DEADLINE) as r:
-                return r.status, json.loads(r.read()), dict(r.headers)
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read()), dict(e.headers)
-
-    def sent(self, body: dict):
-        """`body` posted on a connection of its own whose answer is left unread: a client that
-        leaves closes it."""
-        import socket
-
-        data = json.dumps(body).encode()
-        connection = socket.create_connection((self.host, self.port), timeout=DEADLINE)
-        connection.sendall(
-            b"POST /translate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(data)}\r\n\r\n".encode()
-            + data
-        )
-        return connection
-
-    def get(self, path: str) -> tuple[int, dict]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=DEADLINE) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(DEADLINE)
-        finally:
-            self.proc.kill()
 
 
 def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe):

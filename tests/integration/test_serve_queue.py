@@ -31,6 +31,9 @@ class StandIn:
         self.finished: list = []  # the batches whose decoding ended, answered or not
         self.release = threading.Event()
 
+    def many_targets(self):
+        return ()
+
     def hypotheses(self, sentences, options, keys=None, prefixes=None, constraints=None, gone=None):
         self.batches.append(list(sentences))
         self.options.append(options)

@@ -8,8 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import one_error_line, run_ok, sources_of
-from test_serve import Server
+from conftest import Server, one_error_line, run_ok, sources_of
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine import decoding

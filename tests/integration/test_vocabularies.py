@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LONGER, TINY, final_weights, nmt_command, one_error_line, run_ok, sources_of
-from test_serve import Server
+from conftest import LONGER, TINY, Server, final_weights, nmt_command, one_error_line, run_ok, sources_of
 
 from nmt_cli.config import DecodeOptions, ModelConfig, TranslateConfig
 from nmt_cli.engine.model import Transformer

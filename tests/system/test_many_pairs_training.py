@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import TINY, nmt_command, prepared_pairs
+from conftest import TINY, Server, nmt_command, prepared_pairs
 
 PAIRS = ("en-de", "de-en", "en-fr")
 
@@ -49,6 +49,14 @@ def test_each_direction_is_validated_and_best_metric_reads_their_mean(many, tmp_
         assert by_lang.stdout == by_tag.stdout, by_lang.stderr[-2000:]
     refused = translated("--tgt-lang", "cs")
     assert refused.returncode == 1 and b"translates into de, en, fr" in refused.stderr, refused.stderr
+    server = Server(run_dir, "--engine", "nmt")  # and a request's "tgt_lang", as --tgt-lang
+    try:
+        status, body, _ = server.post({"text": ["A dog runs.", "Two men sit."], "tgt_lang": "fr"})
+        assert status == 200 and body["translations"] == by_lang.stdout.decode().splitlines(), body
+        status, body, _ = server.post({"text": ["A dog runs."], "tgt_lang": "cs"})
+        assert status == 400 and "translates into de, en, fr" in body["error"], body
+    finally:
+        assert server.stop() == 0
     if procs == 1:  # `nmt score`: a row for each direction, and their mean
         out = subprocess.run(
             nmt_command("score", "--run-dir", run_dir, "--metrics", "bleu", "--beam", 1, "--engine", "nmt"),

@@ -88,6 +88,15 @@ def test_languages_are_a_multilingual_models_own():
         parse(request(src_lang="de"), ServeConfig(), DEFAULTS)
 
 
+def test_a_model_of_several_directions_is_told_its_target_alone():
+    many = {"targets": ("de", "en", "fr")}
+    assert parse(request(tgt_lang="fr"), ServeConfig(), DEFAULTS, **many).options.tgt_lang == "fr"
+    with pytest.raises(ValueError, match="\"tgt_lang\" 'cs': this model translates into de, en, fr"):
+        parse(request(tgt_lang="cs"), ServeConfig(), DEFAULTS, **many)
+    with pytest.raises(ValueError, match='"src_lang": this model of several directions is told the target'):
+        parse(request(src_lang="en", tgt_lang="fr"), ServeConfig(), DEFAULTS, **many)
+
+
 def test_a_ctranslate2_server_refuses_what_ctranslate2_lacks():
     ct2 = Choice("ctranslate2", FASTER)
     with pytest.raises(
