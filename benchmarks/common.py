@@ -118,3 +118,15 @@ def checkout(revision: str, where: Path) -> Iterator[Path]:
     finally:
         # unchecked: a failed removal must not hide what went wrong inside
         subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=root)
+
+
+def nmt(*args: str, log: Path) -> str:
+    """`nmt ARGS` in a process of its own, stderr appended to `log`; its stdout, or the
+    benchmark's end with one line naming the log."""
+    with open(log, "a", encoding="utf-8") as err:
+        done = subprocess.run(
+            [sys.executable, "-m", "nmt_cli", *args], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    if done.returncode:
+        sys.exit(f"nmt {' '.join(args)} failed (exit {done.returncode}); see {log}")
+    return done.stdout

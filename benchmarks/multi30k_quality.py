@@ -37,20 +37,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_name  # noqa: E402
+from common import cpu_name, nmt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = Path(os.environ.get("NMT_SHARED_DATA", ROOT.parent / "shared" / "data")) / "multi30k"
-
-
-def nmt(*args: str, log: Path) -> str:
-    with open(log, "a", encoding="utf-8") as err:
-        done = subprocess.run(
-            [sys.executable, "-m", "nmt_cli", *args], stdout=subprocess.PIPE, stderr=err, text=True
-        )
-    if done.returncode:
-        sys.exit(f"nmt {' '.join(args)} failed (exit {done.returncode}); see {log}")
-    return done.stdout
 
 
 def scores(run: Path, split: str, log: Path, models: list[Path] = ()) -> dict:
