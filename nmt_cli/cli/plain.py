@@ -60,16 +60,16 @@ def given(args: list[str]) -> tuple[Path, list[Path], TranslateConfig] | None:
     rest = args[1:]
     while rest:
         option, rest = rest[0], rest[1:]
-        name, _, value = option.partition("=")
+        name, eq, value = option.partition("=")
         if name in seen and name != "--model" or not name.startswith("--"):
             return None
         seen.add(name)
         kind = bool if name in fields and fields[name][1] is bool else str
-        if kind is not bool and not _:
+        if kind is not bool and not eq:
             if not rest:
                 return None
             value, rest = rest[0], rest[1:]
-        elif kind is bool and _:
+        elif kind is bool and eq:
             return None
         if value.startswith("-") and not NUMBER[int].fullmatch(value) and not NUMBER[float].fullmatch(value):
             return None  # typer reads an option's value as it will
