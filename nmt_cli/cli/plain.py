@@ -61,24 +61,26 @@ def given(args: list[str]) -> tuple[Path, list[Path], TranslateConfig] | None:
     while rest:
         option, rest = rest[0], rest[1:]
         name, eq, value = option.partition("=")
-        if name in seen and name != "--model" or not name.startswith("--"):
+        if not name.startswith("--") or (name in seen and name != "--model"):
             return None
         seen.add(name)
-        kind = bool if name in fields and fields[name][1] is bool else str
-        if kind is not bool and not eq:
+        field, kind = fields.get(name, ("", str))  # --run-dir, --model (and the unknown): a value
+        if kind is bool:  # a switch
+            if eq:
+                return None
+        elif not eq:
             if not rest:
                 return None
             value, rest = rest[0], rest[1:]
-        elif kind is bool and eq:
-            return None
-        if value.startswith("-") and not NUMBER[int].fullmatch(value) and not NUMBER[float].fullmatch(value):
+        if value.startswith("-") and not NUMBER[float].fullmatch(value):
             return None  # typer reads an option's value as it will
         if name == "--run-dir":
             run_dir = Path(value)
         elif name == "--model":
             models.append(Path(value))
-        elif name in fields:
-            field, kind = fields[name]
+        elif not field:
+            return None
+        else:
             if kind is bool:
                 parsed: object = True
             elif kind in NUMBER:
@@ -91,8 +93,6 @@ def given(args: list[str]) -> tuple[Path, list[Path], TranslateConfig] | None:
                 return None
             where, _, key = field.rpartition(".")
             (decode if where else settings)[key] = parsed
-        else:
-            return None
     run_dir = run_dir or Path(os.environ.get("NMT_RUN_DIR") or "run")
     return run_dir, models, TranslateConfig(**settings, decode=DecodeOptions(**decode))
 

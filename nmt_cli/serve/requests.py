@@ -55,17 +55,18 @@ def parse(
         asked = getattr(options, name)
         if not asked:
             continue
-        if targets and name == "src_lang":
-            raise ValueError(
-                '"src_lang": this model of several directions is told the target alone ("tgt_lang")'
-            )
-        if targets and asked not in targets:
-            raise ValueError(f'"tgt_lang" {asked!r:.40}: this model translates into {", ".join(targets)}')
-        if not targets and not languages:
+        if targets:  # a run of several directions, told its target alone
+            if name == "src_lang":
+                raise ValueError(
+                    '"src_lang": this model of several directions is told the target alone ("tgt_lang")'
+                )
+            if asked not in targets:
+                raise ValueError(f'"tgt_lang" {asked!r:.40}: this model translates into {", ".join(targets)}')
+        elif not languages:
             raise ValueError(
                 f'"{name}" chooses a language of a multilingual model: this one translates one pair'
             )
-        if not targets and asked not in languages:
+        elif asked not in languages:
             some = ", ".join(languages[:6])
             raise ValueError(f'"{name}" {asked!r:.40} is not a language of this model ({some}, …)')
     if options.alignments and languages:
