@@ -16,6 +16,12 @@ from nmt_cli.inference.ct2_spec import require_ctranslate2
 from nmt_cli.inference.models import Model
 from nmt_cli.vocab import EOS, pieces
 
+# A CTranslate2 call takes one length limit for all its sentences, where nmt's engine keeps each
+# sentence's own: where outputs run to their limits (a weak model's repetitions) the shorter
+# sentences of a call run on to its longest one's. Calls of sentences whose limits are within a
+# quarter of each other bound that; calls cut finer leave too little in each to keep the
+# workers busy (docs/benchmarks.md, "Engines").
+SPREAD = 1.25
 # nmt's --precision as CTranslate2's compute type
 COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -95,8 +101,8 @@ class Backend:
         CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
         Its search ranks by the raw log-probability and applies the penalty only to finished
         hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
-        One call has one length limit, the batch's largest (nmt's is each sentence's own; the
-        batches hold sentences of close lengths, and a trained model rarely meets its limit).
+        One call has one length limit, its longest sentence's (nmt's is each sentence's own): a
+        batch goes in calls of sentences whose limits are within SPREAD of each other.
 
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
@@ -119,13 +125,48 @@ class Backend:
             [p[: n - 1] for p, n in zip(starts, own)] if starts else None
             for starts, own in zip(starts_of, owns)
         ]
-        # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without one, so
-        # one step fewer gives the same tokens
-        limits = [max(1, max(own) - 1) for own in owns]
-        pending = [
-            self.translator.translate_batch(
-                self._as_pieces(batch, self.source_pieces),
-                target_prefix=self._as_pieces(starts) if starts else None,
+        calls = [
+            self._calls(batch, starts, own, options) for batch, starts, own in zip(batches, starts_of, owns)
+        ]
+        # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
+        # the same for every hypothesis of a sentence, is added before the length penalty.
+        given = [
+            self._sums([batch], [starts], eos=False) if starts and any(starts) else None
+            for batch, starts in zip(batches, starts_of)
+        ]
+        for batch_calls, batch, scored in zip(calls, sentences, given):
+            # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
+            # the rest, their answers are not awaited.
+            if gone is not None and all(all(g()) for g in gone):
+                raise Stopped("nobody waits for this search any more")
+            offsets = next(scored) if scored is not None else [0.0] * len(batch)
+            found = [None] * len(batch)
+            for part, results in batch_calls:
+                for i, r in zip(part, results):
+                    found[i] = r.result()
+            covered = (
+                self._coverage(batch, found, options.coverage_penalty)
+                if options.coverage_penalty
+                else [None] * len(batch)
+            )
+            yield [
+                self.ranked(r, options, offset, s.alpha, c)
+                for r, offset, s, c in zip(found, offsets, batch, covered)
+            ]
+
+    def _calls(
+        self, batch: list[list[int]], starts: list[list[int]] | None, own: list[int], options: DecodeOptions
+    ) -> list[tuple[list[int], list]]:
+        """CTranslate2's searches of `batch` (pending), each call's sentences' positions beside
+        it, the outputs within `own`, nmt's limits."""
+        calls = []
+        for part in parts(own):
+            # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without
+            # one, so one step fewer gives the same tokens
+            limit = max(1, own[part[0]] - 1)
+            pending = self.translator.translate_batch(
+                self._as_pieces([batch[i] for i in part], self.source_pieces),
+                target_prefix=self._as_pieces([starts[i] for i in part]) if starts else None,
                 length_penalty=0.0,
                 max_decoding_length=limit,
                 max_input_length=0,
@@ -136,30 +177,8 @@ class Backend:
                 **_search_settings(options, len(self.pieces)),
                 **_rules(options, limit),
             )
-            for batch, starts, limit in zip(batches, starts_of, limits)
-        ]
-        # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
-        # the same for every hypothesis of a sentence, is added before the length penalty.
-        given = [
-            self._sums([batch], [starts], eos=False) if starts and any(starts) else None
-            for batch, starts in zip(batches, starts_of)
-        ]
-        for results, batch, scored in zip(pending, sentences, given):
-            # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
-            # the rest, their answers are not awaited.
-            if gone is not None and all(all(g()) for g in gone):
-                raise Stopped("nobody waits for this search any more")
-            offsets = next(scored) if scored is not None else [0.0] * len(batch)
-            found = [r.result() for r in results]
-            covered = (
-                self._coverage(batch, found, options.coverage_penalty)
-                if options.coverage_penalty
-                else [None] * len(batch)
-            )
-            yield [
-                self.ranked(r, options, offset, s.alpha, c)
-                for r, offset, s, c in zip(found, offsets, batch, covered)
-            ]
+            calls.append((part, pending))
+        return calls
 
     def _coverage(self, batch: list[Source], found: list, beta: float) -> list[list[float]]:
         """The coverage penalty of each hypothesis of each sentence, from CTranslate2's attention
@@ -246,6 +265,19 @@ class Backend:
             hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
         hyps = sorted(hyps, key=lambda h: -h.score)
         return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw
+
+
+def parts(limits: list[int]) -> list[list[int]]:
+    """The positions of a batch's sentences, given their output limits, as CTranslate2's calls:
+    longest limit first, each call's limit (its first sentence's) at most SPREAD times any of
+    its sentences' own."""
+    calls: list[list[int]] = []
+    for i in sorted(range(len(limits)), key=lambda i: -limits[i]):
+        if calls and limits[calls[-1][0]] <= SPREAD * limits[i]:
+            calls[-1].append(i)
+        else:
+            calls.append([i])
+    return calls
 
 
 def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:

@@ -3,6 +3,7 @@ guarantees, int8, and its errors."""
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 from conftest import DEADLINE, one_error_line, sources_of
 
@@ -33,6 +34,31 @@ def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi3
         assert sum(h.tokens == g.tokens and abs(h.score - g.score) < 1e-3 for h, g in pairs) >= 0.97 * len(
             pairs
         )
+
+
+def test_a_sentence_runs_at_most_a_quarter_past_its_own_limit(exported, multi30k_bpe):
+    """A CTranslate2 call has one length limit, its longest sentence's: a batch goes in calls of
+    sentences whose limits are within a quarter of each other, so that where every output runs to
+    its limit (held there by min_len) none runs past 1.25 times its own, and those of one limit
+    share a call."""
+    lines = sources_of(multi30k_bpe)[:64]
+    options = DecodeOptions(beam=2, max_len_a=1.0, max_len_b=0, min_len=1000)
+    translator = Translator(from_dir(exported["float32"]), TranslateConfig(decode=options, threads=1))
+    calls = []
+    translate_batch = translator.backend.translator.translate_batch
+
+    def counted(source, **settings):
+        calls.append(settings["max_decoding_length"])
+        return translate_batch(source, **settings)
+
+    translator.backend.translator = SimpleNamespace(translate_batch=counted)
+    found = translator.hypotheses(lines)
+    own = max_lengths([len(x) for x in translator.encode(lines)], 1.0, 0, 1023)
+    assert len(set(own)) >= 10
+    outputs = [len(hyps[0].tokens) + 1 for hyps in found]
+    assert all(n <= o * 1.25 for n, o in zip(outputs, own)), list(zip(outputs, own))
+    assert sum(n > o for n, o in zip(outputs, own)) > 0  # sentences of close limits share calls
+    assert len(calls) < len(set(own))
 
 
 def test_ctranslate2_keeps_nmts_line_guarantees(exported, nmt):
