@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from pathlib import Path
 
@@ -10,14 +11,22 @@ _normalizers: dict = {}
 
 def normalize(line: str, lang: str) -> str:
     """Moses punctuation normalisation, non-printing characters to spaces, single spaces."""
-    normalizer = _normalizers.get(lang)
-    if normalizer is None:
-        normalizer = _normalizers[lang] = _punct_normalizer()(lang=lang)
-    line = normalizer.normalize(line)
+    rules = _normalizers.get(lang)
+    if rules is None:
+        rules = _normalizers[lang] = _rules(_punct_normalizer()(lang=lang))
+    for sub, replacement in rules:
+        line = sub(replacement, line)
+    line = line.strip()
     if not line.isprintable():  # fast path: most lines have nothing to remove
         # As Moses' remove-non-printing-char.perl: every \p{C} code point becomes a space.
         line = "".join(" " if unicodedata.category(c)[0] == "C" else c for c in line)
     return " ".join(line.split())
+
+
+def _rules(normalizer) -> list[tuple]:
+    """sacremoses' substitutions, compiled once: its normalize() hands each pattern to re.sub on
+    every line, whose lookup in re's cache of compiled patterns costs about a third of the time."""
+    return [(re.compile(pattern).sub, replacement) for pattern, replacement in normalizer.substitutions]
 
 
 def _punct_normalizer() -> type:

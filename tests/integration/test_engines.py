@@ -224,11 +224,13 @@ def test_the_server_says_its_engine_and_refuses_what_it_lacks_naming_the_way(own
 
 def test_the_punctuation_normalizer_loaded_alone_is_sacremoses_own():
     """normalize.py loads sacremoses' normalizer module without the package (whose tokenizer
-    would cost most of a one-line start): it must normalise exactly as the package's does."""
+    would cost most of a one-line start), and compiles its rules once: it must normalise exactly
+    as the package's does."""
     code = (
         "import sys\n"
         "from nmt_cli.normalize import normalize\n"
-        "lines = ['«Hello»  „world“ – it’s 5 %…', 'A dog  runs .\\u00a0x', \"l'école « oui » ; 3,5 %\"]\n"
+        "lines = ['«Hello»  „world“ – it’s 5 %…', 'A dog  runs .\\u00a0x', \"l'école « oui » ; 3,5 %\",\n"
+        "         'Sie ( ICAC ) sagte : \"ja\", 5\\u00a0000 ``gut\\'\\' ;', '、１２ ，（x）！']\n"
         "langs = ('en', 'de', 'fr', 'cs')\n"
         "ours = [normalize(x, lang) for x in lines for lang in langs]\n"
         "assert 'sacremoses' not in sys.modules\n"
