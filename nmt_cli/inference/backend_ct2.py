@@ -255,16 +255,20 @@ class Backend:
     ) -> list[Hypothesis]:
         """`result`'s hypotheses ranked as nmt ranks them, by the sentence's own `alpha` (and
         their coverage penalties, `covered`, where asked)."""
-        hyps = []
+        ranked = []
         for k, (tokens, score) in enumerate(zip(result.hypotheses, result.scores)):
-            ids = [self.ids[t] for t in tokens]
             # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
-            penalised = (float(score) + offset) / length_penalty(len(ids), alpha)
+            penalised = (float(score) + offset) / length_penalty(len(tokens), alpha)
             if covered is not None:
                 penalised += covered[k]
-            hyps.append(Hypothesis([i for i in ids if i != EOS], penalised))
-        hyps = sorted(hyps, key=lambda h: -h.score)
-        return hyps * options.nbest if len(hyps) == 1 else hyps[: options.nbest]  # top-k 1: one draw
+            ranked.append((penalised, tokens))
+        ranked.sort(key=lambda h: -h[0])  # stable: ties keep CTranslate2's order
+        ids, eos = self.ids, self.pieces[EOS]
+        hyps = [
+            Hypothesis([ids[t] for t in tokens if t != eos], score)
+            for score, tokens in ranked[: options.nbest]
+        ]
+        return hyps * options.nbest if len(hyps) == 1 else hyps  # top-k 1: one draw
 
 
 def parts(limits: list[int]) -> list[list[int]]:

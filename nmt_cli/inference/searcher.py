@@ -257,7 +257,8 @@ class Searcher:
         it has begun); once no line is waited for, errors.Stopped."""
         each = options if isinstance(options, list) else [options or self.config.decode] * len(lines)
         options = each[0] if each else self.config.decode
-        if any(o.shared() != options.shared() for o in each):
+        shared = options.shared()
+        if any(o is not options and o.shared() != shared for o in each):
             raise ValueError("the lines of one call may differ in seed and alpha only")
         self.check_tag(options.tag)
         first, forced = self.language_tokens(options)
