@@ -161,8 +161,9 @@ def clean_split(
                 stats[split].read += len(chunk)
                 bar.advance(task, len(chunk))
                 for raw, (a, b) in zip(raw_chunk, chunk):
+                    # the released text of an evaluation pair: tagged where the model reads a tag
+                    released = (tag + raw[0], raw[1]) if config.many else raw
                     if not train:
-                        released = (tag + raw[0], raw[1]) if config.many else raw
                         out.write(split, (tag + a, b), released, stats[split])
                         continue
                     # A pair is remembered for dedup only once it passed the other filters.
@@ -176,7 +177,6 @@ def clean_split(
                     if holdout and (i == 0 or config.many) and accepted % 100 == 0 and held < most:
                         held += 1
                         stats["valid"].read += 1
-                        released = (tag + raw[0], raw[1]) if config.many else raw
                         out.write("valid", (tag + a, b) if config.many else (a, b), released, stats["valid"])
                     else:
                         out.write(split, (tag + a, b), raw, stats[split])
