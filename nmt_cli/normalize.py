@@ -6,14 +6,14 @@ import re
 import unicodedata
 from pathlib import Path
 
-_normalizers: dict = {}
+_rules_of: dict = {}  # each language's
 
 
 def normalize(line: str, lang: str) -> str:
     """Moses punctuation normalisation, non-printing characters to spaces, single spaces."""
-    rules = _normalizers.get(lang)
+    rules = _rules_of.get(lang)
     if rules is None:
-        rules = _normalizers[lang] = _rules(_punct_normalizer()(lang=lang))
+        rules = _rules_of[lang] = _rules(_punct_normalizer()(lang=lang))
     for sub, replacement in rules:
         line = sub(replacement, line)
     line = line.strip()
@@ -25,7 +25,7 @@ def normalize(line: str, lang: str) -> str:
 
 def _rules(normalizer) -> list[tuple]:
     """sacremoses' substitutions, compiled once: its normalize() hands each pattern to re.sub on
-    every line, whose lookup in re's cache of compiled patterns costs about a third of the time."""
+    every line, and the lookup in re's cache of compiled patterns is much of what it costs."""
     return [(re.compile(pattern).sub, replacement) for pattern, replacement in normalizer.substitutions]
 
 

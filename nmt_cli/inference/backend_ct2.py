@@ -255,18 +255,18 @@ class Backend:
     ) -> list[Hypothesis]:
         """`result`'s hypotheses ranked as nmt ranks them, by the sentence's own `alpha` (and
         their coverage penalties, `covered`, where asked)."""
-        ranked = []
+        scored = []
         for k, (tokens, score) in enumerate(zip(result.hypotheses, result.scores)):
             # |Y| counts the EOS, as in nmt; a hypothesis cut at the limit has none.
             penalised = (float(score) + offset) / length_penalty(len(tokens), alpha)
             if covered is not None:
                 penalised += covered[k]
-            ranked.append((penalised, tokens))
-        ranked.sort(key=lambda h: -h[0])  # stable: ties keep CTranslate2's order
+            scored.append((penalised, tokens))
+        scored.sort(key=lambda h: -h[0])  # stable: ties keep CTranslate2's order
         ids, eos = self.ids, self.pieces[EOS]
         hyps = [
             Hypothesis([ids[t] for t in tokens if t != eos], score)
-            for score, tokens in ranked[: options.nbest]
+            for score, tokens in scored[: options.nbest]
         ]
         return hyps * options.nbest if len(hyps) == 1 else hyps  # top-k 1: one draw
 
