@@ -47,9 +47,9 @@ from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.errors import NmtError
 from nmt_cli.inference.backend import Choice
 from nmt_cli.inference.models import Model
-from nmt_cli.inference.translator import Translator
 from nmt_cli.serve.batcher import Batcher
 from nmt_cli.serve.connections import Connections, connection_limit, with_json_errors
+from nmt_cli.serve.contract import Served
 from nmt_cli.serve.requests import parse
 
 
@@ -68,7 +68,7 @@ def error(web, status: int, message: str, **headers: str):
     return web.json_response({"error": message}, status=status, headers=headers or None)
 
 
-def _translate_route(web, translator: Translator, config: ServeConfig, batcher_key):
+def _translate_route(web, translator: Served, config: ServeConfig, batcher_key):
     """POST /translate: read, check, queue, answer, each failure its own status."""
 
     async def refused(status: int, message: str, began: float):
@@ -179,7 +179,7 @@ def _strict_json(data) -> str:
 
 
 def make_app(
-    translator: Translator,
+    translator: Served,
     model: Model,
     config: ServeConfig,
     connections: Connections | None = None,
@@ -265,7 +265,7 @@ def run(
 ) -> None:
     """Serve `model` until a signal; `choice`: its engine, where the caller chose it."""
     require()  # before the model loads: a missing or old aiohttp is one line
-    translator = Translator(model, translate_config, choice=choice, serving=True)
+    translator = Served(model, translate_config, choice=choice, serving=True)
     connections = Connections(
         connection_limit(config.max_connections),
         config.header_timeout,

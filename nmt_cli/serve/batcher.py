@@ -1,13 +1,13 @@
 """The decoding queue of `nmt serve`: requests gathered into batches, large ones in pieces; each
 request's answers in order. nmt's engine on a CPU schedules step by step: a request joins a
 running batch of its options at its next step and each sentence leaves it as it ends
-(Translator.running, one per CPU thread); running batches and the batches of the requests that
+(Served.running, one per CPU thread); running batches and the batches of the requests that
 cannot join one take their steps in turn (turns.py). Elsewhere batches are decoded whole, the
 requests served least first, one at a time or, with --concurrent-batches, several taking turns
 step by step. CTranslate2 cannot share its steps: its batches are cut to a bounded cost, and its
 workers decode several side by side; on a CPU, a batch of long sentences goes to a spare worker
 (a batch cannot be stopped midway: one that decodes for minutes would hold a worker the others
-need). Work is admitted while the memory its searches hold (Translator.costs) fits
+need). Work is admitted while the memory its searches hold (Served.costs) fits
 --max-memory."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Batcher(Lanes):
         self.spare = capacity.spare
         self.long_batches = 0  # long batches being decoded
         # nmt's engine on a CPU: requests whose search can take sentences midway join a running
-        # batch of their options at its next step (Translator.running), one per CPU thread (its
+        # batch of their options at its next step (Served.running), one per CPU thread (its
         # lanes: a step's matrices are too small for threads to share one well); the running
         # batches and the batches of the others step in turn, a thread each
         self.joins = config.running_batch and config.batching and capacity.running

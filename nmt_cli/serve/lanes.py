@@ -1,7 +1,7 @@
 """The running batches of `nmt serve` (nmt's engine on a CPU): a request joins a running batch of
-its options at its next step and each sentence leaves it as it ends (Translator.running), one
+its options at its next step and each sentence leaves it as it ends (Served.running), one
 batch per lane (a CPU thread); running batches and the batches of the requests that cannot join
-one take their steps in turn (turns.py). Who may join: Translator.joins, with --running-batch."""
+one take their steps in turn (turns.py). Who may join: Served.joins, with --running-batch."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ LONGER, LASTED = 1.5, 256
 
 @dataclass(eq=False)
 class Stream:
-    """The running batch of nmt's engine (Translator.running): the options its sentences share,
+    """The running batch of nmt's engine (Served.running): the options its sentences share,
     its search, the pieces handed to it that join at its next step, the hypotheses it holds
     (the loop's count), and whether it still takes pieces (its thread ends when it has none)."""
 

@@ -1,6 +1,6 @@
 """The queue of `nmt serve`: the requests waiting (`Job`), the work and memory they hold, and who
 is served first. serve/lanes.py runs the running batches over it, batcher.py the loop that
-decodes it. Work is admitted while the memory its searches hold (Translator.costs) fits
+decodes it. Work is admitted while the memory its searches hold (Served.costs) fits
 --max-memory."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class Job:
     prefixes: list[str] | None
     constraints: list[list[str]] | None
     done: asyncio.Future
-    costs: list[int]  # each sentence's work (Translator.costs): what it holds of the queue
+    costs: list[int]  # each sentence's work (Served.costs): what it holds of the queue
     sizes: list[int]  # ... and the bytes its search holds while it decodes
     arrived: float = field(default_factory=time.monotonic)
     taken: int = 0  # sentences handed to the decoder so far
@@ -66,7 +66,7 @@ class Queue:
         self.translator, self.config = translator, config
         self.jobs: deque[Job] = deque()
         self.pending = 0  # sentences queued or being decoded
-        # ... and their work (Translator.costs: hypotheses x output limit), which --max-queue
+        # ... and their work (Served.costs: hypotheses x output limit), which --max-queue
         # bounds: that many sentences of TYPICAL pieces at the default options
         self.work = 0
         self.typical = translator.work_of([TYPICAL], translator.config.decode)[0]

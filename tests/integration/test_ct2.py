@@ -186,10 +186,11 @@ def test_the_server_hands_ctranslate2_as_many_batches_as_it_has_workers(exported
     batches'; `nmt translate` does not (a worker more than threads only makes them take turns)."""
     from nmt_cli.config import ServeConfig
     from nmt_cli.serve.batcher import Batcher
+    from nmt_cli.serve.contract import Served
 
     translating = Translator(from_dir(exported["int8"]), TranslateConfig(threads=3))
     assert translating.backend.spare == 0 and translating.backend.translator.num_translators == 3
-    translator = Translator(from_dir(exported["int8"]), TranslateConfig(threads=3), serving=True)
+    translator = Served(from_dir(exported["int8"]), TranslateConfig(threads=3), serving=True)
     assert translator.backend.workers == 3
     assert translator.backend.spare == 1 and translator.backend.translator.num_translators == 4
     assert Batcher(translator, ServeConfig()).at_once == 3

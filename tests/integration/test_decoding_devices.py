@@ -15,7 +15,7 @@ from strict_cuda import StrictCuda
 from nmt_cli.config import ServeConfig, TranslateConfig
 from nmt_cli.engine import decoding
 from nmt_cli.inference import backend_nmt, workers
-from nmt_cli.inference.translator import Translator
+from nmt_cli.serve.contract import Served
 from nmt_cli.textio import Request
 
 
@@ -68,7 +68,7 @@ def test_the_servers_decoding_thread_decodes_on_the_models_gpu(trained, on_cuda_
     with cuda:1 current."""
     from nmt_cli.serve.batcher import Batcher
 
-    translator = Translator.load(trained, device="cuda:1")
+    translator = Served.load(trained, device="cuda:1")
     assert translator.config.device == "cuda:1"
 
     async def serve() -> list:

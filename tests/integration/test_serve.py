@@ -13,7 +13,7 @@ from conftest import DEADLINE, Server, read_line, sources_of
 
 from nmt_cli.config import DecodeOptions, ServeConfig, TranslateConfig
 from nmt_cli.inference.models import from_dir
-from nmt_cli.inference.translator import Translator
+from nmt_cli.serve.contract import Served
 
 
 def _until_closed(sock) -> bytes:
@@ -26,7 +26,7 @@ def _until_closed(sock) -> bytes:
 
 def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe):
     sources = sources_of(multi30k_bpe)[:60]
-    expected = Translator(from_dir(package), TranslateConfig(engine="nmt")).translate(sources)
+    expected = Served(from_dir(package), TranslateConfig(engine="nmt")).translate(sources)
     server = Server(package, "--engine", "nmt", "--max-wait-ms", "20")  # constraints: nmt's engine's
     try:
         assert server.get("/health") == (
@@ -61,14 +61,14 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         assert status == 200 and len(body["translations"][0]) == 2
         assert body["translations"][0][0]["text"] == expected[0]
         assert body["translations"][1] == [{"text": "", "score": 0.0}] * 2
-        capped = Translator(from_dir(package), TranslateConfig(engine="nmt", decode=DecodeOptions(max_len=4)))
+        capped = Served(from_dir(package), TranslateConfig(engine="nmt", decode=DecodeOptions(max_len=4)))
         assert server.post({"text": sources[:4], "max_len": 4})[:2] == (
             200,
             {"translations": capped.translate(sources[:4])},
         )
         for option, value in (("repetition_penalty", 2.0), ("coverage_penalty", 1.0)):
             penalty = TranslateConfig(engine="nmt", decode=DecodeOptions(**{option: value}))
-            penalised = Translator(from_dir(package), penalty)
+            penalised = Served(from_dir(package), penalty)
             assert server.post({"text": sources[:6], option: value})[:2] == (
                 200,
                 {"translations": penalised.translate(sources[:6])},
@@ -85,7 +85,7 @@ def test_the_service_answers_concurrent_requests_in_order(package, multi30k_bpe)
         assert all(p in t for t, ps in zip(body["translations"], phrases) for p in ps), body
         # Draws depend on the request alone, not on the requests decoded in the same batch.
         sampled = TranslateConfig(engine="nmt", decode=DecodeOptions(sample=True, seed=4, nbest=2))
-        drawn = Translator(from_dir(package), sampled)
+        drawn = Served(from_dir(package), sampled)
         request = {"text": sources[:4], "sample": True, "seed": 4, "nbest": 2}
         alone = drawn.texts(drawn.hypotheses(sources[:4], keys=[0, 1, 2, 3]))
         together: list = []
@@ -177,9 +177,9 @@ def test_the_service_refuses_bad_requests_and_keeps_serving(package):
 
 
 def test_the_queue_weighs_a_sentence_by_its_hypotheses_and_output_limit(package):
-    """Translator.costs' work, which bounds `nmt serve`'s queue: hypotheses x output limit (a * |X| +
+    """Served.costs' work, which bounds `nmt serve`'s queue: hypotheses x output limit (a * |X| +
     b; raised by a prefix or constraints; capped by max_len and the model), a blank line nothing."""
-    t = Translator(from_dir(package), TranslateConfig())
+    t = Served(from_dir(package), TranslateConfig())
     d = t.config.decode
     line = "A dog runs on the grass."
     n = len(t.encode([line])[0])
@@ -321,7 +321,7 @@ def test_the_costliest_request_allowed_holds_no_other_up(package, multi30k_bpe):
     decodes them in running batches of their own options that take their steps in turn);
     past the caps, 400."""
     sources = sources_of(multi30k_bpe)[:8]
-    expected = Translator(from_dir(package), TranslateConfig(engine="nmt")).translate(sources[:2])
+    expected = Served(from_dir(package), TranslateConfig(engine="nmt")).translate(sources[:2])
     server = Server(package, "--engine", "nmt")
     try:
         costly = {"text": sources, "beam": 16, "min_len": 1023, "max_len_b": 1023}
@@ -472,7 +472,7 @@ def test_searches_that_take_turns_run_in_their_callers_thread(trained, monkeypat
     )
     lines = [f"a dog runs {'on the grass ' * i}." for i in range(8)]
     for at_once, apart in ((1, True), (4, False)):
-        translator = Translator.load(trained, engine="nmt", threads=2, batch_size=2, max_len_b=6)
+        translator = Served.load(trained, engine="nmt", threads=2, batch_size=2, max_len_b=6)
 
         async def serve(translator=translator, at_once=at_once) -> list:
             config = ServeConfig(concurrent_batches=at_once, max_wait_ms=0, running_batch=False)

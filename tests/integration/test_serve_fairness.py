@@ -10,7 +10,7 @@ import pytest
 from conftest import DEADLINE
 from test_serve_queue import Costly, StandIn, Stepping, _in_process
 
-from nmt_cli.inference.translator import Translator
+from nmt_cli.serve.contract import Served
 
 
 def test_options_whose_running_batches_never_empty_lock_no_request_out(trained):
@@ -19,7 +19,7 @@ def test_options_whose_running_batches_never_empty_lock_no_request_out(trained):
     long as they send (each ends only when empty, and one of its clients always has a sentence
     in it). A request of the default options arrives: it is answered while they
     still send, exactly as `nmt translate` answers it."""
-    translator = Translator.load(trained, engine="nmt", threads=2)  # two lanes: four running batches
+    translator = Served.load(trained, engine="nmt", threads=2)  # two lanes: four running batches
     rounds = 40  # each attacking client's requests at most: the test ends either way
     answered = itertools.count()
     line = "a dog runs on the grass ."
@@ -58,7 +58,7 @@ def test_options_whose_running_batches_never_empty_lock_no_request_out(trained):
 def test_a_row_of_a_running_batch_is_counted_at_its_lanes_width(trained):
     """A short sentence that joins a lane beside a long one holds as much as the long one (the
     caches are padded to the longest source and output): /health's held bytes say so."""
-    translator = Translator.load(trained, engine="nmt", threads=1)  # one lane
+    translator = Served.load(trained, engine="nmt", threads=1)  # one lane
     long_line = " ".join(["a dog runs on the grass ."] * 20)
     options = {"min_len": 600, "max_len_b": 600, "max_len_a": 0.0}
     decode = dataclasses.replace(translator.config.decode, **options)
@@ -151,15 +151,15 @@ def test_a_sentence_that_does_not_fit_waits_without_beginning_lanes_for_nothing(
     """Two lanes, --max-memory room for one long sentence: a second one waits for room (one
     error of the past: an empty lane took a sentence whatever the memory held), and while it
     waits no running batch is begun that would take nothing and end at once, again and again."""
-    translator = Translator.load(trained, engine="nmt", threads=2)
+    translator = Served.load(trained, engine="nmt", threads=2)
     long_line = " ".join(["a dog runs on the grass ."] * 20)
     options = {"beam": 16, "min_len": 900, "max_len_b": 1000, "max_len_a": 0.0}
     _, (size,) = translator.costs([long_line], dataclasses.replace(translator.config.decode, **options))
     assert size > 1 << 20, size
     mib = -(-3 * size // 2 >> 20)  # one fits, two do not
     begun: list = []
-    running = Translator.running
-    monkeypatch.setattr(Translator, "running", lambda self, o: begun.append(o) or running(self, o))
+    running = Served.running
+    monkeypatch.setattr(Served, "running", lambda self, o: begun.append(o) or running(self, o))
 
     async def scenario(post, get):
         first = asyncio.ensure_future(post({"text": [long_line], **options}))

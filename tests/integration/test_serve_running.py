@@ -23,10 +23,10 @@ def test_a_request_joins_the_running_batch_at_its_next_step(trained, monkeypatch
     answers exactly `nmt translate`'s; without the running batch it waits for the batch."""
     import asyncio
 
-    from nmt_cli.inference.translator import Translator
+    from nmt_cli.serve.contract import Served
 
     options = {"min_len": 200, "max_len_b": 200, "max_len_a": 0.0}
-    translator = Translator.load(trained, engine="nmt", threads=1, **options)  # one lane: one running batch
+    translator = Served.load(trained, engine="nmt", threads=1, **options)  # one lane: one running batch
     joins = _joined_while_running(monkeypatch)
     lines = [f"a dog runs {'on the grass ' * i}." for i in range(6)]
     expected = translator.translate(lines)
@@ -42,7 +42,7 @@ def test_a_request_joins_the_running_batch_at_its_next_step(trained, monkeypatch
 
     long, short, late = _in_process(translator, scenario, max_wait_ms=0, running_batch=running_batch)
     assert long == (200, {"translations": expected[:4]})
-    capped = Translator.load(trained, engine="nmt", threads=2, **{**options, "max_len_b": 10})
+    capped = Served.load(trained, engine="nmt", threads=2, **{**options, "max_len_b": 10})
     assert short == (200, {"translations": capped.translate(lines[4:])})
     if running_batch:
         assert not late and joins[0] == 0 and joins[1] == 4, joins  # it joined 4 sentences decoding
@@ -57,10 +57,10 @@ def test_the_rows_of_a_request_nobody_waits_for_leave_the_running_batch_at_its_n
     at the next step, and the other's are decoded exactly as before."""
     import asyncio
 
-    from nmt_cli.inference.translator import Translator
+    from nmt_cli.serve.contract import Served
 
     options = {"min_len": 300, "max_len_b": 300, "max_len_a": 0.0}  # longer than the test waits
-    translator = Translator.load(trained, engine="nmt", threads=2, **options)
+    translator = Served.load(trained, engine="nmt", threads=2, **options)
     lines = [f"a cat sits {'on the mat ' * i}." for i in range(5)]
     expected = translator.translate(lines[3:])
     from nmt_cli.engine import decoding
@@ -97,10 +97,10 @@ def test_a_request_begins_a_lane_of_its_own_while_the_other_is_busy(trained, mon
     for two threads to share one well), and answers exactly as `nmt translate`."""
     import asyncio
 
-    from nmt_cli.inference.translator import Translator
+    from nmt_cli.serve.contract import Served
 
     options = {"min_len": 200, "max_len_b": 200, "max_len_a": 0.0}
-    translator = Translator.load(trained, engine="nmt", threads=2, **options)
+    translator = Served.load(trained, engine="nmt", threads=2, **options)
     joins = _joined_while_running(monkeypatch)
     lines = [f"a bird flies {'over the lake ' * i}." for i in range(6)]
     expected = translator.translate(lines)
@@ -127,9 +127,9 @@ def test_the_lane_of_a_sentence_that_decodes_long_takes_no_more_while_another_ca
     import asyncio
 
     from nmt_cli.engine import decoding
-    from nmt_cli.inference.translator import Translator
+    from nmt_cli.serve.contract import Served
 
-    translator = Translator.load(trained, engine="nmt", threads=2)
+    translator = Served.load(trained, engine="nmt", threads=2)
     joined: list[tuple[int, int]] = []  # each join's running batch and the sentences it held
     steps: dict[int, int] = {}  # each running batch's steps so far
     join, step = decoding.Running.join, decoding.Running.step
@@ -162,7 +162,7 @@ def test_the_lane_of_a_sentence_that_decodes_long_takes_no_more_while_another_ca
         return late, await first, await second
 
     late, first, second = _in_process(translator, scenario, max_wait_ms=0)
-    expected = Translator.load(trained, engine="nmt", threads=2, **long).translate(["a bird sings ."])
+    expected = Served.load(trained, engine="nmt", threads=2, **long).translate(["a bird sings ."])
     assert late == (200, {"translations": expected})
     assert first[0] == second[0] == 200
     lanes = [search for search, _ in joined]
@@ -175,9 +175,9 @@ def test_a_request_whose_running_batch_is_full_holds_up_no_other_options(trained
     running batch at once instead of waiting behind it."""
     import asyncio
 
-    from nmt_cli.inference.translator import Translator
+    from nmt_cli.serve.contract import Served
 
-    translator = Translator.load(trained, engine="nmt", threads=1)
+    translator = Served.load(trained, engine="nmt", threads=1)
     wide = {"beam": 8, "min_len": 300, "max_len_b": 300, "max_len_a": 0.0}
 
     async def scenario(post, get):
@@ -203,12 +203,12 @@ def test_a_running_batch_that_took_its_share_of_sentences_ends_and_another_takes
     no more, and the next request waits for it to end and begins a new one (here RENEW 1)."""
     import asyncio
 
-    from nmt_cli.inference.translator import Translator
     from nmt_cli.serve import lanes
+    from nmt_cli.serve.contract import Served
 
     monkeypatch.setattr(lanes, "RENEW", 1)
     options = {"min_len": 100, "max_len_b": 100, "max_len_a": 0.0}
-    translator = Translator.load(trained, engine="nmt", threads=1, **options)
+    translator = Served.load(trained, engine="nmt", threads=1, **options)
     joins = _joined_while_running(monkeypatch)
 
     async def scenario(post, get):
