@@ -1,0 +1,73 @@
+"""How nmt hands a batch to CTranslate2, whose call takes one length limit (its longest
+sentence's): in calls of sentences whose output limits are within SPREAD of each other
+(backend_ct2.parts). Times `Translator.hypotheses` in one process at several spreads (0: one
+call per batch), alternated rounds, beam 4, 2 threads.
+
+    python benchmarks/ct2_calls.py RUN [--rounds 3]
+
+`small`: RUN's trained model (limits |x| + 50); `base`: a model of that shape with random
+weights and RUN's vocabulary, its outputs cut at the source length (a random model never ends a
+sentence, so each runs to its call's limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import cpu_name  # noqa: E402
+from benchmarks.deploy import random_model  # noqa: E402
+from nmt_cli.config import DecodeOptions, TranslateConfig  # noqa: E402
+from nmt_cli.inference import backend_ct2  # noqa: E402
+from nmt_cli.inference.models import from_dir  # noqa: E402
+from nmt_cli.inference.translator import Translator  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+TEXTS = {"test2016": "multi30k/test_2016_flickr.en.gz", "newstest2014": "wmt14/newstest2014.en.gz"}
+# spreads below one mean a call per batch
+SPREADS = [0.0, 1.0, 1.1, 1.25, 1.5, 2.0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    texts = {k: gzip.open(DATA / v, "rt", encoding="utf-8").read().splitlines() for k, v in TEXTS.items()}
+    cases = [("base", "newstest2014", 100), ("base", "test2016", 1000), ("small", "test2016", 1000)]
+    cases.append(("small", "newstest2014", 1000))
+    with tempfile.TemporaryDirectory() as work:
+        models = {"base": Path(work) / "base", "small": Path(work) / "small"}
+        random_model(args.run, "base", models["base"])
+        export = ["export", str(models["small"]), "--run-dir", str(args.run)]
+        subprocess.run([sys.executable, "-m", "nmt_cli", *export], check=True)
+        for shape, text, lines in cases:
+            cut = {"max_len_a": 1.0, "max_len_b": 0} if shape == "base" else {}
+            config = TranslateConfig(engine="ctranslate2", threads=2, decode=DecodeOptions(beam=4, **cut))
+            translator = Translator(from_dir(models[shape]), config)
+            given = texts[text][:lines]
+            translator.hypotheses(given[:64])  # warm
+            times: dict[float, list[float]] = {s: [] for s in SPREADS}
+            for _ in range(args.rounds):
+                for spread in SPREADS:
+                    backend_ct2.SPREAD = spread if spread >= 1 else float("inf")
+                    start = time.perf_counter()
+                    translator.hypotheses(given)
+                    times[spread].append(time.perf_counter() - start)
+            row = ", ".join(
+                f"{'one per batch' if s < 1 else s}: {statistics.median(t):.2f} s" for s, t in times.items()
+            )
+            print(f"{shape} {text} {lines} lines: {row}", flush=True)
+    print(f"{cpu_name()}, 2 threads, medians of {args.rounds} alternated rounds")
+
+
+if __name__ == "__main__":
+    main()
