@@ -5,6 +5,7 @@ without it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 from nmt_cli.config import DecodeOptions, TranslateConfig, cpus, resolve_device_name, resolve_precision
@@ -30,7 +31,9 @@ class Backend:
     """Beam search by CTranslate2 on batches of source ids, answering as nmt's search does."""
 
     def __init__(self, model: Model, config: TranslateConfig, gpus: int = 0, serving: bool = False):
-        """`serving`: for `nmt serve`, with a spare worker (below)."""
+        """`serving`: for `nmt serve`, with a spare worker (below), each batch's calls handed
+        over one after another (search)."""
+        self.serving = serving
         ct2 = self._ct2 = require_ctranslate2()
         self._seeded = False
         kind, one = device_of(ct2, config.device)
@@ -102,7 +105,8 @@ class Backend:
         Its search ranks by the raw log-probability and applies the penalty only to finished
         hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
         One call has one length limit, its longest sentence's (nmt's is each sentence's own): a
-        batch goes in calls of sentences whose limits are within SPREAD of each other.
+        batch goes in calls of sentences whose limits are within SPREAD of each other. A server
+        counts a batch as one worker's (serve/batcher.py): there they go one after another.
 
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
@@ -128,21 +132,22 @@ class Backend:
         calls = [
             self._calls(batch, starts, own, options) for batch, starts, own in zip(batches, starts_of, owns)
         ]
+        handed = None if self.serving else [[call() for _, call in batch_calls] for batch_calls in calls]
         # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
         # the same for every hypothesis of a sentence, is added before the length penalty.
         given = [
             self._sums([batch], [starts], eos=False) if starts and any(starts) else None
             for batch, starts in zip(batches, starts_of)
         ]
-        for batch_calls, batch, scored in zip(calls, sentences, given):
+        for k, (batch_calls, batch, scored) in enumerate(zip(calls, sentences, given)):
             # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
             # the rest, their answers are not awaited.
             if gone is not None and all(all(g()) for g in gone):
                 raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
             found = [None] * len(batch)
-            for part, results in batch_calls:
-                for i, r in zip(part, results):
+            for j, (part, call) in enumerate(batch_calls):
+                for i, r in zip(part, call() if handed is None else handed[k][j]):
                     found[i] = r.result()
             covered = (
                 self._coverage(batch, found, options.coverage_penalty)
@@ -156,15 +161,16 @@ class Backend:
 
     def _calls(
         self, batch: list[list[int]], starts: list[list[int]] | None, own: list[int], options: DecodeOptions
-    ) -> list[tuple[list[int], list]]:
-        """CTranslate2's searches of `batch` (pending), each call's sentences' positions beside
-        it, the outputs within `own`, nmt's limits."""
-        calls = []
+    ) -> list[tuple[list[int], Callable[[], list]]]:
+        """CTranslate2's searches of `batch` within `own`, nmt's limits: for each call, its
+        sentences' positions and what hands it over (and returns its pending results)."""
+        calls: list[tuple[list[int], Callable[[], list]]] = []
         for part in parts(own):
             # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without
             # one, so one step fewer gives the same tokens
             limit = max(1, own[part[0]] - 1)
-            pending = self.translator.translate_batch(
+            call = functools.partial(
+                self.translator.translate_batch,
                 self._as_pieces([batch[i] for i in part], self.source_pieces),
                 target_prefix=self._as_pieces([starts[i] for i in part]) if starts else None,
                 length_penalty=0.0,
@@ -177,7 +183,7 @@ class Backend:
                 **_search_settings(options, len(self.pieces)),
                 **_rules(options, limit),
             )
-            calls.append((part, pending))
+            calls.append((part, call))
         return calls
 
     def _coverage(self, batch: list[Source], found: list, beta: float) -> list[list[float]]:

@@ -61,6 +61,44 @@ def test_a_sentence_runs_at_most_a_quarter_past_its_own_limit(exported, multi30k
     assert len(calls) < len(set(own))
 
 
+def test_a_server_hands_a_batchs_calls_over_one_after_another(exported, multi30k_bpe):
+    """`nmt translate` hands every call of every batch over at once, so that every worker has
+    one; a server counts each batch as one worker's (serve/batcher.py), so there a batch's calls
+    go one after another, each once the one before it has answered."""
+    lines = sources_of(multi30k_bpe)[:32]
+    options = DecodeOptions(beam=2, max_len_a=1.0, max_len_b=0, min_len=1000)
+    for serving in (False, True):
+        translator = Translator(
+            from_dir(exported["float32"]), TranslateConfig(decode=options), serving=serving
+        )
+        events = logged_calls(translator)
+        translator.hypotheses(lines)
+        calls = sum(e == "call" for e, _ in events)
+        assert calls >= 3, events  # one batch of 32, in calls by limit
+        if serving:  # each call after the answers of the one before
+            assert all(events.index(("answer", k - 1)) < events.index(("call", k)) for k in range(1, calls))
+        else:
+            assert [e for e, _ in events[:calls]] == ["call"] * calls
+
+
+def logged_calls(translator: Translator) -> list[tuple[str, int]]:
+    """The CTranslate2 calls of `translator` as they happen, ("call", k), and each answer of
+    call k as it is awaited, ("answer", k)."""
+    events: list[tuple[str, int]] = []
+    translate_batch = translator.backend.translator.translate_batch
+
+    def logged(source, **settings):
+        k = sum(e == "call" for e, _ in events)
+        events.append(("call", k))
+        pending = translate_batch(source, **settings)
+        return [
+            SimpleNamespace(result=lambda r=r: events.append(("answer", k)) or r.result()) for r in pending
+        ]
+
+    translator.backend.translator = SimpleNamespace(translate_batch=logged)
+    return events
+
+
 def test_ctranslate2_keeps_nmts_line_guarantees(exported, nmt):
     stream = b"".join(
         [
