@@ -44,21 +44,14 @@ def test_a_sentence_runs_at_most_a_quarter_past_its_own_limit(exported, multi30k
     lines = sources_of(multi30k_bpe)[:64]
     options = DecodeOptions(beam=2, max_len_a=1.0, max_len_b=0, min_len=1000)
     translator = Translator(from_dir(exported["float32"]), TranslateConfig(decode=options, threads=1))
-    calls = []
-    translate_batch = translator.backend.translator.translate_batch
-
-    def counted(source, **settings):
-        calls.append(settings["max_decoding_length"])
-        return translate_batch(source, **settings)
-
-    translator.backend.translator = SimpleNamespace(translate_batch=counted)
+    events = logged_calls(translator)
     found = translator.hypotheses(lines)
     own = max_lengths([len(x) for x in translator.encode(lines)], 1.0, 0, 1023)
     assert len(set(own)) >= 10
     outputs = [len(hyps[0].tokens) + 1 for hyps in found]
     assert all(n <= o * 1.25 for n, o in zip(outputs, own)), list(zip(outputs, own))
     assert sum(n > o for n, o in zip(outputs, own)) > 0  # sentences of close limits share calls
-    assert len(calls) < len(set(own))
+    assert sum(e == "call" for e, _ in events) < len(set(own))
 
 
 def test_a_server_hands_a_batchs_calls_over_one_after_another(exported, multi30k_bpe):
