@@ -1,9 +1,9 @@
-"""How nmt hands a batch to CTranslate2, whose call takes one length limit (its longest
-sentence's): in calls of sentences whose output limits are within SPREAD of each other
+"""How nmt hands a batch to CTranslate2, whose call takes one length limit: in calls of
+sentences whose output limits share a band SPREAD wide, each call's limit its band's top
 (backend_ct2.parts). Times `Translator.hypotheses` in one process at several spreads (0: one
-call per batch), alternated rounds, beam 4, 2 threads.
+call per batch, at its longest sentence's limit), alternated rounds, beam 4, 2 threads.
 
-    python benchmarks/ct2_calls.py RUN [--rounds 3]
+    python benchmarks/ct2_calls.py RUN [--rounds 3] [--spreads 0 1 1.25 1.5] [--cases ...]
 
 `small`: RUN's trained model (limits |x| + 50); `base`: a model of that shape with random
 weights and RUN's vocabulary, its outputs cut at the source length (a random model never ends a
@@ -31,19 +31,25 @@ from nmt_cli.inference.models import from_dir  # noqa: E402
 from nmt_cli.inference.translator import Translator  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
+bands = backend_ct2.parts
 TEXTS = {"test2016": "multi30k/test_2016_flickr.en.gz", "newstest2014": "wmt14/newstest2014.en.gz"}
-# spreads below one mean a call per batch
-SPREADS = [0.0, 1.0, 1.1, 1.25, 1.5, 2.0]
+CASES = ["base:newstest2014:100", "base:test2016:1000", "small:test2016:1000", "small:newstest2014:1000"]
+
+
+def per_batch(limits: list[int], ceiling: int) -> list[tuple[int, list[int]]]:
+    """One call per batch, at its longest sentence's limit."""
+    return [(max(limits), sorted(range(len(limits)), key=lambda i: -limits[i]))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spreads", nargs="+", type=float, default=[0.0, 1.0, 1.1, 1.25, 1.5, 2.0])
+    ap.add_argument("--cases", nargs="+", default=CASES, help="MODEL:TEXT:LINES")
     args = ap.parse_args()
     texts = {k: gzip.open(DATA / v, "rt", encoding="utf-8").read().splitlines() for k, v in TEXTS.items()}
-    cases = [("base", "newstest2014", 100), ("base", "test2016", 1000), ("small", "test2016", 1000)]
-    cases.append(("small", "newstest2014", 1000))
+    cases = [(m, t, int(n)) for m, t, n in (c.split(":") for c in args.cases)]
     with tempfile.TemporaryDirectory() as work:
         models = {"base": Path(work) / "base", "small": Path(work) / "small"}
         random_model(args.run, "base", models["base"])
@@ -55,10 +61,11 @@ def main() -> None:
             translator = Translator(from_dir(models[shape]), config)
             given = texts[text][:lines]
             translator.hypotheses(given[:64])  # warm
-            times: dict[float, list[float]] = {s: [] for s in SPREADS}
+            times: dict[float, list[float]] = {s: [] for s in args.spreads}
             for _ in range(args.rounds):
-                for spread in SPREADS:
-                    backend_ct2.SPREAD = spread if spread >= 1 else float("inf")
+                for spread in args.spreads:
+                    backend_ct2.parts = per_batch if spread < 1 else bands
+                    backend_ct2.SPREAD = max(spread, 1.0)
                     start = time.perf_counter()
                     translator.hypotheses(given)
                     times[spread].append(time.perf_counter() - start)

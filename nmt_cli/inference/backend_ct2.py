@@ -19,9 +19,9 @@ from nmt_cli.vocab import EOS, pieces
 
 # A CTranslate2 call takes one length limit for all its sentences, where nmt's engine keeps each
 # sentence's own: where outputs run to their limits (a weak model's repetitions) the shorter
-# sentences of a call run on to its longest one's. Calls of sentences whose limits are within a
-# quarter of each other bound that; calls cut finer leave too little in each to keep the
-# workers busy (docs/benchmarks.md, "Engines").
+# sentences of a call run on to its limit. Calls of sentences whose limits share a band a quarter
+# wide bound that; calls cut finer leave too little in each to keep the workers busy
+# (docs/benchmarks.md, "Engines").
 SPREAD = 1.25
 # nmt's --precision as CTranslate2's compute type
 COMPUTE_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -104,8 +104,8 @@ class Backend:
         CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
         Its search ranks by the raw log-probability and applies the penalty only to finished
         hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
-        One call has one length limit, its longest sentence's (nmt's is each sentence's own): a
-        batch goes in calls of sentences whose limits are within SPREAD of each other. A server
+        One call has one length limit (nmt's is each sentence's own): a batch goes in calls of
+        sentences whose limits share a band, each call's limit its band's top (parts). A server
         counts a batch as one worker's (serve/batcher.py): there they go one after another.
 
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
@@ -130,7 +130,8 @@ class Backend:
             for starts, own in zip(starts_of, owns)
         ]
         calls = [
-            self._calls(batch, starts, own, options) for batch, starts, own in zip(batches, starts_of, owns)
+            self._calls(batch, starts, own, ceiling, options)
+            for batch, starts, own in zip(batches, starts_of, owns)
         ]
         handed = None if self.serving else [[call() for _, call in batch_calls] for batch_calls in calls]
         # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
@@ -160,15 +161,20 @@ class Backend:
             ]
 
     def _calls(
-        self, batch: list[list[int]], starts: list[list[int]] | None, own: list[int], options: DecodeOptions
+        self,
+        batch: list[list[int]],
+        starts: list[list[int]] | None,
+        own: list[int],
+        ceiling: int,
+        options: DecodeOptions,
     ) -> list[tuple[list[int], Callable[[], list]]]:
         """CTranslate2's searches of `batch` within `own`, nmt's limits: for each call, its
         sentences' positions and what hands it over (and returns its pending results)."""
         calls: list[tuple[list[int], Callable[[], list]]] = []
-        for part in parts(own):
+        for top, part in parts(own, ceiling):
             # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without
             # one, so one step fewer gives the same tokens
-            limit = max(1, own[part[0]] - 1)
+            limit = max(1, top - 1)
             call = functools.partial(
                 self.translator.translate_batch,
                 self._as_pieces([batch[i] for i in part], self.source_pieces),
@@ -277,17 +283,24 @@ class Backend:
         return hyps * options.nbest if len(hyps) == 1 else hyps  # top-k 1: one draw
 
 
-def parts(limits: list[int]) -> list[list[int]]:
-    """The positions of a batch's sentences, given their output limits, as CTranslate2's calls:
-    longest limit first, each call's limit (its first sentence's) at most SPREAD times any of
-    its sentences' own."""
-    calls: list[list[int]] = []
+def parts(limits: list[int], ceiling: int) -> list[tuple[int, list[int]]]:
+    """A batch's sentences, given their output limits, as CTranslate2's calls, longest first:
+    each call's limit and its sentences' positions. A sentence's call limit is the top of its
+    band of limits (band_top, within `ceiling`): at most SPREAD times its own, and its own
+    alone, so that the batching does not change its line."""
+    calls: dict[int, list[int]] = {}
     for i in sorted(range(len(limits)), key=lambda i: -limits[i]):
-        if calls and limits[calls[-1][0]] <= SPREAD * limits[i]:
-            calls[-1].append(i)
-        else:
-            calls.append([i])
-    return calls
+        calls.setdefault(min(band_top(limits[i]), ceiling), []).append(i)
+    return list(calls.items())
+
+
+def band_top(limit: int) -> int:
+    """The top of the band of output limits that holds `limit`: the bands' tops grow by SPREAD
+    (by one at least), so every limit of a band is within SPREAD of its top."""
+    top = 1
+    while top < limit:
+        top = max(top + 1, int(top * SPREAD))
+    return top
 
 
 def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:

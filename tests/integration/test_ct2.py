@@ -37,10 +37,10 @@ def test_the_ctranslate2_export_translates_as_nmt_does(package, exported, multi3
 
 
 def test_a_sentence_runs_at_most_a_quarter_past_its_own_limit(exported, multi30k_bpe):
-    """A CTranslate2 call has one length limit, its longest sentence's: a batch goes in calls of
-    sentences whose limits are within a quarter of each other, so that where every output runs to
-    its limit (held there by min_len) none runs past 1.25 times its own, and those of one limit
-    share a call."""
+    """A CTranslate2 call has one length limit: a batch goes in calls of sentences whose limits
+    share a band a quarter wide, each at its band's top, so that where every output runs to its
+    limit (held there by min_len) none runs past 1.25 times its own, and those of one band share
+    a call."""
     lines = sources_of(multi30k_bpe)[:64]
     options = DecodeOptions(beam=2, max_len_a=1.0, max_len_b=0, min_len=1000)
     translator = Translator(from_dir(exported["float32"]), TranslateConfig(decode=options, threads=1))
