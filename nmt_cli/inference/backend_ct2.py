@@ -133,22 +133,23 @@ class Backend:
             self._calls(batch, starts, own, ceiling, options)
             for batch, starts, own in zip(batches, starts_of, owns)
         ]
-        handed = None if self.serving else [[call() for _, call in batch_calls] for batch_calls in calls]
+        if not self.serving:  # every call handed over now, so that every worker has one
+            calls = [[(part, functools.partial(_given, call())) for part, call in c] for c in calls]
         # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
         # the same for every hypothesis of a sentence, is added before the length penalty.
         given = [
             self._sums([batch], [starts], eos=False) if starts and any(starts) else None
             for batch, starts in zip(batches, starts_of)
         ]
-        for k, (batch_calls, batch, scored) in enumerate(zip(calls, sentences, given)):
+        for batch_calls, batch, scored in zip(calls, sentences, given):
             # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
             # the rest, their answers are not awaited.
             if gone is not None and all(all(g()) for g in gone):
                 raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
             found = [None] * len(batch)
-            for j, (part, call) in enumerate(batch_calls):
-                for i, r in zip(part, call() if handed is None else handed[k][j]):
+            for part, call in batch_calls:
+                for i, r in zip(part, call()):
                     found[i] = r.result()
             covered = (
                 self._coverage(batch, found, options.coverage_penalty)
@@ -301,6 +302,11 @@ def band_top(limit: int) -> int:
     while top < limit:
         top = max(top + 1, int(top * SPREAD))
     return top
+
+
+def _given(pending: list) -> list:
+    """A call's pending results, handed over already."""
+    return pending
 
 
 def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:
