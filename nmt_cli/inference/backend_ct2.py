@@ -104,9 +104,10 @@ class Backend:
         CTranslate2 divides by |Y| ** alpha where nmt divides by GNMT's ((5 + |Y|) / 6) ** alpha.
         Its search ranks by the raw log-probability and applies the penalty only to finished
         hypotheses, so: ask for all `beam` of them unpenalised, and rank them as nmt does.
-        One call has one length limit (nmt's is each sentence's own): a batch goes in calls of
-        sentences whose limits share a band, each call's limit its band's top (parts). A server
-        counts a batch as one worker's (serve/batcher.py): there they go one after another.
+        One call has one length limit (nmt's is each sentence's own): the sentences go in calls
+        of those whose limits share a band, each call's limit its band's top (parts), pooled from
+        every batch (_pooled). A server counts a batch as one worker's (serve/batcher.py): there
+        each batch goes in its own calls, one after another (_in_turn).
 
         --sample: CTranslate2 draws from one random stream per worker thread, seeded once per
         process (by the first --seed it is given), so its draws are repeatable only where the
@@ -129,28 +130,24 @@ class Backend:
             [p[: n - 1] for p, n in zip(starts, own)] if starts else None
             for starts, own in zip(starts_of, owns)
         ]
-        calls = [
-            self._calls(batch, starts, own, ceiling, options)
-            for batch, starts, own in zip(batches, starts_of, owns)
-        ]
-        if not self.serving:  # every call handed over now, so that every worker has one
-            calls = [[(part, functools.partial(_given, call())) for part, call in c] for c in calls]
         # Its scores leave out a prefix's own tokens, which nmt's count: their log-probability,
         # the same for every hypothesis of a sentence, is added before the length penalty.
         given = [
             self._sums([batch], [starts], eos=False) if starts and any(starts) else None
             for batch, starts in zip(batches, starts_of)
         ]
-        for batch_calls, batch, scored in zip(calls, sentences, given):
+        answers: Callable[[int], list]
+        if self.serving:
+            answers = functools.partial(self._in_turn, batches, starts_of, owns, ceiling, options)
+        else:
+            answers = self._pooled(batches, starts_of, owns, ceiling, options)
+        for k, (batch, scored) in enumerate(zip(sentences, given)):
             # A batch handed over runs on (CTranslate2 cannot drop its rows); once nobody waits for
             # the rest, their answers are not awaited.
             if gone is not None and all(all(g()) for g in gone):
                 raise Stopped("nobody waits for this search any more")
             offsets = next(scored) if scored is not None else [0.0] * len(batch)
-            found = [None] * len(batch)
-            for part, call in batch_calls:
-                for i, r in zip(part, call()):
-                    found[i] = r.result()
+            found = answers(k)
             covered = (
                 self._coverage(batch, found, options.coverage_penalty)
                 if options.coverage_penalty
@@ -161,6 +158,48 @@ class Backend:
                 for r, offset, s, c in zip(found, offsets, batch, covered)
             ]
 
+    def _pooled(
+        self,
+        batches: list[list[list[int]]],
+        starts_of: list[list[list[int]] | None],
+        owns: list[list[int]],
+        ceiling: int,
+        options: DecodeOptions,
+    ) -> Callable[[int], list]:
+        """Every call of every batch handed over now, so that every worker has one, the sentences
+        of all batches pooled by band (calls no larger than the largest batch, in sentences and
+        in padded source tokens); what awaits batch k's results."""
+        at = [(k, i) for k, batch in enumerate(batches) for i in range(len(batch))]
+        starts = [(starts_of[k] or [[]] * len(batches[k]))[i] for k, i in at]
+        most = max(map(len, batches), default=1)
+        tokens = max((len(b) * (max(map(len, b)) + 1) for b in batches), default=1)
+        pending: list[list] = [[None] * len(batch) for batch in batches]
+        sources = [batches[k][i] for k, i in at]
+        limits = [owns[k][i] for k, i in at]
+        for part, call in self._calls(sources, starts if any(starts) else None, limits, ceiling, options):
+            for chunk in shares(part, [len(sources[j]) for j in part], most, tokens):
+                for j, r in zip(chunk, call(chunk)):
+                    k, i = at[j]
+                    pending[k][i] = r
+        return lambda k: [r.result() for r in pending[k]]
+
+    def _in_turn(
+        self,
+        batches: list[list[list[int]]],
+        starts_of: list[list[list[int]] | None],
+        owns: list[list[int]],
+        ceiling: int,
+        options: DecodeOptions,
+        k: int,
+    ) -> list:
+        """Batch k's results, its calls handed over one after another, each once the one before
+        has answered: a server counts a batch as one worker's (serve/batcher.py)."""
+        found: list = [None] * len(batches[k])
+        for part, call in self._calls(batches[k], starts_of[k], owns[k], ceiling, options):
+            for i, r in zip(part, call(part)):
+                found[i] = r.result()
+        return found
+
     def _calls(
         self,
         batch: list[list[int]],
@@ -168,28 +207,31 @@ class Backend:
         own: list[int],
         ceiling: int,
         options: DecodeOptions,
-    ) -> list[tuple[list[int], Callable[[], list]]]:
-        """CTranslate2's searches of `batch` within `own`, nmt's limits: for each call, its
-        sentences' positions and what hands it over (and returns its pending results)."""
-        calls: list[tuple[list[int], Callable[[], list]]] = []
+    ) -> list[tuple[list[int], Callable[..., list]]]:
+        """CTranslate2's searches of `batch` within `own`, nmt's limits, by band (parts): the
+        positions of each band's sentences and what hands some of them over as one call (and
+        returns its pending results)."""
+        calls: list[tuple[list[int], Callable[..., list]]] = []
         for top, part in parts(own, ceiling):
             # nmt's limit counts the EOS it adds at the limit; CTranslate2 stops there without
             # one, so one step fewer gives the same tokens
             limit = max(1, top - 1)
-            call = functools.partial(
-                self.translator.translate_batch,
-                self._as_pieces([batch[i] for i in part], self.source_pieces),
-                target_prefix=self._as_pieces([starts[i] for i in part]) if starts else None,
-                length_penalty=0.0,
-                max_decoding_length=limit,
-                max_input_length=0,
-                return_scores=True,
-                return_end_token=True,
-                asynchronous=True,
-                use_vmap=self.shortlist,
-                **_search_settings(options, len(self.pieces)),
-                **_rules(options, limit),
-            )
+
+            def call(chosen: list[int], limit: int = limit) -> list:
+                return self.translator.translate_batch(
+                    self._as_pieces([batch[i] for i in chosen], self.source_pieces),
+                    target_prefix=self._as_pieces([starts[i] for i in chosen]) if starts else None,
+                    length_penalty=0.0,
+                    max_decoding_length=limit,
+                    max_input_length=0,
+                    return_scores=True,
+                    return_end_token=True,
+                    asynchronous=True,
+                    use_vmap=self.shortlist,
+                    **_search_settings(options, len(self.pieces)),
+                    **_rules(options, limit),
+                )
+
             calls.append((part, call))
         return calls
 
@@ -304,9 +346,12 @@ def band_top(limit: int) -> int:
     return top
 
 
-def _given(pending: list) -> list:
-    """A call's pending results, handed over already."""
-    return pending
+def shares(part: list[int], lengths: list[int], most: int, tokens: int) -> list[list[int]]:
+    """`part`'s sentences (of source `lengths`) in calls of near-equal size, none past `most`
+    sentences or `tokens` padded source tokens."""
+    size = max(1, min(most, tokens // (max(lengths) + 1)))
+    n = -(-len(part) // size)
+    return [part[c * len(part) // n : (c + 1) * len(part) // n] for c in range(n)]
 
 
 def _search_settings(options: DecodeOptions, vocab_size: int) -> dict:

@@ -3,12 +3,14 @@ guarantees, int8, and its errors."""
 
 import subprocess
 import sys
+from collections import Counter
 from types import SimpleNamespace
 
 from conftest import DEADLINE, one_error_line, sources_of
 
 from nmt_cli.config import DecodeOptions, TranslateConfig
 from nmt_cli.engine.hypothesis import max_lengths
+from nmt_cli.inference.backend_ct2 import band_top, shares
 from nmt_cli.inference.models import from_dir
 from nmt_cli.inference.translator import Translator
 
@@ -54,6 +56,27 @@ def test_a_sentence_runs_at_most_a_quarter_past_its_own_limit(exported, multi30k
     assert sum(e == "call" for e, _ in events) < len(set(own))
 
 
+def test_the_sentences_of_every_batch_share_their_bands_calls(exported, multi30k_bpe):
+    """Outside a server the sentences of all batches are pooled by band: small batches make no
+    more calls than their bands need (none larger than a batch), and the same lines as one
+    batch of all."""
+    lines = sources_of(multi30k_bpe)[:64]
+    options = DecodeOptions(beam=2, max_len_a=1.0, max_len_b=0, min_len=1000)
+    found, sizes = {}, {}
+    for size in (8, 64):
+        config = TranslateConfig(decode=options, threads=1, batch_size=size)
+        translator = Translator(from_dir(exported["float32"]), config)
+        events = logged_calls(translator, sizes.setdefault(size, []))
+        found[size] = [[h.tokens for h in hyps] for hyps in translator.hypotheses(lines)]
+        assert events
+    own = max_lengths([len(x) for x in translator.encode(lines)], 1.0, 0, 1023)
+    bands = Counter(band_top(n) for n in own)
+    assert len(bands) >= 4
+    assert len(sizes[8]) == sum(-(-m // 8) for m in bands.values()), sizes[8]
+    assert max(sizes[8]) == 8
+    assert found[8] == found[64]
+
+
 def test_a_server_hands_a_batchs_calls_over_one_after_another(exported, multi30k_bpe):
     """`nmt translate` hands every call of every batch over at once, so that every worker has
     one; a server counts each batch as one worker's (serve/batcher.py), so there a batch's calls
@@ -74,15 +97,17 @@ def test_a_server_hands_a_batchs_calls_over_one_after_another(exported, multi30k
             assert [e for e, _ in events[:calls]] == ["call"] * calls
 
 
-def logged_calls(translator: Translator) -> list[tuple[str, int]]:
+def logged_calls(translator: Translator, sizes: list[int] | None = None) -> list[tuple[str, int]]:
     """The CTranslate2 calls of `translator` as they happen, ("call", k), and each answer of
-    call k as it is awaited, ("answer", k)."""
+    call k as it is awaited, ("answer", k); each call's sentences counted into `sizes`."""
     events: list[tuple[str, int]] = []
     translate_batch = translator.backend.translator.translate_batch
 
     def logged(source, **settings):
         k = sum(e == "call" for e, _ in events)
         events.append(("call", k))
+        if sizes is not None:
+            sizes.append(len(source))
         pending = translate_batch(source, **settings)
         return [
             SimpleNamespace(result=lambda r=r: events.append(("answer", k)) or r.result()) for r in pending
@@ -249,3 +274,10 @@ def test_the_batch_size_is_the_engines_own_unless_given(package, exported, multi
         "given": [60, 60, 60, 20],
         ("given", "few"): [60, 4],
     }
+
+
+def test_a_bands_sentences_are_shared_out_in_calls_of_near_equal_size():
+    assert shares(list(range(10)), [5] * 10, most=4, tokens=100) == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    # padded source tokens bound a call too: two sentences of 49 pieces (and their EOS) in 100
+    assert [len(c) for c in shares(list(range(9)), [49] * 9, most=32, tokens=100)] == [1, 2, 2, 2, 2]
+    assert shares([7], [500], most=32, tokens=100) == [[7]]
