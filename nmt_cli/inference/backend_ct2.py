@@ -170,7 +170,8 @@ class Backend:
         of all batches pooled by band (calls no larger than the largest batch, in sentences and
         in padded source tokens); what awaits batch k's results."""
         at = [(k, i) for k, batch in enumerate(batches) for i in range(len(batch))]
-        starts = [(starts_of[k] or [[]] * len(batches[k]))[i] for k, i in at]
+        filled = [s or [[]] * len(b) for s, b in zip(starts_of, batches)]
+        starts = [filled[k][i] for k, i in at]
         most = max(map(len, batches), default=1)
         tokens = max((len(b) * (max(map(len, b)) + 1) for b in batches), default=1)
         pending: list[list] = [[None] * len(batch) for batch in batches]
