@@ -1,12 +1,9 @@
-"""Checkpoints: an exact resume after a kill, averaging, and checkpoints that are damaged,
-hostile or of another model."""
+"""Checkpoints: averaging, a resume's optimizer, and checkpoints that are damaged, hostile or of
+another model. (An exact resume after a kill: tests/system/test_resumes.)"""
 
 import json
 import os
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -14,61 +11,11 @@ from conftest import (
     TINY,
     final_weights,
     one_error_line,
-    train_command,
 )
 
 from nmt_cli.engine import checkpoint
 from nmt_cli.files import sha256_file
 from nmt_cli.rundir import RunDir
-
-ADAMW_COSINE = ["--optimizer", "adamw", "--weight-decay", "0.01", "--schedule", "cosine", "--lr", "0.002"]
-ADAMW_COSINE += ["--warmup", "4", "--min-lr", "0.0001"]
-
-
-# The features whose state a resume must restore, together as users combine them; each alone
-# is the soak set's (the combined run passes through each one's code).
-COMBINED = ["--precision", "bf16", *ADAMW_COSINE, "--ema", "0.9"]
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        COMBINED,
-        # fp32 alone: test_reliability's SIGTERM resume is fp32 and bit-identical too
-        pytest.param(["--precision", "fp32"], marks=pytest.mark.soak),
-        pytest.param(["--precision", "bf16"], marks=pytest.mark.soak),
-        pytest.param(["--precision", "fp32", *ADAMW_COSINE], marks=pytest.mark.soak),
-        pytest.param(["--precision", "fp32", "--ema", "0.9"], marks=pytest.mark.soak),
-    ],
-    ids=["bf16-adamw-cosine-ema", "fp32", "bf16", "adamw-cosine", "ema"],
-)
-def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, options):
-    """With bf16 autocast (emulated where the CPU has no bf16 arithmetic), AdamW with a cosine
-    schedule and a moving average of the weights together; each alone, and fp32, in the soak set."""
-    command = lambda run: train_command(run, 16, *options)  # noqa: E731
-    other = tmp_path / "uninterrupted"
-    shutil.copytree(run_copy, other)
-    subprocess.run(command(other), check=True, capture_output=True)
-
-    proc = subprocess.Popen(command(run_copy), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = run_copy / "checkpoints" / "checkpoint_00000007.json"
-    deadline = time.monotonic() + 120
-    while not target.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert len(checkpoint.listed(run_copy / "checkpoints")) < 16  # it really was cut short
-    subprocess.run(command(run_copy), check=True, capture_output=True)
-
-    a, meta_a = final_weights(other)
-    b, meta_b = final_weights(run_copy)
-    assert meta_a["step"] == meta_b["step"] == 16
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
-    assert ("ema" in a) == ("ema" in b) == ("--ema" in options)
-    for name in a.get("ema", {}):
-        assert torch.equal(a["ema"][name], b["ema"][name]), name
-    assert meta_a["state"] == {**meta_b["state"], "seconds": meta_a["state"]["seconds"]}
 
 
 def test_average_identity_order_and_shapes(run_copy, nmt):

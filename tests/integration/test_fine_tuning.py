@@ -4,18 +4,13 @@ import dataclasses
 import json
 import re
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
-import torch
 from conftest import (
     LONGER,
     TINY,
     UNTRAINED,
     final_weights,
-    nmt_command,
     one_error_line,
 )
 
@@ -160,48 +155,6 @@ def test_fine_tuning_errors(trained_longer, tmp_path, nmt):
         nmt("bpe", "--run-dir", same_bpe, "--from", trained_longer, "--vocab-size", "900")
     )
     assert "no sentencepiece model" in one_error_line(nmt("bpe", "--run-dir", same_bpe, "--from", tmp_path))
-
-
-def test_an_interrupted_fine_tuning_resumes_from_its_own_checkpoint(trained_longer, tmp_path):
-    """SIGTERM to a run started with --init-from, then the same command: it goes on from its own
-    checkpoint (not from the initial model again) and ends bit-identical to a run not stopped."""
-    runs = {}
-    for name in ("uninterrupted", "interrupted"):
-        runs[name] = tmp_path / name
-        shutil.copytree(
-            trained_longer,
-            runs[name],
-            ignore=UNTRAINED,
-        )
-
-    def cmd(run_dir):
-        return nmt_command(
-            "train", "--run-dir", run_dir, *LONGER, "--max-steps", 40, "--save-every", 1000,
-            "--eval-every", 1000, "--init-from", trained_longer,
-        )  # fmt: skip
-
-    subprocess.run(cmd(runs["uninterrupted"]), check=True, capture_output=True)
-    run = runs["interrupted"]
-    proc = subprocess.Popen(cmd(run), stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and '"step": 10,' in metrics.read_text()):
-        assert time.monotonic() < deadline and proc.poll() is None, "no step 10 in 2 minutes"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err and "run the same `nmt train` command again to resume" in err
-    saved = checkpoint.listed(run / "checkpoints")
-    step = checkpoint.step_of(saved[-1])
-    assert len(saved) == 1 and 10 <= step < 40  # the SIGTERM's own checkpoint
-    again = subprocess.run(cmd(run), capture_output=True, text=True)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming from step {step}" in again.stderr and "starting from the weights" not in again.stderr
-    a, _ = final_weights(runs["uninterrupted"])
-    b, _ = final_weights(run)
-    for name in a["model"]:
-        assert torch.equal(a["model"][name], b["model"][name]), name
 
 
 def test_fine_tuning_warms_up_briefly_unless_a_schedule_is_asked_for(trained_longer, tmp_path, nmt):

@@ -1,6 +1,6 @@
 """Separate source and target vocabularies (`nmt bpe --separate`) and untied embeddings: made,
-trained (one process and 2 gloo ranks), fine-tuned, exported and decoded by both engines and the
-server as a joint vocabulary is."""
+trained, fine-tuned, exported and decoded by both engines and the server as a joint vocabulary
+is. (On 2 gloo ranks: tests/system/test_resumes.)"""
 
 import json
 import re
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LONGER, TINY, Server, final_weights, nmt_command, one_error_line, run_ok, sources_of
+from conftest import LONGER, TINY, Server, final_weights, one_error_line, run_ok, sources_of
 
 from nmt_cli.config import DecodeOptions, ModelConfig, TranslateConfig
 from nmt_cli.engine.model import Transformer
@@ -234,30 +234,3 @@ def test_fine_tuning_takes_both_models_and_refuses_a_joint_run(separate_trained,
     result = nmt("train", "--run-dir", str(joint), *LONGER, "--max-steps", "1", "--init-from",
                  str(separate_trained["package"]))  # fmt: skip
     assert result.code == 1 and "encode the data with `nmt bpe --from" in one_error_line(result)
-
-
-def test_two_gloo_ranks_train_and_resume_a_separate_model(separate_bpe, tmp_path):
-    """Both embeddings are trained, checkpointed and restored on 2 ranks: update 2 made again
-    from the checkpoint of update 1 gives the same weights as the first time."""
-    import subprocess
-
-    from nmt_cli.engine import checkpoint
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(separate_bpe, run_dir)
-    train = nmt_command("train", "--run-dir", run_dir, *TINY, "--max-steps", 2, "--save-every", 1,
-                        "--eval-every", 100, "--procs", 2, "--device", "cpu")  # fmt: skip
-    done = subprocess.run(train, capture_output=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    first, second = checkpoint.listed(run_dir / "checkpoints")
-    before = checkpoint.load_tensors(first)[0]["model"]
-    expected = checkpoint.load_tensors(second)[0]["model"]
-    assert not torch.equal(expected["src_embed.weight"], before["src_embed.weight"])
-    for path in (second, second.with_suffix(".json")):
-        path.unlink()
-    done = subprocess.run(train, capture_output=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    again = final_weights(run_dir)[0]["model"]
-    assert again.keys() == expected.keys() and "src_embed.weight" in again
-    for key, value in expected.items():
-        assert torch.equal(value, again[key]), key
