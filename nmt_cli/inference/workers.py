@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,12 +165,20 @@ def stream(
     return counts
 
 
-def _died(pool: ProcessPoolExecutor) -> str:
-    """Which worker of the broken `pool` died, and how, as far as the pool still knows."""
+def _died(pool: ProcessPoolExecutor, wait: float = 2.0) -> str:
+    """Which worker of the broken `pool` died, and how, as far as the pool still knows.
+
+    The pool wakes its callers as soon as a worker's pipe closes, which may come before that
+    worker can be reaped (its exit code still unknown), and then ends the other workers with
+    SIGTERM: each is waited for a moment, and one that ended otherwise is named first."""
     processes = getattr(pool, "_processes", None) or {}  # private: only to name the worker
-    for pid, process in processes.items():
-        code = process.exitcode
-        if code is not None and code != 0:
-            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            return f"a worker process died (pid {pid}, {how})"
+    deadline = time.monotonic() + wait
+    ended = {}
+    for pid, process in list(processes.items()):
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.exitcode:
+            ended[pid] = process.exitcode
+    for pid, code in sorted(ended.items(), key=lambda item: item[1] == -signal.SIGTERM):
+        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        return f"a worker process died (pid {pid}, {how})"
     return "a worker process died"

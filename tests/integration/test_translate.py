@@ -381,6 +381,25 @@ def test_a_worker_that_dies_ends_the_command_with_one_line_naming_it_never_a_han
     assert errors[0].startswith(died) and "onward were not translated" in errors[0], said
 
 
+def test_the_worker_named_is_the_one_that_died_not_one_the_pool_ended():
+    """Asked at once, before the killed worker can be reaped and while the pool's SIGTERM to the
+    other is on its way (the order a broken pool wakes its caller in), the line names the one
+    killed."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from nmt_cli.inference.workers import _died
+
+    context = multiprocessing.get_context("fork")
+    ended, killed = (context.Process(target=time.sleep, args=(60,)) for _ in range(2))
+    for process in (ended, killed):
+        process.start()
+    pool = SimpleNamespace(_processes={ended.pid: ended, killed.pid: killed})
+    os.kill(killed.pid, signal.SIGKILL)
+    ended.terminate()
+    assert _died(pool) == f"a worker process died (pid {killed.pid}, killed by signal 9)"  # type: ignore[arg-type]
+
+
 def _workers_of(pid: int) -> list[int]:
     """The worker processes multiprocessing spawned for `pid` (not its resource tracker)."""
     found = []
