@@ -65,10 +65,10 @@ sys.stdout.write("".join(x + "\n" for x in out))
 """
 
 
-def timed(command: list[str], stdin: Path, stdout: Path) -> dict:
-    """Run `command`: its wall seconds, CPU seconds (user + system, children included) and
-    peak resident memory (MB), the last by /usr/bin/time: a child forked from this process
-    would count this process's own memory in its peak."""
+def timed(command: list[str], stdin: Path, stdout: Path, env: dict | None = None, cwd: Path = ROOT) -> dict:
+    """Run `command` (in `cwd`, with `env` or AS_INSTALLED): its wall seconds, CPU seconds (user
+    + system, children included) and peak resident memory (MB), the last by /usr/bin/time: a
+    child forked from this process would count this process's own memory in its peak."""
     report = stdout.with_suffix(".time")
     start = time.perf_counter()
     with open(stdin, "rb") as i, open(stdout, "wb") as o:
@@ -77,8 +77,8 @@ def timed(command: list[str], stdin: Path, stdout: Path) -> dict:
             stdin=i,
             stdout=o,
             stderr=subprocess.PIPE,
-            cwd=ROOT,
-            env=AS_INSTALLED,
+            cwd=cwd,
+            env=AS_INSTALLED if env is None else env,
         )
     wall = time.perf_counter() - start
     if done.returncode:

@@ -15,26 +15,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import cpu_name  # noqa: E402
-
-
-def timed(command: list[str], stdin: Path, env: dict, cwd: Path) -> dict:
-    """Wall and CPU seconds (user + system, of the child alone) of `command`."""
-    before = os.times()
-    start = time.perf_counter()
-    with open(stdin, "rb") as i:
-        done = subprocess.run(command, stdin=i, capture_output=True, env=env, cwd=cwd)
-    wall = time.perf_counter() - start
-    after = os.times()
-    if done.returncode:
-        sys.exit(f"{' '.join(command)} failed: {done.stderr.decode()[-2000:]}")
-    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-    return {"wall": wall, "cpu": cpu}
+from benchmarks.engines import timed  # noqa: E402
 
 
 def main() -> None:
@@ -64,7 +50,7 @@ def main() -> None:
             subprocess.run(export, check=True, env=env, cwd=work)
             translate = [*nmt, "translate", "--model", str(package), "--threads", str(args.threads)]
             for name in calls:
-                got = timed(translate, one, env, work)
+                got = timed(translate, one, work / "out.txt", env, work)
                 calls[name].append(got)
                 print(json.dumps({"round": r, "call": name, **got}), flush=True)
     print(f"\n{cpu_name()}, {args.threads} threads, medians of {args.rounds} rounds\n")
