@@ -34,8 +34,10 @@ def _killed_and_resumed(command, run_dir, steps: int, kill_after: int) -> None:
 
 
 def _same_model(a_run, b_run) -> None:
-    a, _ = final_weights(a_run)
-    b, _ = final_weights(b_run)
+    _same_weights(final_weights(a_run)[0], final_weights(b_run)[0])
+
+
+def _same_weights(a: dict, b: dict) -> None:
     for name in a["model"]:
         assert torch.equal(a["model"][name], b["model"][name]), name
 
@@ -66,7 +68,7 @@ def test_resume_after_sigkill_is_bit_identical(run_copy, tmp_path, options):
     a, meta_a = final_weights(other)
     b, meta_b = final_weights(run_copy)
     assert meta_a["step"] == meta_b["step"] == 16
-    _same_model(other, run_copy)
+    _same_weights(a, b)
     assert ("ema" in a) == ("ema" in b) == ("--ema" in options)
     for name in a.get("ema", {}):
         assert torch.equal(a["ema"][name], b["ema"][name]), name
